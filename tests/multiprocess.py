@@ -1,0 +1,51 @@
+"""Run a test body on N local ranks joined by a gloo group (CPU), and collect each rank's failure."""
+
+import os
+import socket
+import traceback
+from typing import Any, Callable, Dict
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, num_ranks: int, port: int, body: Callable, kwargs: Dict[str, Any], errors) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        body(rank, num_ranks, dist.group.WORLD, **kwargs)
+    except BaseException:  # noqa: B902 - every failure is reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(num_ranks: int, body: Callable, **kwargs) -> None:
+    """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure."""
+    context = mp.get_context("spawn")
+    errors = context.SimpleQueue()
+    port = free_port()
+    processes = [context.Process(target=_worker, args=(rank, num_ranks, port, body, kwargs, errors))
+                 for rank in range(num_ranks)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=600)
+        if process.is_alive():
+            process.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, text = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} failed:\n{text}")
+    bad = [p.exitcode for p in processes if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad}")

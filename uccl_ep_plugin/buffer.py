@@ -1,0 +1,604 @@
+"""``Buffer``: DeepEP 1.2.1's expert-parallel communication buffer, backed by our engines.
+
+Every public method keeps DeepEP's name, parameters, defaults and return tuple. Arguments
+are checked here, before any communication, so both engines see only valid input.
+"""
+
+import itertools
+import logging
+import os
+import warnings
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import engines
+from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
+from .engines.native import NativeEngine
+from .engines.reference import ReferenceEngine
+from .event_overlap import EventHandle, EventOverlap
+from .handles import LowLatencyHandle, NormalHandle, owner_of
+from .streams import StreamScope
+from .validation import (FP8_DTYPE, TOPK_IDX_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
+                         check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
+
+logger = logging.getLogger("uccl_ep_plugin")
+
+TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
+DEVICE_ENV = "UCCL_EP_DEVICE"
+DEFAULT_TIMEOUT_S = 100.0
+_owner_ids = itertools.count(1)
+
+XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _resolve_group(group: Optional[dist.ProcessGroup], comm) -> dist.ProcessGroup:
+    if group is not None:
+        return group
+    if comm is None:
+        raise ValueError("Buffer: either 'group' or 'comm' must be provided")
+    # An mpi4py communicator: the engines talk through torch.distributed, so use its world group.
+    if not dist.is_initialized():
+        raise ValueError("Buffer: comm was given but torch.distributed is not initialized; "
+                         "initialize it (init_process_group) or pass group")
+    if dist.get_world_size() != comm.Get_size() or dist.get_rank() != comm.Get_rank():
+        raise ValueError(f"Buffer: comm has size {comm.Get_size()} and rank {comm.Get_rank()}, but the "
+                         f"torch.distributed world has size {dist.get_world_size()} and rank {dist.get_rank()}")
+    return dist.group.WORLD
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device tensors live on: CUDA for NCCL groups, the CPU for gloo-only groups."""
+    override = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if override:
+        if override not in ("cpu", "cuda"):
+            raise ValueError(f"{DEVICE_ENV}={override!r} must be 'cpu' or 'cuda'")
+        kind = override
+    else:
+        backend = str(dist.get_backend(group)).lower()
+        kind = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timeout_seconds() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {value}")
+    return value
+
+
+class Buffer:
+    """The expert-parallel communication buffer: dispatch/combine in normal (high-throughput) and
+    low-latency modes over the ranks of ``group``.
+
+    Attributes:
+        num_sms: SMs used by normal-mode kernels (class-wide, see :meth:`set_num_sms`).
+        rank, group_size, group: this rank, the number of ranks and the group.
+        num_nvl_bytes, num_rdma_bytes: sizes of the NVLink and NIC-registered buffers.
+        engine: ``"native"``, ``"reference"`` or ``"mixed"``; ``engine_by_operation`` gives each operation's.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+        check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        self.group = _resolve_group(group, comm)
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.device = _group_device(self.group)
+        self._owner_id = next(_owner_ids)
+
+        choice = engines.choose(engines.requested_mode(), self.device)
+        self.engine_by_operation = dict(choice.by_operation)
+        self.engine = choice.summary
+        self._engine_reasons = choice.reasons
+        used = set(choice.by_operation.values())
+        self._reference = (ReferenceEngine(self.group, self.rank, self.group_size, self.device, _timeout_seconds())
+                           if "reference" in used else None)
+        self._native = (NativeEngine(self.group_size, self.device)
+                        if "native" in used and self.device.type == "cuda" and
+                        any(op not in choice.reasons for op in choice.by_operation) else None)
+        fallback = {op: why for op, why in choice.reasons.items() if choice.by_operation[op] == "reference"}
+        if fallback:
+            by_reason = {}
+            for op, why in fallback.items():
+                by_reason.setdefault(why, []).append(op)
+            message = ("uccl_ep_plugin: the reference engine (plain PyTorch collectives, slow) serves "
+                       + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            logger.warning(message)
+
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
+        self._low_latency_buffer_idx = 0
+        self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ lifecycle and queries
+    def destroy(self) -> None:
+        """Release the buffers, streams and engine resources (requires ``explicitly_destroy=True``)."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
+                               "released when the Buffer is garbage-collected")
+        self._release()
+
+    def _release(self) -> None:
+        if self._destroyed:
+            return
+        for engine in (self._reference, self._native):
+            if engine is not None:
+                engine.destroy()
+        self._reference = self._native = None
+        self._nvl_buffer = self._rdma_buffer = self._mask = None
+        self._comm_stream = None
+        self._destroyed = True
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True):
+            self._release()
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        try:
+            from .build_info import build_info
+            return "90" in [str(arch).rstrip("a") for arch in build_info().get("cuda_archs", [])]
+        except ImportError:
+            return False
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs used by normal-mode kernels (an even number)."""
+        check_int("new_num_sms", new_num_sms, minimum=2)
+        if new_num_sms % 2 != 0:
+            raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream (complete at once on CPU)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` that low-latency mode needs for these sizes."""
+        return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return dispatch_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return combine_config(Buffer.num_sms, num_ranks)
+
+    def get_comm_stream(self):
+        """The stream normal-mode communication runs on (a CPU stream object on CPU)."""
+        self._check_alive()
+        return self._comm_stream if self._comm_stream is not None else torch.cpu.current_stream()
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """The raw NVLink (or NIC-registered) buffer as ``dtype``, from byte ``offset``, optionally shaped ``size``."""
+        self._check_alive()
+        raw = self._rdma_buffer if use_rdma_buffer else self._nvl_buffer
+        check_int("offset", offset, minimum=0)
+        element = torch.empty((), dtype=dtype).element_size()
+        if offset % element != 0 or offset > raw.numel():
+            raise ValueError(f"offset {offset} must be a multiple of {element} within the {raw.numel()}-byte buffer")
+        tensor = raw[offset:offset + (raw.numel() - offset) // element * element].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise ValueError(f"size {tuple(size)} needs {size.numel()} elements, the buffer holds {tensor.numel()}")
+        return tensor[:size.numel()].view(size)
+
+    # ------------------------------------------------------------------ engine routing
+    def _engine_for(self, operation: str):
+        self._check_alive()
+        if self.engine_by_operation[operation] == "native":
+            reason = self._engine_reasons.get(operation)
+            if reason is not None:
+                raise RuntimeError(f"{engines.ENGINE_ENV}=native, but {operation} cannot run natively: {reason}")
+            return self._native
+        return self._reference
+
+    def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool,
+               use_comm_stream: bool = True) -> StreamScope:
+        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
+        return StreamScope(self._comm_stream if use_comm_stream else None, self.device, previous_event, async_finish)
+
+    def _check_owner(self, handle, name: str = "handle") -> None:
+        owner = owner_of(handle)
+        if owner is not None and owner != self._owner_id:
+            raise ValueError(f"{name} was produced by a different Buffer; pass the handle returned by this Buffer")
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Routing tables for ``topk_idx`` (``[N, K]`` int64, -1 = no expert).
+
+        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [ceil(R/8)] int32 or None within a
+        node, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
+        """
+        engine = self._engine_for("get_dispatch_layout")
+        check_num_experts(num_experts, self.group_size)
+        check_topk_idx(topk_idx, num_experts)
+        check_same_device(self.device, topk_idx=topk_idx)
+        with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
+        event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank))
+        return per_rank, per_rdma_rank, per_expert, in_rank, event
+
+    def dispatch(self, x: XType, handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[XType, Optional[torch.Tensor], Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
+        """Send each token to the ranks in ``is_token_in_rank``.
+
+        ``x`` is bf16 ``[N, H]`` or ``(fp8_e4m3 [N, H], scales [N, S] float32/int32)``. Without ``handle`` the
+        layout (from :meth:`get_dispatch_layout`) is required and ``topk_idx``/``topk_weights`` (``[N, K]``
+        int64/float32) travel too, as local expert ids (-1 where the expert lives elsewhere). With ``handle``
+        the previous layout is reused (cached dispatch) and only ``x`` moves.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``;
+        received rows are grouped by source rank in rank order. ``num_worst_tokens > 0`` gives outputs of that
+        many rows (padding has topk_idx -1) and an empty count list.
+        """
+        engine = self._engine_for("dispatch")
+        x_data, x_scales = self._check_dispatch_x(x)
+        num_tokens = x_data.size(0)
+        check_int("expert_alignment", expert_alignment, minimum=1)
+        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        config = self._check_config(config, self.get_dispatch_config)
+        cached = None
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("topk_idx and topk_weights must be None for a cached dispatch (handle given)")
+            cached = self._check_normal_handle(handle)
+            if cached[4].size(0) != num_tokens:
+                raise ValueError(f"x has {num_tokens} tokens but the handle was made for {cached[4].size(0)}")
+            is_token_in_rank = cached[4]
+        else:
+            r = self.group_size
+            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                raise ValueError("dispatch without handle needs num_tokens_per_rank, is_token_in_rank and "
+                                 "num_tokens_per_expert (from get_dispatch_layout)")
+            check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), shape=(r,))
+            check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), shape=(num_tokens, r))
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), dim=1)
+            num_experts = check_num_experts(num_tokens_per_expert.numel(), r, name="num_tokens_per_expert's length")
+            if (topk_idx is None) != (topk_weights is None):
+                raise ValueError("topk_idx and topk_weights must be given together")
+            if topk_idx is not None:
+                check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens)
+                check_topk_weights(topk_weights, topk_idx)
+            elif num_worst_tokens > 0:
+                raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
+            check_same_device(self.device, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                              num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            result = engine.dispatch(x_data, x_scales, is_token_in_rank=is_token_in_rank,
+                                     num_tokens_per_rank=num_tokens_per_rank,
+                                     num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                                     topk_weights=topk_weights, expert_alignment=expert_alignment,
+                                     num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
+                                     cached_handle=cached)
+        outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
+        event = scope.finish(outputs)
+        recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
+        if cached is not None:
+            return recv_x, None, None, None, None, event
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                NormalHandle(result.handle, self._owner_id), event)
+
+    def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Sum each token's copies (weights not applied) back on its source rank and add ``bias`` (0, 1 or 2
+        bf16 ``[N, H]`` tensors). ``x`` is bf16 ``[num_recv_rows, H]`` in the order dispatch returned.
+
+        Returns ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``.
+        """
+        engine = self._engine_for("combine")
+        parts = self._check_normal_handle(handle)
+        num_rows, num_tokens = parts[3].size(0), parts[4].size(0)
+        check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))
+        check_hidden("x", x.size(1), x.element_size())
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
+        biases = self._check_bias(bias, num_tokens, x.size(1))
+        self._check_config(config, self.get_combine_config)
+        check_same_device(self.device, x=x, topk_weights=topk_weights)
+        with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases)
+        event = scope.finish((combined_x, combined_topk_weights))
+        return combined_x, combined_topk_weights, event
+
+    def internode_dispatch(self, x: XType, handle: Optional[Tuple] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """Same as :meth:`dispatch`; the engine picks the path by topology, so this is kept for DeepEP callers."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: Union[tuple, list], topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Same as :meth:`combine` (see :meth:`internode_dispatch`)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
+    # ------------------------------------------------------------------ low-latency mode
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zero the low-latency signal areas (needed after normal-mode use of the same memory); all ranks call it."""
+        self._check_alive()
+        layout = self._check_low_latency_sizes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        for idx in (0, 1):
+            start = layout.signal_offset(idx)
+            self._rdma_buffer[start:start + layout.signal_bytes].zero_()
+        if self._reference is not None:
+            self._reference.barrier("clean_low_latency_buffer")
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[XType, torch.Tensor, Tuple, EventOverlap, Optional[Callable[[], None]]]:
+        """Send each (token, expert) pair straight to the expert's rank, packed per local expert.
+
+        ``x`` bf16 ``[N <= T, H]``; ``topk_idx`` int64 ``[N, K]`` (-1 skipped). Returns ``(recv_x, recv_count
+        [El] int32, handle, event, hook)`` where ``recv_x`` is ``[El, R*T, H]`` bf16, or with ``use_fp8`` a tuple
+        of fp8 data and scales (float32 ``[El, R*T, H/128]``, or with ``use_ue8m0`` int32 ``[El, R*T, H/512]``,
+        column-major in the last two dimensions). Only the first ``recv_count[e]`` rows of expert ``e`` are valid.
+        With ``return_recv_hook`` the call only sends; ``hook()`` receives.
+        """
+        engine = self._engine_for("low_latency_dispatch")
+        self._require_low_latency_mode("low_latency_dispatch")
+        check_flag_pair(async_finish, return_recv_hook)
+        num_tokens_limit = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        check_tensor("x", x, (torch.bfloat16,), dim=2)
+        if x.size(0) > num_tokens_limit:
+            raise ValueError(f"x has {x.size(0)} tokens, more than num_max_dispatch_tokens_per_rank={num_tokens_limit}")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True requires round_scale=True (UE8M0 scales are powers of two)")
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0=True requires use_fp8=True")
+        check_hidden("x", x.size(1), x.element_size(), multiple_of=512 if use_ue8m0 else 128 if use_fp8 else 1)
+        check_num_experts(num_experts, self.group_size)
+        check_topk_idx(topk_idx, num_experts, num_tokens=x.size(0))
+        local_experts = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (torch.int32,),
+                         shape=(local_experts,))
+        if dispatch_wait_recv_cost_stats is not None:
+            check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, (torch.int64,),
+                         shape=(self.group_size,))
+        self._check_low_latency_sizes(num_tokens_limit, x.size(1), num_experts)
+        check_same_device(self.device, x=x, topk_idx=topk_idx,
+                          cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                          dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+        with self._scope(None, async_finish, False, use_comm_stream=not return_recv_hook) as scope:
+            result = engine.low_latency_dispatch(
+                x, topk_idx, num_tokens_limit, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+                use_ue8m0=use_ue8m0, masked_ranks=self._mask,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
+        self._low_latency_buffer_idx ^= 1
+        handle = LowLatencyHandle((result.src_info, result.layout_range, num_tokens_limit, x.size(1), num_experts),
+                                  self._owner_id)
+        outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range)
+        event = scope.finish(outputs, (x, topk_idx) + outputs if async_finish else None)
+        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
+        return recv_x, result.recv_count, handle, event, result.hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, EventOverlap, Optional[Callable[[], None]]]:
+        """Return each expert output to its token's rank and reduce with ``topk_weights``.
+
+        ``x`` bf16 ``[El, R*T, H]`` (ignored with ``zero_copy``: the data is already in
+        :meth:`get_next_low_latency_combine_buffer`); ``topk_idx``/``topk_weights`` are the dispatch's.
+        Returns ``(combined_x [N, H] bf16 (``out`` if given), event, hook)``.
+        """
+        engine = self._engine_for("low_latency_combine")
+        self._require_low_latency_mode("low_latency_combine")
+        check_flag_pair(async_finish, return_recv_hook)
+        src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
+        local_experts, slots = src_info.shape
+        check_tensor("x", x, (torch.bfloat16,), shape=(local_experts, slots, hidden))
+        check_topk_idx(topk_idx, num_experts)
+        if topk_idx.size(0) > num_tokens_limit:
+            raise ValueError(f"topk_idx has {topk_idx.size(0)} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_tokens_limit}")
+        check_topk_weights(topk_weights, topk_idx)
+        if zero_copy and use_logfmt:
+            raise ValueError("zero_copy and use_logfmt cannot both be set")
+        if use_logfmt:
+            check_hidden("x", hidden, 2, multiple_of=128)
+        if out is not None:
+            check_tensor("out", out, (torch.bfloat16,), shape=(topk_idx.size(0), hidden))
+        if combine_wait_recv_cost_stats is not None:
+            check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, (torch.int64,),
+                         shape=(self.group_size,))
+        check_same_device(self.device, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out,
+                          combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        if zero_copy:
+            x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
+        with self._scope(None, async_finish, False, use_comm_stream=not return_recv_hook) as scope:
+            combined, hook = engine.low_latency_combine(
+                x, topk_idx, topk_weights, layout_range, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
+        self._low_latency_buffer_idx ^= 1
+        event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined)
+                             if async_finish else None)
+        return combined, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
+        """A bf16 ``[El, R*T, H]`` view of the registered buffer the next combine sends from (for zero_copy)."""
+        self._require_low_latency_mode("get_next_low_latency_combine_buffer")
+        _, _, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
+        return self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
+
+    def _low_latency_combine_view(self, num_tokens_limit: int, hidden: int, num_experts: int) -> torch.Tensor:
+        layout = self._check_low_latency_sizes(num_tokens_limit, hidden, num_experts)
+        local_experts = num_experts // self.group_size
+        slots = self.group_size * num_tokens_limit
+        start = layout.send_offset(self._low_latency_buffer_idx)
+        num_bytes = local_experts * slots * hidden * 2
+        return self._rdma_buffer[start:start + num_bytes].view(torch.bfloat16).view(local_experts, slots, hidden)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank: low-latency calls stop sending to and waiting for it."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        check_int("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask={rank_to_mask} is not a rank of this group of {self.group_size}")
+        self._mask[rank_to_mask] = bool(mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write each rank's mask (1 masked, 0 not) into ``mask_status`` (int32 ``[R]``)."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        check_tensor("mask_status", mask_status, (torch.int32,), shape=(self.group_size,))
+        mask_status.copy_(self._mask.to(torch.int32))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        self._mask.zero_()
+
+    # ------------------------------------------------------------------ checks
+    def _require_low_latency_mode(self, operation: str) -> None:
+        self._check_alive()
+        if not self.low_latency_mode:
+            raise RuntimeError(f"{operation} needs Buffer(low_latency_mode=True)")
+
+    def _require_shrink(self, operation: str) -> None:
+        self._check_alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"{operation} needs Buffer(enable_shrink=True)")
+
+    def _check_low_latency_sizes(self, num_tokens_limit: int, hidden: int, num_experts: int) -> LowLatencyLayout:
+        check_int("num_max_dispatch_tokens_per_rank", num_tokens_limit, minimum=1)
+        check_int("hidden", hidden, minimum=1)
+        check_num_experts(num_experts, self.group_size)
+        needed = low_latency_rdma_size_hint(num_tokens_limit, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < needed:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency mode with "
+                             f"T={num_tokens_limit}, H={hidden}, R={self.group_size}, E={num_experts}: need {needed} "
+                             "(Buffer.get_low_latency_rdma_size_hint)")
+        return LowLatencyLayout(num_tokens_limit, hidden, self.group_size, num_experts)
+
+    def _check_dispatch_x(self, x: XType) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"x as a tuple must be (fp8 data, scales), got {len(x)} items")
+            data, scales = x
+            check_tensor("x[0]", data, (FP8_DTYPE,), dim=2)
+            check_hidden("x[0]", data.size(1), 1, multiple_of=128)
+            check_tensor("x[1] (scales)", scales, (torch.float32, torch.int32), shape=(data.size(0), None),
+                         contiguous=False)
+            check_same_device(self.device, x=data, scales=scales)
+            return data, scales
+        check_tensor("x", x, (torch.bfloat16,), dim=2)
+        check_hidden("x", x.size(1), x.element_size())
+        check_same_device(self.device, x=x)
+        return x, None
+
+    def _check_config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
+        if config is None:
+            return default(self.group_size)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a uccl_ep_plugin.Config, got {type(config).__name__}")
+        return config
+
+    def _check_bias(self, bias, num_tokens: int, hidden: int) -> List[torch.Tensor]:
+        if bias is None:
+            return []
+        biases = list(bias) if isinstance(bias, tuple) else [bias]
+        if len(biases) > 2:
+            raise ValueError(f"bias must be a tensor or a tuple of at most 2 tensors, got {len(biases)}")
+        for i, b in enumerate(biases):
+            check_tensor(f"bias[{i}]", b, (torch.bfloat16,), shape=(num_tokens, hidden))
+            check_same_device(self.device, **{f"bias[{i}]": b})
+        return biases
+
+    def _check_normal_handle(self, handle) -> Tuple[torch.Tensor, ...]:
+        self._check_owner(handle)
+        if not isinstance(handle, (tuple, list)) or len(handle) != 6:
+            raise ValueError("handle must be the 6-tuple returned by dispatch (rank_prefix_matrix, "
+                             "channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, "
+                             "send_head)")
+        r = self.group_size
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, in_rank, send_head = handle
+        check_tensor("handle[0] (rank_prefix_matrix)", rank_prefix_matrix, (torch.int32,), shape=(r, r))
+        check_tensor("handle[1] (channel_prefix_matrix)", channel_prefix_matrix, (torch.int32,), shape=(r, None))
+        check_tensor("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix_matrix, (torch.int32,),
+                     shape=(r, None))
+        check_tensor("handle[3] (recv_src_idx)", recv_src_idx, (torch.int32,), dim=1)
+        check_tensor("handle[4] (is_token_in_rank)", in_rank, (torch.bool,), shape=(None, r))
+        check_tensor("handle[5] (send_head)", send_head, (torch.int32,), shape=(in_rank.size(0), r))
+        check_same_device(self.device, handle=rank_prefix_matrix)
+        return tuple(handle)
+
+    def _check_low_latency_handle(self, handle) -> Tuple:
+        self._check_owner(handle)
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch (src_info, layout_range, "
+                             "num_max_dispatch_tokens_per_rank, hidden, num_experts)")
+        src_info, layout_range, num_tokens_limit, hidden, num_experts = handle
+        check_num_experts(num_experts, self.group_size, name="handle[4] (num_experts)")
+        local_experts = num_experts // self.group_size
+        check_tensor("handle[0] (src_info)", src_info, (torch.int32,),
+                     shape=(local_experts, self.group_size * num_tokens_limit))
+        check_tensor("handle[1] (layout_range)", layout_range, (torch.int64,), shape=(local_experts, self.group_size))
+        return src_info, layout_range, num_tokens_limit, hidden, num_experts

@@ -1,0 +1,1 @@
+"""The ``uccl-ep`` command line: bench, doctor and config."""

@@ -1,0 +1,364 @@
+"""``uccl-ep doctor``: what this machine and this build offer to UCCL-EP.
+
+Every probe is a small function returning plain data and catching its own errors,
+so the command works (and says what is missing) on machines without GPUs or NICs.
+Probes that read the filesystem take a ``root`` so tests can point them at a fake tree;
+probes that use torch accept the module as an argument for the same reason.
+"""
+
+import argparse
+import json
+import os
+import platform as _platform
+import re
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from uccl_ep_plugin.platform_config import resolve_config
+from uccl_ep_plugin.platform_config.detect import detect_platform, detect_rdma_devices, infiniband_dir
+
+PEER_MEMORY_MODULES = ("nvidia_peermem", "efa_nv_peermem", "ib_peer_mem")
+DMABUF_MIN_KERNEL = (5, 12)
+ENGINE_ENV_VAR = "UCCL_EP_ENGINE"
+
+
+def _error_text(exc: BaseException) -> str:
+    return "%s: %s" % (type(exc).__name__, exc)
+
+
+def _import_torch():
+    import torch
+    return torch
+
+
+# --------------------------------------------------------------------------- probes
+
+
+def probe_python() -> Dict[str, Any]:
+    return {"version": _platform.python_version(), "executable": sys.executable}
+
+
+def probe_torch(torch_module=None) -> Dict[str, Any]:
+    try:
+        torch = torch_module if torch_module is not None else _import_torch()
+        version = getattr(torch, "version", None)
+        return {
+            "version": str(getattr(torch, "__version__", "unknown")),
+            "cuda": getattr(version, "cuda", None),
+            "hip": getattr(version, "hip", None),
+        }
+    except Exception as exc:
+        return {"error": _error_text(exc)}
+
+
+def probe_gpus(torch_module=None) -> Dict[str, Any]:
+    """GPU count, names and compute capabilities as torch sees them."""
+    try:
+        torch = torch_module if torch_module is not None else _import_torch()
+        if not torch.cuda.is_available():
+            return {"count": 0, "devices": []}
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            entry: Dict[str, Any] = {"index": index}
+            try:
+                entry["name"] = torch.cuda.get_device_name(index)
+                major, minor = torch.cuda.get_device_capability(index)
+                entry["capability"] = "%d.%d" % (major, minor)
+            except Exception as exc:
+                entry["error"] = _error_text(exc)
+            devices.append(entry)
+        return {"count": len(devices), "devices": devices}
+    except Exception as exc:
+        return {"count": 0, "devices": [], "error": _error_text(exc)}
+
+
+def _nvml_handle(pynvml, torch, index: int):
+    """NVML handle of CUDA device ``index``, matched by PCI address when possible.
+
+    CUDA and NVML may number devices differently (CUDA_VISIBLE_DEVICES, ordering).
+    """
+    try:
+        props = torch.cuda.get_device_properties(index)
+        bus_id = "%08x:%02x:%02x.0" % (props.pci_domain_id, props.pci_bus_id,
+                                       props.pci_device_id)
+        return pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+    except Exception:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def _nvlink_checker(torch) -> Tuple[Callable[[int, int], Any], Optional[Callable[[], None]]]:
+    """A function (a, b) -> True/False/"reason" telling whether a and b share NVLink."""
+    if getattr(getattr(torch, "version", None), "hip", None):
+        return (lambda a, b: "unknown (ROCm: xGMI not probed)"), None
+    try:
+        import pynvml
+    except Exception:
+        return (lambda a, b: "unknown (pynvml not installed)"), None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        message = "unknown (NVML init failed: %s)" % exc
+        return (lambda a, b: message), None
+
+    def check(a: int, b: int):
+        try:
+            status = pynvml.nvmlDeviceGetP2PStatus(
+                _nvml_handle(pynvml, torch, a), _nvml_handle(pynvml, torch, b),
+                pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            return status == pynvml.NVML_P2P_STATUS_OK
+        except Exception as exc:
+            return "unknown (%s)" % _error_text(exc)
+
+    def close():
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+    return check, close
+
+
+def probe_peer_access(torch_module=None) -> Dict[str, Any]:
+    """For each ordered GPU pair: peer access (torch) and NVLink (NVML)."""
+    try:
+        torch = torch_module if torch_module is not None else _import_torch()
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        return {"pairs": [], "error": _error_text(exc)}
+    if count < 2:
+        return {"pairs": [], "note": "fewer than two GPUs"}
+    check_nvlink, close = _nvlink_checker(torch)
+    pairs = []
+    try:
+        for a in range(count):
+            for b in range(count):
+                if a == b:
+                    continue
+                try:
+                    peer: Any = bool(torch.cuda.can_device_access_peer(a, b))
+                except Exception as exc:
+                    peer = "unknown (%s)" % _error_text(exc)
+                pairs.append({"src": a, "dst": b, "peer_access": peer,
+                              "nvlink": check_nvlink(a, b)})
+    finally:
+        if close is not None:
+            close()
+    return {"pairs": pairs}
+
+
+def _device_driver(root: str, name: str) -> Optional[str]:
+    link = os.path.join(infiniband_dir(root), name, "device", "driver")
+    try:
+        return os.path.basename(os.path.realpath(link)) if os.path.exists(link) else None
+    except OSError:
+        return None
+
+
+def probe_rdma(root: str = "/") -> Dict[str, Any]:
+    """RDMA devices with the platform their name implies and their kernel driver."""
+    try:
+        devices = [{"name": name, "platform": platform, "driver": _device_driver(root, name)}
+                   for name, platform in detect_rdma_devices(root)]
+        return {"devices": devices, "platform": detect_platform(root)}
+    except Exception as exc:
+        return {"devices": [], "platform": None, "error": _error_text(exc)}
+
+
+def probe_peer_memory(root: str = "/") -> Dict[str, Any]:
+    """Which GPU peer-memory kernel modules are loaded (``/sys/module/<name>``)."""
+    modules: Dict[str, Any] = {}
+    for name in PEER_MEMORY_MODULES:
+        try:
+            modules[name] = os.path.isdir(os.path.join(root, "sys", "module", name))
+        except Exception as exc:  # pragma: no cover - isdir does not normally raise
+            modules[name] = "unknown (%s)" % _error_text(exc)
+    return {"modules": modules, "any_loaded": any(v is True for v in modules.values())}
+
+
+def parse_kernel_version(release: str) -> Optional[Tuple[int, int]]:
+    match = re.match(r"(\d+)\.(\d+)", release or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def probe_dmabuf(release: Optional[str] = None) -> Dict[str, Any]:
+    """Whether DMA-BUF GPU memory registration is likely possible (kernel >= 5.12)."""
+    try:
+        release = _platform.release() if release is None else release
+        version = parse_kernel_version(release)
+        possible = version is not None and version >= DMABUF_MIN_KERNEL
+        return {
+            "kernel": release,
+            "possible": possible,
+            "note": "heuristic: kernel >= %d.%d supports DMA-BUF; the GPU driver and NIC "
+                    "driver must support it too" % DMABUF_MIN_KERNEL,
+        }
+    except Exception as exc:
+        return {"kernel": None, "possible": False, "error": _error_text(exc)}
+
+
+def probe_build() -> Dict[str, Any]:
+    """What the installed build contains, from ``uccl_ep_plugin.build_info``."""
+    try:
+        from uccl_ep_plugin.build_info import build_info
+        info = build_info() if callable(build_info) else build_info
+        return dict(info)
+    except Exception as exc:
+        return {"error": _error_text(exc)}
+
+
+def probe_engine(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    env = os.environ if environ is None else environ
+    value = env.get(ENGINE_ENV_VAR, "") or "auto"
+    return {ENGINE_ENV_VAR: value}
+
+
+def probe_config(root: str = "/", environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    try:
+        return resolve_config(environ=environ, root=root).to_dict()
+    except Exception as exc:
+        return {"error": _error_text(exc)}
+
+
+def collect(root: str = "/", environ: Optional[Mapping[str, str]] = None,
+            torch_module=None) -> Dict[str, Any]:
+    """Run every probe; the dict printed by ``doctor --json``."""
+    return {
+        "python": probe_python(),
+        "torch": probe_torch(torch_module),
+        "gpus": probe_gpus(torch_module),
+        "peer_access": probe_peer_access(torch_module),
+        "rdma": probe_rdma(root),
+        "peer_memory": probe_peer_memory(root),
+        "dmabuf": probe_dmabuf(),
+        "build": probe_build(),
+        "engine": probe_engine(environ),
+        "config": probe_config(root, environ),
+    }
+
+
+# --------------------------------------------------------------------------- text output
+
+
+def _yes_no(value: Any) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return str(value)
+
+
+def _section(title: str, lines: List[str]) -> str:
+    return "\n".join(["== %s ==" % title] + ["  " + line for line in lines])
+
+
+def render(report: Dict[str, Any]) -> str:
+    sections = []
+
+    py = report["python"]
+    sections.append(_section("Python", ["%s (%s)" % (py["version"], py["executable"])]))
+
+    tv = report["torch"]
+    if "error" in tv:
+        torch_lines = ["not usable: %s" % tv["error"]]
+    else:
+        torch_lines = ["version %s, CUDA %s, HIP %s" % (tv["version"], tv["cuda"] or "no",
+                                                      tv["hip"] or "no")]
+    sections.append(_section("torch", torch_lines))
+
+    gpus = report["gpus"]
+    gpu_lines = []
+    if gpus.get("error"):
+        gpu_lines.append("error: %s" % gpus["error"])
+    if not gpus["devices"]:
+        gpu_lines.append("none")
+    for dev in gpus["devices"]:
+        if "error" in dev:
+            gpu_lines.append("[%d] error: %s" % (dev["index"], dev["error"]))
+        else:
+            gpu_lines.append("[%d] %s (compute capability %s)"
+                             % (dev["index"], dev["name"], dev["capability"]))
+    sections.append(_section("GPUs", gpu_lines))
+
+    peers = report["peer_access"]
+    peer_lines = []
+    if peers.get("error"):
+        peer_lines.append("error: %s" % peers["error"])
+    elif not peers["pairs"]:
+        peer_lines.append(peers.get("note", "no pairs"))
+    for pair in peers["pairs"]:
+        peer_lines.append("GPU %d -> GPU %d: peer access %s, NVLink %s"
+                          % (pair["src"], pair["dst"], _yes_no(pair["peer_access"]),
+                             _yes_no(pair["nvlink"])))
+    sections.append(_section("GPU peer access", peer_lines))
+
+    rdma = report["rdma"]
+    rdma_lines = []
+    if rdma.get("error"):
+        rdma_lines.append("error: %s" % rdma["error"])
+    if not rdma["devices"]:
+        rdma_lines.append("no RDMA devices under /sys/class/infiniband")
+    for dev in rdma["devices"]:
+        rdma_lines.append("%s: platform %s, driver %s"
+                          % (dev["name"], dev["platform"] or "unknown",
+                             dev["driver"] or "unknown"))
+    rdma_lines.append("detected platform: %s" % (rdma["platform"] or "none"))
+    sections.append(_section("RDMA NICs", rdma_lines))
+
+    pm = report["peer_memory"]
+    dm = report["dmabuf"]
+    mem_lines = ["%s loaded: %s" % (name, _yes_no(loaded)) for name, loaded in pm["modules"].items()]
+    if "error" in dm:
+        mem_lines.append("DMA-BUF: unknown (%s)" % dm["error"])
+    else:
+        mem_lines.append("DMA-BUF possible: %s (kernel %s; %s)"
+                         % (_yes_no(dm["possible"]), dm["kernel"], dm["note"]))
+    sections.append(_section("GPU memory registration", mem_lines))
+
+    build = report["build"]
+    if "error" in build:
+        build_lines = ["build info unavailable: %s" % build["error"]]
+    else:
+        build_lines = ["%s: %s" % (key, value) for key, value in build.items()]
+    sections.append(_section("Build", build_lines))
+
+    sections.append(_section("Engine", ["%s=%s" % item for item in report["engine"].items()]))
+
+    config = report["config"]
+    if "error" in config:
+        config_lines = ["error: %s" % config["error"]]
+    else:
+        from uccl_ep_plugin.cli.config_cmd import render_table
+        config_lines = ["platform: %s" % (config["platform"] or "none (defaults only)")]
+        rows = [(key, "null" if value is None else str(value), config["sources"][key])
+                for key, value in config["values"].items()]
+        config_lines += render_table(rows).splitlines()
+    sections.append(_section("Resolved config", config_lines))
+
+    return "\n\n".join(sections)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="check GPUs, NICs, kernel modules, build and config",
+        description="Report what this machine and this build offer to UCCL-EP.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    # Filesystem root for sysfs probes; for tests and offline inspection.
+    parser.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    report = collect(root=getattr(args, "root", "/"))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        try:
+            text = render(report)
+        except Exception as exc:  # never fail to report: fall back to the raw data
+            text = "(could not format the report: %s)\n%s" % (
+                _error_text(exc), json.dumps(report, indent=2, default=str))
+        print(text)
+    return 0

@@ -1,0 +1,57 @@
+"""The native engine: operations backed by the compiled kernels of ``uccl_ep_plugin._C``.
+
+It reports, per operation, why it cannot serve (no GPU, not built, not implemented yet),
+so the Buffer can fall back visibly instead of silently.
+"""
+
+from typing import Optional
+
+import torch
+
+from .reference.layout import rdma_rank_counts
+
+IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout"}   # operation -> build feature it needs
+
+
+def _load_extension():
+    from .. import _C  # noqa: WPS433 (imported lazily: the reference engine works without it)
+    return _C
+
+
+def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
+    """None if the native engine can run ``operation`` on ``device``, else the reason it cannot."""
+    if device.type != "cuda":
+        return f"the native engine needs a CUDA device, this Buffer runs on {device.type}"
+    feature = IMPLEMENTED.get(operation)
+    if feature is None:
+        return f"{operation} has no native kernel in this version"
+    try:
+        extension = _load_extension()
+    except ImportError as error:
+        return f"the native extension is not importable ({error})"
+    if feature not in extension.build_info().get("features", []):
+        return f"this build of uccl_ep_plugin._C was compiled without CUDA ({feature} missing)"
+    return None
+
+
+class NativeEngine:
+    name = "native"
+
+    def __init__(self, num_ranks: int, device: torch.device) -> None:
+        self._C = _load_extension()
+        self.num_ranks = num_ranks
+        self.device = device
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        num_tokens, num_topk = topk_idx.shape
+        options = dict(device=self.device)
+        num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, **options)
+        num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, **options)
+        is_token_in_rank = torch.empty((num_tokens, self.num_ranks), dtype=torch.bool, **options)
+        self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
+                                num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
+                                is_token_in_rank.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+        return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
+
+    def destroy(self) -> None:
+        self._C = None

@@ -1,0 +1,42 @@
+"""The reference engine: every Buffer operation in plain PyTorch over the Buffer's group.
+
+It runs on any device and any process group (gloo on CPU, NCCL on GPU), is the oracle the
+native kernels are tested against, and serves wherever the native engine cannot.
+"""
+
+import torch
+import torch.distributed as dist
+
+from . import layout, low_latency, normal
+from .collectives import CommTimeoutError, GroupComm
+
+__all__ = ["ReferenceEngine", "CommTimeoutError"]
+
+
+class ReferenceEngine:
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self.comm = GroupComm(group, rank, num_ranks, device, timeout_s)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        return layout.dispatch_layout(topk_idx, num_experts, self.comm.num_ranks)
+
+    def dispatch(self, x, x_scales, **kwargs) -> normal.DispatchResult:
+        return normal.dispatch(self.comm, x, x_scales, **kwargs)
+
+    def combine(self, x, handle, topk_weights, biases):
+        return normal.combine(self.comm, x, handle, topk_weights, biases)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, **kwargs):
+        return low_latency.low_latency_dispatch(self.comm, x, topk_idx, num_max_tokens, num_experts, **kwargs)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, **kwargs):
+        return low_latency.low_latency_combine(self.comm, x, topk_idx, topk_weights, layout_range, **kwargs)
+
+    def barrier(self, phase: str) -> None:
+        self.comm.barrier(phase)
+
+    def destroy(self) -> None:
+        self.comm = None

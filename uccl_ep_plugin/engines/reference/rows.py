@@ -1,0 +1,38 @@
+"""Packing several per-row tensors into one byte matrix, so one all-to-all moves them all."""
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+RowSpec = Tuple[torch.dtype, Tuple[int, ...]]
+
+
+def pack_rows(tensors: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> torch.Tensor:
+    """Concatenate the bytes of each row of every tensor (all with ``num_rows`` rows)."""
+    parts = [t.contiguous().reshape(num_rows, _row_numel(t.shape[1:])).view(torch.uint8) for t in tensors]
+    if not parts:
+        return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
+    return torch.cat(parts, dim=1)
+
+
+def _row_numel(shape: Sequence[int]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel
+
+
+def row_spec(tensor: torch.Tensor) -> RowSpec:
+    return tensor.dtype, tuple(tensor.shape[1:])
+
+
+def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tensor]:
+    """Inverse of :func:`pack_rows` given each tensor's dtype and per-row shape."""
+    out, offset = [], 0
+    num_rows = rows.size(0)
+    for dtype, shape in specs:
+        width = _row_numel(shape) * torch.empty((), dtype=dtype).element_size()
+        chunk = rows[:, offset:offset + width].contiguous()
+        out.append(chunk.view(dtype).reshape((num_rows,) + tuple(shape)))
+        offset += width
+    return out
