@@ -5,7 +5,6 @@ are checked here, before any communication, so both engines see only valid input
 """
 
 import itertools
-import logging
 import os
 import warnings
 from typing import Callable, List, Optional, Tuple, Union
@@ -23,12 +22,11 @@ from .streams import StreamScope
 from .validation import (FP8_DTYPE, TOPK_IDX_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
 
-logger = logging.getLogger("uccl_ep_plugin")
-
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
+_warned = set()   # fallback messages already given in this process
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -126,8 +124,9 @@ class Buffer:
                 by_reason.setdefault(why, []).append(op)
             message = ("uccl_ep_plugin: the reference engine (plain PyTorch collectives, slow) serves "
                        + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            logger.warning(message)
+            if message not in _warned:
+                _warned.add(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
 
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)

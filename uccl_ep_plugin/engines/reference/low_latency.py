@@ -84,7 +84,8 @@ def low_latency_dispatch(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tenso
     layout_range = ((begin << 32) | kept).t().contiguous().to(device)
     recv_count = kept.sum(0).to(torch.int32).to(device)
 
-    recv_x = torch.zeros((local_experts, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+    # Rows past each expert's count are left unset, as in the native kernels.
+    recv_x = torch.empty((local_experts, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
                          device=device)
     recv_x_scales = None
     if use_fp8:
@@ -92,7 +93,7 @@ def low_latency_dispatch(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tenso
         if use_ue8m0:
             num_scales //= SCALES_PER_UE8M0_WORD
         # Column-major in the last two dimensions, as TMA-based GEMMs read them.
-        recv_x_scales = torch.zeros((local_experts, num_scales, slots), dtype=torch.int32 if use_ue8m0 else torch.float32,
+        recv_x_scales = torch.empty((local_experts, num_scales, slots), dtype=torch.int32 if use_ue8m0 else torch.float32,
                                     device=device).transpose(1, 2)
     src_info = torch.full((local_experts, slots), -1, dtype=torch.int32, device=device)
 

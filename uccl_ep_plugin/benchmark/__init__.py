@@ -1,0 +1,1 @@
+"""Dispatch/combine benchmark behind ``uccl-ep bench``: workloads, per-rank runner, report."""

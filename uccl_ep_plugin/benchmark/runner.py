@@ -1,0 +1,258 @@
+"""One benchmark rank: builds Buffers, times each case, checks its outputs, reports figures to rank 0."""
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..buffer import Buffer
+from ..engines import ENGINE_ENV
+from .workloads import Workload, low_latency_bytes, normal_bytes, routing
+
+
+@dataclass
+class BenchOptions:
+    num_ranks: int
+    device: str                      # "cuda" or "cpu"
+    normal: Optional[Workload]
+    low_latency: Optional[Workload]
+    warmup: int
+    iters: int
+    seed: int
+    device_name: str
+    commit: str
+    num_sms: int = Buffer.num_sms
+    extra: Dict[str, str] = field(default_factory=dict)
+
+
+class Case:
+    """A measured operation: ``run()`` does one call, ``check()`` verifies the last call's outputs."""
+
+    def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
+                 check: Callable[[], bool], bytes_per_rank: float, engine: str) -> None:
+        self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
+        self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.op} {self.dtype}"
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
+    scale = expected.abs().amax().clamp(min=1e-6)
+    return bool(((got.float() - expected.float()).abs().amax() <= rel * scale).item())
+
+
+def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
+    """Per-iteration seconds of this rank; every iteration starts together on all ranks."""
+    samples = []
+    for i in range(options.warmup + options.iters):
+        dist.barrier(group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            case.run()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            begin = time.perf_counter()
+            case.run()
+            elapsed = time.perf_counter() - begin
+        if i >= options.warmup:
+            samples.append(elapsed)
+    return samples
+
+
+def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, seed: int, group,
+                 device: torch.device) -> List[Case]:
+    x, topk_idx, topk_weights = (t.to(device) for t in routing(workload, rank, seed))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, workload.experts)
+    expected_recv = per_rank.clone()
+    dist.all_reduce(expected_recv, group=group)
+    copies = in_rank.sum(1, keepdim=True).float()
+    x_fp8, scales = _per_token_fp8(x)
+    state: Dict[str, object] = {}
+
+    def dispatch(payload) -> Callable[[], None]:
+        def run() -> None:
+            state["dispatch"] = buffer.dispatch(payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                topk_weights=topk_weights)
+        return run
+
+    def check_dispatch(fp8: bool) -> Callable[[], bool]:
+        def check() -> bool:
+            recv_x, _, _, _, handle, _ = state["dispatch"]
+            rows = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)) if fp8 else recv_x.float()
+            if rows.size(0) != int(expected_recv[rank]):
+                return False
+            combined, _, _ = buffer.combine(rows.to(torch.bfloat16), handle)
+            reference = (x_fp8.float() * scales.repeat_interleave(128, dim=1)) if fp8 else x.float()
+            return _close(combined, reference * copies, 2e-2)
+        return check
+
+    # Combine runs on the rows of one bf16 dispatch, made once.
+    dispatch(x)()
+    recv_x, _, recv_topk_weights, _, handle, _ = state["dispatch"]
+
+    def run_combine() -> None:
+        state["combine"] = buffer.combine(recv_x, handle, recv_topk_weights)
+
+    def check_combine() -> bool:
+        combined, _, _ = state["combine"]
+        return _close(combined, x.float() * copies, 2e-2)
+
+    num_recv = int(expected_recv[rank])
+    engine = buffer.engine_by_operation
+    return [
+        Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
+             normal_bytes(num_recv, workload.hidden, "fp8"), engine["dispatch"]),
+        Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine["dispatch"]),
+        Case("normal", "combine", "bf16", workload, run_combine, check_combine,
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine["combine"]),
+    ]
+
+
+def _per_token_fp8(x: torch.Tensor):
+    groups = x.float().view(x.size(0), -1, 128)
+    scales = groups.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (groups / scales.unsqueeze(-1)).view_as(x).to(torch.float8_e4m3fn), scales
+
+
+def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, seed: int, group,
+                      device: torch.device) -> List[Case]:
+    x, topk_idx, topk_weights = (t.to(device) for t in routing(workload, rank, seed, drop_entries=10))
+    valid = topk_idx >= 0
+    num_selections = int(valid.sum())
+    local_experts = workload.experts // num_ranks
+    expected_count = torch.bincount(topk_idx[valid], minlength=workload.experts).to(torch.int64)
+    dist.all_reduce(expected_count, group=group)
+    expected_count = expected_count[rank * local_experts:(rank + 1) * local_experts].cpu()
+    # An identity "expert": the combined row must be x times the sum of its valid weights.
+    expected = x.float() * (topk_weights * valid).sum(1, keepdim=True)
+    state: Dict[str, object] = {}
+
+    def run_dispatch() -> None:
+        state["dispatch"] = buffer.low_latency_dispatch(x, topk_idx, workload.tokens, workload.experts,
+                                                        use_fp8=True)
+
+    def expert_outputs() -> torch.Tensor:
+        (data, scales), _, _, _, _ = state["dispatch"]
+        return (data.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+
+    def run_combine() -> None:
+        _, _, handle, _, _ = state["dispatch"]
+        state["combine"] = buffer.low_latency_combine(state["outputs"], topk_idx, topk_weights, handle)
+
+    def run_both() -> None:
+        run_dispatch()
+        run_combine()
+
+    def check() -> bool:
+        combined, _, _ = state["combine"]
+        return _close(combined, expected, 5e-2)
+
+    def check_dispatch() -> bool:
+        _, count, _, _, _ = state["dispatch"]
+        return torch.equal(count.cpu().to(torch.int64), expected_count) and check()
+
+    # The expert outputs are made once: the routing, hence the packed layout, is the same every call.
+    run_dispatch()
+    state["outputs"] = expert_outputs()
+    run_combine()
+    engine = buffer.engine_by_operation
+    dispatch_bytes = low_latency_bytes(num_selections, workload.hidden, "dispatch", "fp8")
+    combine_bytes = low_latency_bytes(num_selections, workload.hidden, "combine", "bf16")
+    return [
+        Case("low_latency", "dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
+             engine["low_latency_dispatch"]),
+        Case("low_latency", "combine", "bf16", workload, run_combine, check, combine_bytes,
+             engine["low_latency_combine"]),
+        Case("low_latency", "dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
+             engine["low_latency_dispatch"]),
+    ]
+
+
+def _gather_floats(values: List[float], group, device: torch.device) -> torch.Tensor:
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).cpu()
+
+
+def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
+    samples = _timed(case, options, group, device)
+    correct = case.check()
+    per_rank = _gather_floats(samples + [case.bytes_per_rank, float(correct)], group, device)
+    iteration_time = per_rank[:, :len(samples)].amax(0)     # the slowest rank sets each step
+    median_s = statistics.median(iteration_time.tolist())
+    mean_bytes = float(per_rank[:, len(samples)].mean())
+    all_correct = bool(per_rank[:, len(samples) + 1].min() > 0.5)
+    workload = case.workload
+    result = {"mode": case.mode, "op": case.op, "dtype": case.dtype, "engine": case.engine,
+              "path": _path_name(case, device), "ranks": options.num_ranks, "tokens": workload.tokens,
+              "hidden": workload.hidden, "topk": workload.topk, "experts": workload.experts,
+              "num_sms": options.num_sms if case.mode == "normal" else None,
+              "median_us": median_s * 1e6, "gbps": mean_bytes / median_s / 1e9, "correct": all_correct,
+              "iters": options.iters, "device": options.device_name, "commit": options.commit}
+    if rank == 0:
+        report(result)
+    return result
+
+
+def _path_name(case: Case, device: torch.device) -> str:
+    if case.engine == "native":
+        return "nvlink"
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None:
+    """Entry point of one spawned rank."""
+    if options.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        backend = "nccl"
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        device, backend = torch.device("cpu"), "gloo"
+    os.environ.setdefault(ENGINE_ENV, "auto")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=options.num_ranks)
+    group = dist.group.WORLD
+    results: List[Dict] = []
+
+    def report(result: Dict) -> None:
+        results_queue.put(("progress", result))
+
+    try:
+        Buffer.set_num_sms(options.num_sms)
+        if options.normal is not None:
+            w = options.normal
+            hidden_bytes = w.hidden * 2
+            nvl_bytes = max(Buffer.get_dispatch_config(options.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, options.num_ranks),
+                            Buffer.get_combine_config(options.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, options.num_ranks))
+            buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
+            for case in normal_cases(buffer, w, rank, options.num_ranks, options.seed, group, device):
+                results.append(measure(case, options, rank, group, device, report))
+            buffer.destroy()
+        if options.low_latency is not None:
+            w = options.low_latency
+            rdma_bytes = Buffer.get_low_latency_rdma_size_hint(w.tokens, w.hidden, options.num_ranks, w.experts)
+            buffer = Buffer(group, num_rdma_bytes=rdma_bytes, low_latency_mode=True, explicitly_destroy=True)
+            for case in low_latency_cases(buffer, w, rank, options.num_ranks, options.seed, group, device):
+                results.append(measure(case, options, rank, group, device, report))
+            buffer.destroy()
+        if rank == 0:
+            results_queue.put(("done", results))
+    except BaseException as error:  # noqa: B902 - the parent reports which rank failed and why
+        results_queue.put(("error", f"rank {rank}: {type(error).__name__}: {error}"))
+        raise
+    finally:
+        dist.destroy_process_group()

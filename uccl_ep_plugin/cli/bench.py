@@ -1,0 +1,126 @@
+"""``uccl-ep bench``: dispatch/combine figures on N local ranks (GPUs over NCCL, or CPU processes over gloo)."""
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from ..benchmark.report import print_summary, progress_line, write_json
+from ..benchmark.runner import BenchOptions, run_rank
+from ..benchmark.workloads import Workload
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark dispatch/combine (normal and low-latency modes)",
+                                   description="Spawns local ranks and measures DeepEP-style dispatch/combine "
+                                               "figures; every case is checked for correctness.")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="number of local ranks (default: the GPU count, or 2 on CPU)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="cuda: one rank per GPU over NCCL; cpu: processes over gloo (default: cuda if present)")
+    parser.add_argument("--mode", choices=("all", "normal", "low_latency"), default="all")
+    parser.add_argument("--tokens", type=int, default=4096, help="normal mode: tokens per rank")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256, help="normal mode: experts")
+    parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency mode: tokens per rank")
+    parser.add_argument("--ll-experts", type=int, default=288, help="low-latency mode: experts")
+    parser.add_argument("--num-sms", type=int, default=24, help="SMs for normal-mode kernels (even)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 5 GPU, 1 CPU)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 50 GPU, 5 CPU)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", metavar="FILE", help="write the figures as a JSON list to FILE")
+    parser.set_defaults(handler=run)
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        from .. import __version__
+        return f"release {__version__}"
+
+
+def _device_name(device: str, num_ranks: int) -> str:
+    if device == "cuda":
+        return f"{num_ranks}x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("uccl-ep bench: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    num_ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    if device == "cuda" and num_ranks > torch.cuda.device_count():
+        print(f"uccl-ep bench: --ranks {num_ranks} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    if num_ranks < 1:
+        print("uccl-ep bench: --ranks must be at least 1", file=sys.stderr)
+        return 2
+    on_gpu = device == "cuda"
+    options = BenchOptions(
+        num_ranks=num_ranks, device=device,
+        normal=Workload("normal", args.tokens, args.hidden, args.topk, args.experts) if args.mode != "low_latency" else None,
+        low_latency=(Workload("low_latency", args.ll_tokens, args.hidden, args.topk, args.ll_experts)
+                     if args.mode != "normal" else None),
+        warmup=args.warmup if args.warmup is not None else (5 if on_gpu else 1),
+        iters=args.iters if args.iters is not None else (50 if on_gpu else 5),
+        seed=args.seed, device_name=_device_name(device, num_ranks), commit=_commit(), num_sms=args.num_sms)
+    total = 3 * ((options.normal is not None) + (options.low_latency is not None))
+    print(f"uccl-ep bench: {num_ranks} ranks on {options.device_name}, {total} cases, "
+          f"{options.warmup} warm-up + {options.iters} timed iterations each", file=sys.stderr, flush=True)
+
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    processes = [context.Process(target=run_rank, args=(rank, options, port, queue)) for rank in range(num_ranks)]
+    for process in processes:
+        process.start()
+    results, error, done, started = [], None, False, time.monotonic()
+    while not done and error is None:
+        while queue.empty():
+            if all(not p.is_alive() for p in processes) and queue.empty():
+                error = error or "all ranks exited before reporting results"
+                break
+            time.sleep(0.05)
+        if error is not None:
+            break
+        kind, payload = queue.get()
+        if kind == "progress":
+            results.append(payload)
+            print(progress_line(len(results), total, payload) + f"  ({time.monotonic() - started:.0f}s)",
+                  file=sys.stderr, flush=True)
+        elif kind == "error":
+            error = payload
+        else:
+            done = True
+    for process in processes:
+        process.join(timeout=30 if error is None else 5)
+        if process.is_alive():
+            process.kill()
+    if error is not None:
+        print(f"uccl-ep bench failed: {error}", file=sys.stderr)
+        return 1
+    print_summary(results)
+    if args.json:
+        write_json(results, args.json)
+        print(f"wrote {args.json}")
+    return 0 if all(r["correct"] for r in results) else 1
