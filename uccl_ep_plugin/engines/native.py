@@ -48,9 +48,11 @@ class NativeEngine:
         num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, **options)
         num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, **options)
         is_token_in_rank = torch.empty((num_tokens, self.num_ranks), dtype=torch.bool, **options)
-        self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
-                                num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-                                is_token_in_rank.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+        # The extension has its own CUDA runtime: make this Buffer's device current for it.
+        with torch.cuda.device(self.device):
+            self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
+                                    num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
+                                    is_token_in_rank.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
         return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:

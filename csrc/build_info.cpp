@@ -1,0 +1,64 @@
+#include "build_info.h"
+
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "common/portability.h"
+#endif
+
+// setup.py passes these; the fallbacks keep a hand-made build compiling.
+#ifndef UCCL_EP_VERSION
+#define UCCL_EP_VERSION "unknown"
+#endif
+#ifndef UCCL_EP_CUDA_ARCH_LIST
+#define UCCL_EP_CUDA_ARCH_LIST ""
+#endif
+
+namespace uccl_ep {
+namespace {
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> parts;
+  std::string current;
+  for (char c : text) {
+    if (c == ',') {
+      if (!current.empty()) parts.push_back(current);
+      current.clear();
+    } else if (c != ' ') {
+      current.push_back(c);
+    }
+  }
+  if (!current.empty()) parts.push_back(current);
+  return parts;
+}
+
+std::string compiler_name() {
+#if defined(__clang__)
+  return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  return std::string("gcc ") + __VERSION__;
+#else
+  return "unknown";
+#endif
+}
+
+}  // namespace
+
+BuildInfo get_build_info() {
+  BuildInfo info;
+  info.version = UCCL_EP_VERSION;
+#if defined(UCCL_EP_WITH_CUDA)
+  info.cuda = true;
+  info.cuda_runtime_version = CUDART_VERSION;
+#endif
+  info.cuda_archs = split_commas(UCCL_EP_CUDA_ARCH_LIST);  // "" without CUDA
+#if defined(UCCL_EP_WITH_HIP)
+  info.hip = true;
+#endif
+  info.verbs = false;
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  info.features.push_back("dispatch_layout");
+#endif
+  info.compiler = compiler_name();
+  return info;
+}
+
+}  // namespace uccl_ep

@@ -1,0 +1,114 @@
+// The one CUDA/HIP portability header of uccl_ep_plugin's native code.
+//
+// Host code may include it (it only needs the GPU runtime headers); the device helpers
+// are compiled only by a GPU compiler (nvcc or hipcc). Everything defined here is used
+// by some source under csrc/.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#if defined(__HIP_PLATFORM_AMD__)
+#include <hip/hip_runtime.h>
+#else
+#include <cuda_runtime.h>
+#endif
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define UCCL_EP_DEVICE_COMPILER 1
+#endif
+
+namespace uccl_ep {
+
+// ---------------------------------------------------------------------------------------
+// Runtime API names that differ between CUDA and HIP.
+// ---------------------------------------------------------------------------------------
+#if defined(__HIP_PLATFORM_AMD__)
+using gpuStream_t = hipStream_t;
+using gpuError_t = hipError_t;
+constexpr gpuError_t kGpuSuccess = hipSuccess;
+constexpr const char* kGpuApiName = "HIP";
+inline gpuError_t gpu_last_error() { return hipGetLastError(); }
+inline const char* gpu_error_name(gpuError_t err) { return hipGetErrorName(err); }
+inline const char* gpu_error_string(gpuError_t err) { return hipGetErrorString(err); }
+#else
+using gpuStream_t = cudaStream_t;
+using gpuError_t = cudaError_t;
+constexpr gpuError_t kGpuSuccess = cudaSuccess;
+constexpr const char* kGpuApiName = "CUDA";
+inline gpuError_t gpu_last_error() { return cudaGetLastError(); }
+inline const char* gpu_error_name(gpuError_t err) { return cudaGetErrorName(err); }
+inline const char* gpu_error_string(gpuError_t err) { return cudaGetErrorString(err); }
+#endif
+
+// Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the
+// wavefront size; the host pass assumes CDNA's 64.
+#if defined(__HIP_PLATFORM_AMD__)
+#if defined(__AMDGCN_WAVEFRONT_SIZE)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#else
+constexpr int kWarpSize = 64;
+#endif
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Host error handling: a failed runtime call becomes a C++ exception that carries where it
+// happened. It derives from std::runtime_error, so pybind11 turns it into RuntimeError.
+// ---------------------------------------------------------------------------------------
+class GpuError : public std::runtime_error {
+ public:
+  GpuError(gpuError_t code, const char* expr, const char* file, int line)
+      : std::runtime_error(std::string(kGpuApiName) + " error " + gpu_error_name(code) + " (" +
+                           std::to_string(static_cast<int>(code)) + "): " +
+                           gpu_error_string(code) + " [" + expr + " at " + file + ":" +
+                           std::to_string(line) + "]") {}
+};
+
+// Evaluates a runtime call (or an error value) and throws GpuError unless it succeeded.
+#define UCCL_EP_GPU_CHECK(expr)                                              \
+  do {                                                                       \
+    const ::uccl_ep::gpuError_t uccl_ep_status_ = (expr);                    \
+    if (uccl_ep_status_ != ::uccl_ep::kGpuSuccess) {                         \
+      throw ::uccl_ep::GpuError(uccl_ep_status_, #expr, __FILE__, __LINE__); \
+    }                                                                        \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------
+// Device helpers.
+// ---------------------------------------------------------------------------------------
+#if defined(UCCL_EP_DEVICE_COMPILER)
+
+// Relaxed atomic add whose scope is the thread block: enough for shared-memory counters,
+// and cheaper than device scope where the hardware distinguishes them.
+__device__ __forceinline__ void atomic_add_block_relaxed(int* addr, int value) {
+#if defined(__HIP_PLATFORM_AMD__)
+  __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+#else
+  atomicAdd_block(addr, value);
+#endif
+}
+
+// Relaxed atomic add visible device-wide (global counters summed over thread blocks).
+__device__ __forceinline__ void atomic_add_device_relaxed(int* addr, int value) {
+#if defined(__HIP_PLATFORM_AMD__)
+  __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  atomicAdd(addr, value);
+#endif
+}
+
+// Relaxed atomic OR on a word the thread block shares; returns the previous value.
+__device__ __forceinline__ uint32_t atomic_or_block_relaxed(uint32_t* addr, uint32_t bits) {
+#if defined(__HIP_PLATFORM_AMD__)
+  return __hip_atomic_fetch_or(addr, bits, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+#else
+  return atomicOr_block(addr, bits);
+#endif
+}
+
+#endif  // UCCL_EP_DEVICE_COMPILER
+
+}  // namespace uccl_ep

@@ -1,0 +1,82 @@
+// The pybind11 module uccl_ep_plugin._C. It links neither libtorch nor the Python side's
+// tensor types: callers pass device pointers, sizes and the stream as plain integers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "build_info.h"
+#if defined(UCCL_EP_WITH_CUDA)
+#include "kernels/layout.h"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+py::dict build_info_dict() {
+  const uccl_ep::BuildInfo info = uccl_ep::get_build_info();
+  py::dict out;
+  out["version"] = info.version;
+  out["cuda"] = info.cuda;
+  out["cuda_runtime_version"] =
+      info.cuda ? py::object(py::int_(info.cuda_runtime_version)) : py::object(py::none());
+  out["cuda_archs"] = py::cast(info.cuda_archs);
+  out["cuda_static_runtime"] = info.cuda;
+  out["hip"] = info.hip;
+  out["verbs"] = info.verbs;
+  out["features"] = py::cast(info.features);
+  out["compiler"] = info.compiler;
+  return out;
+}
+
+#if defined(UCCL_EP_WITH_CUDA)
+template <typename T>
+T* as_pointer(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void dispatch_layout(std::uintptr_t topk_idx_ptr, int64_t num_tokens, int64_t num_topk,
+                     int64_t num_ranks, int64_t num_experts, std::uintptr_t num_tokens_per_rank_ptr,
+                     std::uintptr_t num_tokens_per_expert_ptr, std::uintptr_t is_token_in_rank_ptr,
+                     std::uintptr_t stream) {
+  // Argument errors surface as std::invalid_argument (ValueError) before any CUDA call,
+  // launch errors as uccl_ep::GpuError (RuntimeError).
+  py::gil_scoped_release no_gil;
+  uccl_ep::launch_dispatch_layout(
+      as_pointer<const int64_t>(topk_idx_ptr), num_tokens, num_topk, num_ranks, num_experts,
+      as_pointer<int32_t>(num_tokens_per_rank_ptr), as_pointer<int32_t>(num_tokens_per_expert_ptr),
+      as_pointer<bool>(is_token_in_rank_ptr), reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native part of uccl_ep_plugin (no libtorch; raw device pointers as ints).";
+
+  m.def("build_info", &build_info_dict,
+        "Compile-time facts: version, cuda, cuda_runtime_version, cuda_archs, "
+        "cuda_static_runtime, hip, verbs, features, compiler.");
+
+#if defined(UCCL_EP_WITH_CUDA)
+  m.attr("DISPATCH_LAYOUT_MAX_TOPK") = uccl_ep::kDispatchLayoutMaxTopk;
+  m.attr("DISPATCH_LAYOUT_MAX_RANKS") = uccl_ep::kDispatchLayoutMaxRanks;
+  m.def("dispatch_layout", &dispatch_layout, py::arg("topk_idx_ptr"), py::arg("num_tokens"),
+        py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_experts"),
+        py::arg("num_tokens_per_rank_ptr"), py::arg("num_tokens_per_expert_ptr"),
+        py::arg("is_token_in_rank_ptr"), py::arg("stream"),
+        R"doc(Enqueue the dispatch layout on `stream` (a cudaStream_t as int; 0 is the
+legacy default stream) of the current device: one or two kernels named
+dispatch_layout_*. Asynchronous; releases the GIL.
+
+topk_idx_ptr: int64 [num_tokens, num_topk] contiguous, entries in [-1, num_experts).
+num_tokens_per_rank_ptr: int32 [num_ranks]; num_tokens_per_expert_ptr: int32
+[num_experts]; is_token_in_rank_ptr: bool [num_tokens, num_ranks] contiguous. All
+outputs are fully overwritten. A token listing an expert twice counts twice for that
+expert and once for its rank.
+
+Raises ValueError naming the argument for bad sizes or pointers (before any CUDA
+call) and RuntimeError with the CUDA error text if the launch fails.)doc");
+#endif
+}

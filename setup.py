@@ -1,0 +1,307 @@
+"""Build script of uccl-ep-plugin: the Python package plus the pybind11 extension ``_C``.
+
+Project metadata lives in pyproject.toml; this file only describes what needs code:
+the package layout (``configs/`` is installed as ``uccl_ep_plugin.configs``) and the
+native extension.
+
+Build modes of ``uccl_ep_plugin._C`` (it never links libtorch):
+  * CUDA: nvcc was found and ``UCCL_EP_CPU_ONLY`` is not set. The ``*.cu`` files under
+    csrc/ are compiled by nvcc and linked together with the C++ sources; cudart is
+    linked statically, so importing ``_C`` works without a GPU or driver.
+  * CPU only: no nvcc, or ``UCCL_EP_CPU_ONLY=1``. Only the C++ sources are built.
+
+Environment variables:
+  CUDA_HOME / CUDA_PATH   CUDA toolkit root (else ``nvcc`` on PATH, else /usr/local/cuda)
+  UCCL_EP_CPU_ONLY=1      build without CUDA even when nvcc exists
+  UCCL_EP_CUDA_ARCH       SM architectures, comma separated, e.g. ``90`` or ``80,90``
+                          (default: what nvidia-smi reports for the local GPUs, else 90)
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import find_namespace_packages, setup
+from setuptools.command.build_ext import build_ext
+
+try:  # setuptools >= 69 ships its own copy; older ones still have distutils
+    from setuptools.modified import newer_group
+except ImportError:  # pragma: no cover
+    from distutils.dep_util import newer_group
+
+ROOT = Path(__file__).resolve().parent
+CSRC = "csrc"
+DEFAULT_CUDA_ARCH = "90"
+TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+def log(message):
+    print(f"[uccl-ep build] {message}", flush=True)
+
+
+def project_version():
+    """The version declared in pyproject.toml (read with a regex: no tomllib on 3.9/3.10)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    project = text.split("[project]", 1)[-1]
+    match = re.search(r'^version\s*=\s*"([^"]+)"', project, re.MULTILINE)
+    return match.group(1) if match else "unknown"
+
+
+# --------------------------------------------------------------------------------------
+# Finding CUDA
+# --------------------------------------------------------------------------------------
+def _find_nvcc():
+    """Returns (path to nvcc or None, how it was found)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if not home:
+            continue
+        candidate = Path(home) / "bin" / "nvcc"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate, f"${var}={home}"
+        log(f"${var}={home} has no bin/nvcc; looking elsewhere")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return Path(on_path), "nvcc on PATH"
+    default = Path("/usr/local/cuda/bin/nvcc")
+    if default.is_file() and os.access(default, os.X_OK):
+        return default, "/usr/local/cuda"
+    return None, "no nvcc in $CUDA_HOME, $CUDA_PATH, PATH or /usr/local/cuda"
+
+
+def _cuda_home_candidates(nvcc):
+    yield nvcc.parent.parent
+    yield nvcc.resolve().parent.parent
+    # nvcc may be a wrapper script somewhere else (e.g. /usr/local/bin); nvcc itself
+    # tells where it really lives.
+    try:
+        # A dry run prints its variables (no file is read or written).
+        out = subprocess.run([str(nvcc), "--dryrun", "-c", "probe.cu", "-o", "probe.o"],
+                             capture_output=True, text=True, timeout=60).stderr
+        here = re.search(r"^#\$ _HERE_=(.+)$", out, re.MULTILINE)
+        if here:
+            yield Path(here.group(1).strip()).parent
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def _find_cuda_dirs(nvcc):
+    """(include dir, lib dir holding libcudart_static.a) of the toolkit that owns nvcc."""
+    for home in _cuda_home_candidates(nvcc):
+        include = home / "include"
+        if not (include / "cuda_runtime.h").is_file():
+            continue
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            if (home / lib / "libcudart_static.a").is_file():
+                return include, home / lib
+    return None, None
+
+
+def _gpu_archs_from_nvidia_smi():
+    try:
+        result = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if result.returncode != 0:
+        return []
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+def _normalise_archs(entries, source):
+    archs = []
+    for entry in entries:
+        arch = entry.strip().lower().replace(".", "").replace("sm_", "")
+        if not re.fullmatch(r"\d{2,3}[af]?", arch):
+            raise SystemExit(f"[uccl-ep build] error: bad CUDA architecture {entry!r} in "
+                             f"{source}; expected numbers such as 80, 90 or 90a")
+        if arch not in archs:
+            archs.append(arch)
+    return sorted(archs, key=lambda a: (int(re.match(r"\d+", a).group()), a))
+
+
+def _cuda_archs():
+    """(list of archs such as ['80', '90'], where they came from)."""
+    env = os.environ.get("UCCL_EP_CUDA_ARCH", "").strip()
+    if env:
+        entries = [e for e in re.split(r"[,;\s]+", env) if e]
+        return _normalise_archs(entries, "UCCL_EP_CUDA_ARCH"), f"UCCL_EP_CUDA_ARCH={env}"
+    found = _gpu_archs_from_nvidia_smi()
+    if found:
+        return _normalise_archs(found, "nvidia-smi"), "compute capability from nvidia-smi"
+    return [DEFAULT_CUDA_ARCH], "default (no UCCL_EP_CUDA_ARCH, no GPU seen by nvidia-smi)"
+
+
+class BuildConfig:
+    """The mode chosen for this build and everything that follows from it."""
+
+    def __init__(self):
+        self.cuda = False
+        self.reason = ""
+        self.nvcc = None
+        self.cuda_include = None
+        self.cuda_lib = None
+        self.archs = []
+        self.arch_reason = ""
+        if os.environ.get("UCCL_EP_CPU_ONLY", "").strip().lower() in TRUE_WORDS:
+            self.reason = "UCCL_EP_CPU_ONLY is set"
+            return
+        nvcc, how = _find_nvcc()
+        if nvcc is None:
+            self.reason = how
+            return
+        include, lib = _find_cuda_dirs(nvcc)
+        if include is None:
+            raise SystemExit(
+                f"[uccl-ep build] error: found {nvcc} ({how}) but not the toolkit's "
+                "include/cuda_runtime.h and libcudart_static.a next to it; set CUDA_HOME to "
+                "the toolkit root, or UCCL_EP_CPU_ONLY=1 to build without CUDA")
+        self.cuda = True
+        self.nvcc, self.cuda_include, self.cuda_lib = nvcc, include, lib
+        self.reason = f"nvcc found: {nvcc} ({how})"
+        self.archs, self.arch_reason = _cuda_archs()
+
+    def describe(self):
+        if not self.cuda:
+            return [f"mode: CPU only ({self.reason}); building the C++ parts without CUDA"]
+        return [
+            f"mode: CUDA ({self.reason})",
+            f"CUDA archs: {','.join(self.archs)} ({self.arch_reason})",
+            f"CUDA include: {self.cuda_include}; static cudart from: {self.cuda_lib}",
+        ]
+
+
+# --------------------------------------------------------------------------------------
+# The extension
+# --------------------------------------------------------------------------------------
+def _relative_files(pattern):
+    return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / CSRC).rglob(pattern))
+
+
+def make_extension(config):
+    cpp_sources = _relative_files("*.cpp")
+    cu_sources = _relative_files("*.cu") if config.cuda else []
+    headers = _relative_files("*.h") + _relative_files("*.cuh")
+    macros = [("UCCL_EP_VERSION", f'"{project_version()}"')]
+    include_dirs = [CSRC]
+    library_dirs = []
+    libraries = []
+    if config.cuda:
+        macros += [("UCCL_EP_WITH_CUDA", "1"),
+                   ("UCCL_EP_CUDA_ARCH_LIST", '"{}"'.format(",".join(config.archs)))]
+        include_dirs.append(str(config.cuda_include))
+        library_dirs.append(str(config.cuda_lib))
+        libraries += ["cudart_static", "dl", "rt", "pthread"]
+    return Pybind11Extension(
+        "uccl_ep_plugin._C",
+        sources=cpp_sources + cu_sources,
+        depends=headers + (_relative_files("*.cu") if config.cuda else []),
+        include_dirs=include_dirs,
+        define_macros=macros,
+        library_dirs=library_dirs,
+        libraries=libraries,
+        cxx_std=17,
+    )
+
+
+class BuildExtWithCuda(build_ext):
+    """build_ext that compiles ``*.cu`` sources with nvcc and links their objects in."""
+
+    def build_extensions(self):
+        for line in CONFIG.describe():
+            log(line)
+        super().build_extensions()
+
+    def build_extension(self, ext):
+        # setuptools skips an extension whose sources are older than the built library,
+        # and pip reuses ./build: rebuild everything when the mode or archs changed.
+        stamp = Path(self.build_temp) / "uccl_ep_build_config.txt"
+        signature = "\n".join(CONFIG.describe() + [repr(sorted(ext.define_macros))]) + "\n"
+        previous = stamp.read_text() if stamp.is_file() else None
+        force = self.force
+        if previous != signature:
+            if previous is not None:
+                log("build configuration changed since the last build: rebuilding everything")
+            self.force = True
+        try:
+            self._build_extension(ext)
+        finally:
+            self.force = force
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(signature)
+
+    def _build_extension(self, ext):
+        sources = list(ext.sources)
+        cu_sources = [s for s in sources if s.endswith(".cu")]
+        extra_objects = list(ext.extra_objects or [])
+        if cu_sources:
+            if not CONFIG.cuda:
+                raise SystemExit("[uccl-ep build] error: .cu sources in a CPU-only build")
+            ext.extra_objects = extra_objects + self._compile_cuda(ext, cu_sources)
+        ext.sources = [s for s in sources if not s.endswith(".cu")]
+        target = Path(self.get_ext_fullpath(ext.name))
+        before = target.stat().st_mtime_ns if target.exists() else None
+        start = time.monotonic()
+        try:
+            super().build_extension(ext)
+        finally:
+            ext.sources = sources
+            ext.extra_objects = extra_objects
+        if target.exists() and target.stat().st_mtime_ns != before:
+            log(f"C++ compile and link of {ext.name}: {time.monotonic() - start:.1f}s")
+        else:
+            log(f"{ext.name} is up to date")
+
+    def _compile_cuda(self, ext, cu_sources):
+        nvcc = str(CONFIG.nvcc)
+        flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
+        for arch in CONFIG.archs:
+            flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        for include in ext.include_dirs:
+            flags.append(f"-I{include}")
+        for name, value in ext.define_macros:
+            flags.append(f"-D{name}" if value is None else f"-D{name}={value}")
+        objects = []
+        for source in cu_sources:
+            obj = Path(self.build_temp) / (os.path.splitext(source)[0] + ".cu.o")
+            objects.append(str(obj))
+            if not (self.force or newer_group([source] + list(ext.depends), str(obj))):
+                log(f"nvcc: {source} is up to date")
+                continue
+            obj.parent.mkdir(parents=True, exist_ok=True)
+            command = [nvcc, "-c", source, "-o", str(obj)] + flags
+            log(f"nvcc: {source} -> {obj} (archs {','.join(CONFIG.archs)})")
+            start = time.monotonic()
+            try:
+                subprocess.run(command, check=True)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                raise SystemExit(f"[uccl-ep build] error: nvcc failed on {source}: {exc}\n"
+                                 f"command: {' '.join(command)}")
+            log(f"nvcc: {source} took {time.monotonic() - start:.1f}s")
+        return objects
+
+
+CONFIG = BuildConfig()
+
+# Namespace-aware search: a folder still missing its __init__.py is packaged all the same.
+PACKAGES = [
+    name for name in find_namespace_packages(include=["uccl_ep_plugin", "uccl_ep_plugin.*"])
+    if not name.endswith("__pycache__")
+]
+if "uccl_ep_plugin.configs" not in PACKAGES:
+    PACKAGES.append("uccl_ep_plugin.configs")
+
+setup(
+    packages=PACKAGES,
+    package_dir={"uccl_ep_plugin.configs": "configs"},
+    package_data={"uccl_ep_plugin.configs": ["*.yaml"]},
+    ext_modules=[make_extension(CONFIG)],
+    cmdclass={"build_ext": BuildExtWithCuda},
+    zip_safe=False,
+)
