@@ -1,4 +1,5 @@
-"""Run a test body on N local ranks joined by a gloo group (CPU), and collect each rank's failure."""
+"""Run a test body on N local ranks joined by a gloo group (CPU) or an NCCL group (one GPU per rank),
+and collect each rank's failure."""
 
 import os
 import socket
@@ -15,9 +16,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, num_ranks: int, port: int, body: Callable, kwargs: Dict[str, Any], errors) -> None:
+def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, kwargs: Dict[str, Any],
+            errors) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
         body(rank, num_ranks, dist.group.WORLD, **kwargs)
     except BaseException:  # noqa: B902 - every failure is reported to the parent
@@ -27,12 +32,12 @@ def _worker(rank: int, num_ranks: int, port: int, body: Callable, kwargs: Dict[s
         dist.destroy_process_group()
 
 
-def run_ranks(num_ranks: int, body: Callable, **kwargs) -> None:
+def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -> None:
     """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure."""
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
     port = free_port()
-    processes = [context.Process(target=_worker, args=(rank, num_ranks, port, body, kwargs, errors))
+    processes = [context.Process(target=_worker, args=(rank, num_ranks, port, backend, body, kwargs, errors))
                  for rank in range(num_ranks)]
     for process in processes:
         process.start()

@@ -39,6 +39,9 @@ def register(subparsers) -> None:
 
 
 def _commit() -> str:
+    """The source commit: $UCCL_EP_BENCH_COMMIT (for copies of a tree without .git), else git, else the version."""
+    if os.environ.get("UCCL_EP_BENCH_COMMIT"):
+        return os.environ["UCCL_EP_BENCH_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True,

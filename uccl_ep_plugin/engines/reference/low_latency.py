@@ -13,7 +13,7 @@ import torch
 from .collectives import GroupComm, PendingExchange, run_once
 from .logfmt import logfmt_roundtrip
 from .quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD, pack_ue8m0, quantize_fp8
-from .rows import pack_rows, row_spec, unpack_rows
+from .rows import pack_rows, row_spec, segment_ids, unpack_rows
 
 
 class LowLatencyDispatchResult(NamedTuple):
@@ -100,8 +100,7 @@ def low_latency_dispatch(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tenso
     def receive() -> None:
         fields = unpack_rows(exchange.finish(), specs)
         row_local_expert, row_token = fields[-2].reshape(-1).long(), fields[-1].reshape(-1)
-        row_source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                             torch.tensor(recv_counts, device=device))
+        row_source = segment_ids(torch.tensor(recv_counts, device=device))
         group_sizes = from_source.flatten().to(device)                              # (source, local expert) groups
         group_start = group_sizes.cumsum(0) - group_sizes
         group = row_source * local_experts + row_local_expert
@@ -142,8 +141,8 @@ def low_latency_combine(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tensor
     group_sizes = count.flatten()
     group_base = (torch.arange(local_experts) * slots).unsqueeze(0) + begin
     group_start = group_sizes.cumsum(0) - group_sizes
-    offsets = torch.arange(int(group_sizes.sum())) - torch.repeat_interleave(group_start, group_sizes)
-    rows_index = (torch.repeat_interleave(group_base.flatten(), group_sizes) + offsets).to(device)
+    row_group = segment_ids(group_sizes)
+    rows_index = (group_base.flatten()[row_group] + torch.arange(row_group.numel()) - group_start[row_group]).to(device)
     rows = x.reshape(local_experts * slots, hidden)[rows_index]
     payload = [logfmt_roundtrip(rows) if use_logfmt else rows]
     specs = [row_spec(payload[0])]

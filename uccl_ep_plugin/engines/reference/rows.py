@@ -36,3 +36,13 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tens
         out.append(chunk.view(dtype).reshape((num_rows,) + tuple(shape)))
         offset += width
     return out
+
+
+def segment_ids(sizes: torch.Tensor) -> torch.Tensor:
+    """For rows laid out as consecutive segments of ``sizes``, the segment index of each row.
+
+    (``repeat_interleave(arange(len(sizes)), sizes)`` computed by a search, which is much faster.)
+    """
+    ends = sizes.cumsum(0)
+    total = int(ends[-1]) if ends.numel() else 0
+    return torch.searchsorted(ends, torch.arange(total, device=sizes.device), right=True)
