@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_ranks
+from tests.multiprocess import run_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -377,7 +377,7 @@ class Buffer:
     # ------------------------------------------------------------------ low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency signal areas (needed after normal-mode use of the same memory); all ranks call it."""
-        self._check_alive()
+        self._require_low_latency_mode("clean_low_latency_buffer")
         layout = self._check_low_latency_sizes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         for idx in (0, 1):
             start = layout.signal_offset(idx)

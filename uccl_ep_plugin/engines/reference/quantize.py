@@ -36,7 +36,7 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torc
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """Power-of-two float32 scales ``[N, S]`` -> their exponent bytes, four per int32 (little end first): ``[N, S/4]``."""
     exponent_bytes = (scales.contiguous().view(torch.int32) >> 23) & 0xFF
-    words = exponent_bytes.view(scales.size(0), -1, SCALES_PER_UE8M0_WORD)
+    words = exponent_bytes.view(scales.size(0), scales.size(1) // SCALES_PER_UE8M0_WORD, SCALES_PER_UE8M0_WORD)
     shifts = torch.arange(SCALES_PER_UE8M0_WORD, device=scales.device, dtype=torch.int32) * 8
     return (words << shifts).sum(dim=-1, dtype=torch.int32)
 
