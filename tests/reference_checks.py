@@ -273,3 +273,14 @@ def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     total = tensor.to(torch.int64).clone()
     dist.all_reduce(total, group=group)
     return total
+
+
+def check_event(rec: "Recorder", event, what: str) -> None:
+    """``event`` is an EventOverlap carrying a real event that can be waited on, also as a context manager."""
+    from uccl_ep_plugin import EventOverlap
+    if not rec.expect(isinstance(event, EventOverlap), f"{what}: got {type(event).__name__}, not an EventOverlap"):
+        return
+    rec.expect(event.event is not None, f"{what}: async_finish=True must return an event")
+    event.current_stream_wait()
+    with event:
+        pass

@@ -9,7 +9,7 @@ every rank's routing, which each rank regenerates from the shared seeds.
 import pytest
 import torch
 
-from tests.reference_checks import (SectionCache, all_reduce_sum, assert_section, generator, randint, random_bf16,
+from tests.reference_checks import (check_event, SectionCache, all_reduce_sum, assert_section, generator, randint, random_bf16,
                                     random_topk_idx, random_weights)
 
 SEED = 7331
@@ -421,13 +421,13 @@ def _body(rank, num_ranks, group, rec):
         if case_id in (1, 4):
             with rec.section("async_finish"):
                 got = dispatch(use_fp8=False, async_finish=True)
-                _check_event(rec, got[3], f"{tag}: dispatch event")
+                check_event(rec, got[3], f"{tag}: dispatch event")
                 rec.expect(_valid_rows(got) == _valid_rows(bf16_result), f"{tag}: async dispatch rows differ")
                 rec.equal(got[1], bf16_result[1], f"{tag}: async dispatch counts")
                 expert_out = _simulated_expert(got[0], got[1], False, case_id * 10 + rank)
                 combined = buffer.low_latency_combine(expert_out, mine["topk_idx"], mine["topk_weights"], got[2],
                                                       async_finish=True)
-                _check_event(rec, combined[1], f"{tag}: combine event")
+                check_event(rec, combined[1], f"{tag}: combine event")
                 rec.expect(combined[2] is None, f"{tag}: async combine hook must be None")
                 rec.equal(combined[0], plain_combined, f"{tag}: async combine")
         del buffer
@@ -435,16 +435,6 @@ def _body(rank, num_ranks, group, rec):
     with rec.section("round_scale"):
         rec.expect(_ROUND_SCALE_ROWS_CHECKED[0] > 0, "no received rows had their round_scale scales checked")
     _mask_checks(rec, rank, num_ranks, group)
-
-
-def _check_event(rec, event, what: str) -> None:
-    from uccl_ep_plugin import EventOverlap
-    if not rec.expect(isinstance(event, EventOverlap), f"{what}: got {type(event).__name__}, not an EventOverlap"):
-        return
-    rec.expect(event.event is not None, f"{what}: async_finish=True must return an event")
-    event.current_stream_wait()
-    with event:
-        pass
 
 
 def _mask_checks(rec, rank, num_ranks, group):

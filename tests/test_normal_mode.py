@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
-from tests.reference_checks import (SectionCache, all_reduce_sum, assert_section, choice, generator, quiet_rank,
+from tests.reference_checks import (check_event, SectionCache, all_reduce_sum, assert_section, choice, generator, quiet_rank,
                                     randint, random_bf16, random_topk_idx, random_weights)
 
 SEED = 1201
@@ -410,7 +410,7 @@ def _body(rank, num_ranks, group, rec):
                 rec.expect(isinstance(captured, EventOverlap), f"{tag}: capture() returns {type(captured).__name__}")
                 got = buffer.get_dispatch_layout(mine["topk_idx"], e, previous_event=captured, async_finish=True,
                                                  allocate_on_comm_stream=True)
-                _check_event(rec, got[4], f"{tag}: layout event")
+                check_event(rec, got[4], f"{tag}: layout event")
                 for a, b, name in zip(got[:4], layout[:4], ("per_rank", "per_rdma_rank", "per_expert", "in_rank")):
                     if b is None:
                         rec.expect(a is None, f"{tag}: async layout {name}")
@@ -421,16 +421,16 @@ def _body(rank, num_ranks, group, rec):
                                       topk_weights=mine["topk_weights"], expert_alignment=spec["expert_alignment"],
                                       config=config, previous_event=Buffer.capture(), async_finish=True,
                                       allocate_on_comm_stream=True)
-                _check_event(rec, got[5], f"{tag}: dispatch event")
+                check_event(rec, got[5], f"{tag}: dispatch event")
                 rec.equal(_recv_tensor(got[0]).view(torch.uint8), _recv_tensor(recv_x).view(torch.uint8),
                           f"{tag}: async dispatch rows")
                 rec.equal(got[1], recv_topk_idx, f"{tag}: async recv_topk_idx")
                 got = buffer.dispatch(mine["x"], handle=handle, previous_event=Buffer.capture(), async_finish=True)
-                _check_event(rec, got[5], f"{tag}: cached dispatch event")
+                check_event(rec, got[5], f"{tag}: cached dispatch event")
                 rec.equal(got[0], rows_bf16, f"{tag}: async cached dispatch rows")
                 got = buffer.combine(rows_bf16, handle, topk_weights=recv_topk_weights, previous_event=Buffer.capture(),
                                      async_finish=True, allocate_on_comm_stream=True)
-                _check_event(rec, got[2], f"{tag}: combine event")
+                check_event(rec, got[2], f"{tag}: combine event")
                 want = buffer.combine(rows_bf16, handle, topk_weights=recv_topk_weights)
                 rec.equal(got[0], want[0], f"{tag}: async combine")
                 rec.equal(got[1], want[1], f"{tag}: async combined weights")
@@ -495,16 +495,6 @@ def _body(rank, num_ranks, group, rec):
                              topk_weights=inputs[rank]["topk_weights"])
         rec.equal(out[0], _expected_rows(inputs, model["received"], "x", spec["hidden"], torch.bfloat16),
                   "rows through a Buffer sized by the hints")
-
-
-def _check_event(rec, event, what: str) -> None:
-    from uccl_ep_plugin import EventOverlap
-    if not rec.expect(isinstance(event, EventOverlap), f"{what}: got {type(event).__name__}, not an EventOverlap"):
-        return
-    rec.expect(event.event is not None, f"{what}: async_finish=True must return an event")
-    event.current_stream_wait()
-    with event:
-        pass
 
 
 _CACHE = SectionCache(_body)
