@@ -1,5 +1,5 @@
-"""The Buffer on CUDA over NCCL: the native layout kernel against the reference layout, and
-normal and low-latency round trips through the reference engine on GPU tensors."""
+"""The Buffer on CUDA tensors, over an NCCL group and over a gloo group: the native layout kernel
+against the reference layout, and normal and low-latency round trips through the reference engine."""
 
 import pytest
 import torch
@@ -31,10 +31,15 @@ def _assert_close(got, expected, rel, what):
 
 
 def _body(rank, num_ranks, group):
+    import os
+
     import uccl_ep_plugin as ep
     from uccl_ep_plugin.engines.reference.layout import dispatch_layout
 
     device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    # On a gloo group (vLLM builds its Buffer on the CPU group) CUDA tensors are staged through the host.
+    os.environ["UCCL_EP_DEVICE"] = "cuda"
     num_tokens_limit, hidden, num_experts = 96, 1024, 32
     buffer = ep.Buffer(group, num_nvl_bytes=1 << 24, low_latency_mode=True, explicitly_destroy=True,
                        num_rdma_bytes=ep.Buffer.get_low_latency_rdma_size_hint(num_tokens_limit, hidden, num_ranks,
@@ -77,5 +82,6 @@ def _body(rank, num_ranks, group):
     buffer.destroy()
 
 
-def test_reference_engine_over_nccl_matches_semantics():
-    run_ranks(2, _body, backend="nccl")
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_reference_engine_on_gpu_tensors_matches_semantics(backend):
+    run_ranks(2, _body, backend=backend)

@@ -23,6 +23,9 @@ class GroupComm:
         self.num_ranks = num_ranks
         self.device = device
         self.timeout_s = timeout_s
+        # Gloo moves host memory only: CUDA tensors on a gloo group are staged through the host.
+        backend = str(dist.get_backend(group)).lower()
+        self.wire_device = device if device.type == "cpu" or "nccl" in backend else torch.device("cpu")
 
     def wait(self, work, phase: str, expected: str) -> None:
         """Block the host until ``work`` completes, or raise after ``timeout_s``."""
@@ -38,7 +41,7 @@ class GroupComm:
 
     def all_gather_ints(self, values: torch.Tensor, phase: str) -> torch.Tensor:
         """Gather a 1-D int tensor from every rank; returns ``[num_ranks, len]`` on the host."""
-        values = values.to(device=self.device, dtype=torch.int64).contiguous()
+        values = values.to(device=self.wire_device, dtype=torch.int64).contiguous()
         gathered = [torch.empty_like(values) for _ in range(self.num_ranks)]
         work = dist.all_gather(gathered, values, group=self.group, async_op=True)
         self.wait(work, phase, f"{values.numel()} integers from each of {self.num_ranks} ranks")
@@ -46,23 +49,23 @@ class GroupComm:
 
     def exchange_counts(self, send_counts: Sequence[int], phase: str) -> List[int]:
         """Tell every rank how many rows it will get from us; returns the rows we will get from each."""
-        send = torch.tensor(list(send_counts), dtype=torch.int64, device=self.device)
+        send = torch.tensor(list(send_counts), dtype=torch.int64, device=self.wire_device)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         self.wait(work, phase, f"row counts from {self.num_ranks} ranks")
         return recv.cpu().tolist()
 
     def barrier(self, phase: str) -> None:
-        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        token = torch.zeros(1, dtype=torch.int64, device=self.wire_device)
         work = dist.all_reduce(token, group=self.group, async_op=True)
         self.wait(work, phase, f"all {self.num_ranks} ranks to arrive")
 
     def start_row_exchange(self, send_rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
                            phase: str) -> "PendingExchange":
         """Start an all-to-all of byte rows; rows for rank ``i`` are the ``i``-th block of ``send_rows``."""
-        recv_rows = torch.empty((sum(recv_counts), send_rows.size(1)), dtype=torch.uint8, device=self.device)
-        work = dist.all_to_all_single(recv_rows, send_rows.contiguous(), list(recv_counts), list(send_counts),
-                                      group=self.group, async_op=True)
+        recv_rows = torch.empty((sum(recv_counts), send_rows.size(1)), dtype=torch.uint8, device=self.wire_device)
+        work = dist.all_to_all_single(recv_rows, send_rows.to(self.wire_device).contiguous(), list(recv_counts),
+                                      list(send_counts), group=self.group, async_op=True)
         return PendingExchange(self, work, recv_rows, phase, sum(recv_counts))
 
 
@@ -80,13 +83,14 @@ class PendingExchange:
 
     def finish(self) -> torch.Tensor:
         if self._work is not None:
-            if self._comm.device.type == "cuda":
+            if self._comm.wire_device.type == "cuda":
                 # The stream waits, not the host: later kernels are ordered after the exchange.
                 self._work.wait()
             else:
                 self._comm.wait(self._work, self._phase, f"{self._num_rows} rows from the other ranks")
             self.waited_ns = time.monotonic_ns() - self.started
             self._work = None
+            self._recv_rows = self._recv_rows.to(self._comm.device)
         return self._recv_rows
 
 
