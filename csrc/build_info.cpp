@@ -56,7 +56,9 @@ BuildInfo get_build_info() {
   info.verbs = false;
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   info.features.push_back("dispatch_layout");
+  info.features.push_back("gpu_channel");
 #endif
+  info.features.push_back("host_channel");
   info.compiler = compiler_name();
   return info;
 }

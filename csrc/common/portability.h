@@ -9,18 +9,37 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define UCCL_EP_DEVICE_COMPILER 1
+#define UCCL_EP_HOST_DEVICE __host__ __device__
+#else
+#define UCCL_EP_HOST_DEVICE
+#endif
+
+// The GPU runtime is there in GPU builds; CPU-only builds use only what does not need it
+// (UCCL_EP_HOST_DEVICE, the host memory-order helpers).
+#if defined(UCCL_EP_DEVICE_COMPILER) || defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#define UCCL_EP_GPU_RUNTIME 1
 #if defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime.h>
 #else
 #include <cuda_runtime.h>
 #endif
-
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define UCCL_EP_DEVICE_COMPILER 1
 #endif
 
 namespace uccl_ep {
 
+// ---------------------------------------------------------------------------------------
+// Host-side atomics on words that a GPU (or another host thread) also reads or writes.
+// ---------------------------------------------------------------------------------------
+inline uint64_t host_load_acquire(const uint64_t* addr) { return __atomic_load_n(addr, __ATOMIC_ACQUIRE); }
+inline void host_store_release(uint64_t* addr, uint64_t value) { __atomic_store_n(addr, value, __ATOMIC_RELEASE); }
+inline void host_store_relaxed(uint64_t* addr, uint64_t value) { __atomic_store_n(addr, value, __ATOMIC_RELAXED); }
+inline uint64_t host_fetch_add_relaxed(uint64_t* addr, uint64_t value) {
+  return __atomic_fetch_add(addr, value, __ATOMIC_RELAXED);
+}
+
+#if defined(UCCL_EP_GPU_RUNTIME)
 // ---------------------------------------------------------------------------------------
 // Runtime API names that differ between CUDA and HIP.
 // ---------------------------------------------------------------------------------------
@@ -76,10 +95,67 @@ class GpuError : public std::runtime_error {
     }                                                                        \
   } while (0)
 
+#endif  // UCCL_EP_GPU_RUNTIME
+
 // ---------------------------------------------------------------------------------------
 // Device helpers.
 // ---------------------------------------------------------------------------------------
 #if defined(UCCL_EP_DEVICE_COMPILER)
+
+// Loads and stores on memory that the CPU (or a peer GPU) reads: system scope, so they are
+// ordered with respect to the host's accesses to mapped pinned memory.
+__device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* addr) {
+#if defined(__HIP_PLATFORM_AMD__)
+  return __hip_atomic_load(addr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+  return value;
+#endif
+}
+
+__device__ __forceinline__ void store_release_system(uint64_t* addr, uint64_t value) {
+#if defined(__HIP_PLATFORM_AMD__)
+  __hip_atomic_store(addr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void store_relaxed_system(uint64_t* addr, uint64_t value) {
+#if defined(__HIP_PLATFORM_AMD__)
+  __hip_atomic_store(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+#endif
+}
+
+// Nanoseconds of a device-wide clock (for deadlines, not for comparing with the host).
+__device__ __forceinline__ uint64_t device_time_ns() {
+#if defined(__HIP_PLATFORM_AMD__)
+  return wall_clock64() * 10;  // the 100 MHz constant clock of CDNA
+#else
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+#endif
+}
+
+__device__ __forceinline__ void device_pause() {
+#if defined(__HIP_PLATFORM_AMD__)
+  __builtin_amdgcn_s_sleep(1);
+#else
+  __nanosleep(64);
+#endif
+}
+
+__device__ __forceinline__ uint64_t fetch_add_device_relaxed(uint64_t* addr, uint64_t value) {
+#if defined(__HIP_PLATFORM_AMD__)
+  return __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  return atomicAdd(reinterpret_cast<unsigned long long*>(addr), static_cast<unsigned long long>(value));
+#endif
+}
 
 // Relaxed atomic add whose scope is the thread block: enough for shared-memory counters,
 // and cheaper than device scope where the hardware distinguishes them.

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "build_info.h"
+#include "channel/stress.h"
 #if defined(UCCL_EP_WITH_CUDA)
 #include "kernels/layout.h"
 #endif
@@ -30,7 +31,42 @@ py::dict build_info_dict() {
   return out;
 }
 
+py::dict stress_result_dict(const uccl_ep::ChannelStressResult& r) {
+  py::dict out;
+  out["expected"] = r.expected;
+  out["pushed"] = r.pushed;
+  out["popped"] = r.popped;
+  out["lost"] = r.lost;
+  out["out_of_order"] = r.out_of_order;
+  out["torn"] = r.torn;
+  out["capacity"] = r.capacity;
+  out["num_fifos"] = r.num_fifos;
+  out["seconds"] = r.seconds;
+  return out;
+}
+
+py::dict channel_stress_host(uint32_t num_producers, uint64_t commands_per_producer, uint64_t capacity,
+                             double timeout_s) {
+  uccl_ep::ChannelStressResult result;
+  {
+    py::gil_scoped_release no_gil;
+    result = uccl_ep::run_host_channel_stress(num_producers, commands_per_producer, capacity, timeout_s);
+  }
+  return stress_result_dict(result);
+}
+
 #if defined(UCCL_EP_WITH_CUDA)
+py::dict channel_stress_gpu(uint32_t num_fifos, uint32_t blocks_per_fifo, uint32_t threads_per_block,
+                            uint64_t commands_per_thread, uint64_t capacity, double timeout_s) {
+  uccl_ep::ChannelStressResult result;
+  {
+    py::gil_scoped_release no_gil;
+    result = uccl_ep::run_gpu_channel_stress(num_fifos, blocks_per_fifo, threads_per_block, commands_per_thread,
+                                             capacity, timeout_s);
+  }
+  return stress_result_dict(result);
+}
+
 template <typename T>
 T* as_pointer(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
@@ -59,7 +95,16 @@ PYBIND11_MODULE(_C, m) {
         "Compile-time facts: version, cuda, cuda_runtime_version, cuda_archs, "
         "cuda_static_runtime, hip, verbs, features, compiler.");
 
+  m.def("channel_stress_host", &channel_stress_host, py::arg("num_producers"), py::arg("commands_per_producer"),
+        py::arg("capacity"), py::arg("timeout_s"),
+        "Host threads push numbered commands through one FIFO while this thread takes and checks them; "
+        "returns counts of lost, out-of-order and torn commands and the elapsed seconds.");
+
 #if defined(UCCL_EP_WITH_CUDA)
+  m.def("channel_stress_gpu", &channel_stress_gpu, py::arg("num_fifos"), py::arg("blocks_per_fifo"),
+        py::arg("threads_per_block"), py::arg("commands_per_thread"), py::arg("capacity"), py::arg("timeout_s"),
+        "GPU threads push numbered commands into FIFOs in pinned mapped host memory, one checking host "
+        "consumer per FIFO; same result dict as channel_stress_host.");
   m.attr("DISPATCH_LAYOUT_MAX_TOPK") = uccl_ep::kDispatchLayoutMaxTopk;
   m.attr("DISPATCH_LAYOUT_MAX_RANKS") = uccl_ep::kDispatchLayoutMaxRanks;
   m.def("dispatch_layout", &dispatch_layout, py::arg("topk_idx_ptr"), py::arg("num_tokens"),

@@ -24,7 +24,7 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
         return f"the native engine needs a CUDA device, this Buffer runs on {device.type}"
     feature = IMPLEMENTED.get(operation)
     if feature is None:
-        return "no native kernel exists for it yet"
+        return "no native kernel yet"
     try:
         extension = _load_extension()
     except ImportError as error:
