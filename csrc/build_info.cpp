@@ -59,6 +59,7 @@ BuildInfo get_build_info() {
   info.features.push_back("gpu_channel");
 #endif
   info.features.push_back("host_channel");
+  info.features.push_back("tcp_transport");
   info.compiler = compiler_name();
   return info;
 }

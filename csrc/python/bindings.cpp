@@ -12,6 +12,7 @@
 #endif
 
 namespace py = pybind11;
+void bind_transport(py::module_& m);  // bind_transport.cpp
 
 namespace {
 
@@ -94,6 +95,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info_dict,
         "Compile-time facts: version, cuda, cuda_runtime_version, cuda_archs, "
         "cuda_static_runtime, hip, verbs, features, compiler.");
+  bind_transport(m);
 
   m.def("channel_stress_host", &channel_stress_host, py::arg("num_producers"), py::arg("commands_per_producer"),
         py::arg("capacity"), py::arg("timeout_s"),
