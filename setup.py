@@ -1,7 +1,8 @@
 """Build script of uccl-ep-plugin: the Python package plus the pybind11 extension ``_C``.
 
 Project metadata lives in pyproject.toml; this file only describes what needs code:
-the package layout (``configs/`` is installed as ``uccl_ep_plugin.configs``) and the
+the package layout (``configs/`` and ``integrations/`` are installed as subpackages of
+``uccl_ep_plugin``) and the
 native extension.
 
 Build modes of ``uccl_ep_plugin._C`` (it never links libtorch):
@@ -294,12 +295,19 @@ PACKAGES = [
     name for name in find_namespace_packages(include=["uccl_ep_plugin", "uccl_ep_plugin.*"])
     if not name.endswith("__pycache__")
 ]
-if "uccl_ep_plugin.configs" not in PACKAGES:
-    PACKAGES.append("uccl_ep_plugin.configs")
+# Top-level folders installed as subpackages of uccl_ep_plugin (see DESIGN's layout).
+FOLDER_PACKAGES = {
+    "uccl_ep_plugin.configs": "configs",
+    "uccl_ep_plugin.integrations": "integrations",
+    "uccl_ep_plugin.integrations.sglang": "integrations/sglang",
+    "uccl_ep_plugin.integrations.vllm": "integrations/vllm",
+}
+FOLDER_PACKAGES = {name: folder for name, folder in FOLDER_PACKAGES.items() if (ROOT / folder).is_dir()}
+PACKAGES += [name for name in FOLDER_PACKAGES if name not in PACKAGES]
 
 setup(
     packages=PACKAGES,
-    package_dir={"uccl_ep_plugin.configs": "configs"},
+    package_dir=FOLDER_PACKAGES,
     package_data={"uccl_ep_plugin.configs": ["*.yaml"]},
     ext_modules=[make_extension(CONFIG)],
     cmdclass={"build_ext": BuildExtWithCuda},
