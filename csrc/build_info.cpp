@@ -60,6 +60,7 @@ BuildInfo get_build_info() {
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");
+  info.features.push_back("proxy");
   info.compiler = compiler_name();
   return info;
 }

@@ -13,6 +13,7 @@
 
 namespace py = pybind11;
 void bind_transport(py::module_& m);  // bind_transport.cpp
+void bind_proxy(py::module_& m);      // bind_proxy.cpp
 
 namespace {
 
@@ -96,6 +97,7 @@ PYBIND11_MODULE(_C, m) {
         "Compile-time facts: version, cuda, cuda_runtime_version, cuda_archs, "
         "cuda_static_runtime, hip, verbs, features, compiler.");
   bind_transport(m);
+  bind_proxy(m);
 
   m.def("channel_stress_host", &channel_stress_host, py::arg("num_producers"), py::arg("commands_per_producer"),
         py::arg("capacity"), py::arg("timeout_s"),

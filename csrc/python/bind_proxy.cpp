@@ -1,0 +1,472 @@
+// Python binding of the CPU proxy (csrc/proxy/): uccl_ep_plugin._C.HostFifo, ProxyConfig, Proxy,
+// ReceiverOrdering, encode_immediate, decode_immediate.
+//
+// Drives the proxy without a GPU: HostFifo owns a FIFO in host memory that Python pushes encoded
+// commands into (standing in for the GPU producer), and Proxy owns a tcp transport over a host
+// memory region (the TcpTransport binding's class is private to bind_transport.cpp, so the proxy
+// constructs its own transport and exposes listen_address()/connect()). Argument errors raise
+// ValueError naming the argument; proxy, transport and ordering failures RuntimeError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "channel/command.h"
+#include "channel/fifo.h"
+#include "channel/fifo_host.h"
+#include "proxy/immediate.h"
+#include "proxy/ordering.h"
+#include "proxy/proxy.h"
+#include "transport/tcp_transport.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+uint64_t non_negative_arg(const char* name, int64_t value) {
+  require(value >= 0, std::string(name) + " must be >= 0 (got " + std::to_string(value) + ")");
+  return static_cast<uint64_t>(value);
+}
+
+// ---------------------------------------------------------------------------------------
+// HostFifo
+// ---------------------------------------------------------------------------------------
+class HostFifo {
+ public:
+  explicit HostFifo(int64_t capacity) {
+    require(capacity >= 2 && capacity <= (1 << 24) && (capacity & (capacity - 1)) == 0,
+            "capacity must be a power of two in [2, 2**24] (got " + std::to_string(capacity) + ")");
+    const size_t slot_bytes = static_cast<size_t>(capacity) * sizeof(uccl_ep::Command);
+    memory_ = static_cast<uint8_t*>(std::aligned_alloc(64, slot_bytes + 128));
+    if (!memory_) throw std::bad_alloc();
+    std::memset(memory_, 0, slot_bytes + 128);
+    view_.slots = reinterpret_cast<uccl_ep::Command*>(memory_);
+    view_.head = reinterpret_cast<uint64_t*>(memory_ + slot_bytes);
+    view_.tail = reinterpret_cast<uint64_t*>(memory_ + slot_bytes + 64);
+    view_.capacity = static_cast<uint64_t>(capacity);
+  }
+  ~HostFifo() { std::free(memory_); }
+  HostFifo(const HostFifo&) = delete;
+  HostFifo& operator=(const HostFifo&) = delete;
+
+  void push(int kind, int64_t dst_rank, int64_t length_bytes, int64_t local_offset, int64_t remote_offset,
+            int64_t counter_index, int64_t value, int64_t flags, double timeout_s) {
+    require(kind >= 1 && kind <= 15, "kind must be in [1, 15] (got " + std::to_string(kind) + ")");
+    require(dst_rank >= 0 && dst_rank < uccl_ep::kMaxRanks,
+            "dst_rank must be in [0, " + std::to_string(uccl_ep::kMaxRanks) + ") (got " + std::to_string(dst_rank) + ")");
+    require(flags >= 0 && flags < uccl_ep::kMaxFlags, "flags must be in [0, 16) (got " + std::to_string(flags) + ")");
+    require(counter_index >= 0 && counter_index < uccl_ep::kMaxCounterIndex,
+            "counter_index must be in [0, 2**20) (got " + std::to_string(counter_index) + ")");
+    const uint64_t unit = uccl_ep::kCommandUnitBytes;
+    auto units = [&](const char* name, int64_t bytes, uint64_t limit_units) {
+      require(bytes >= 0 && static_cast<uint64_t>(bytes) % unit == 0,
+              std::string(name) + " must be a non-negative multiple of 16 (got " + std::to_string(bytes) + ")");
+      require(static_cast<uint64_t>(bytes) / unit < limit_units,
+              std::string(name) + " " + std::to_string(bytes) + " does not fit the command format");
+      return static_cast<uint64_t>(bytes) / unit;
+    };
+    const uint64_t lo = units("local_offset", local_offset, 1ull << 32);
+    const uint64_t ro = units("remote_offset", remote_offset, 1ull << 32);
+    uint64_t length_units;
+    if (kind == static_cast<int>(uccl_ep::CommandKind::kAtomicAdd)) {
+      require(length_bytes == 0, "length_bytes must be 0 for an atomic add (the value travels in its place)");
+      require(value >= -(1ll << 23) && value < (1ll << 23),
+              "value must be in [-2**23, 2**23) (got " + std::to_string(value) + ")");
+      length_units = static_cast<uint64_t>(value) & 0xFFFFFF;
+    } else {
+      require(value == 0, "value is only for kAtomicAdd (got " + std::to_string(value) + ")");
+      length_units = units("length_bytes", length_bytes, uccl_ep::kMaxLengthUnits);
+    }
+    const uccl_ep::Command c = uccl_ep::encode_command(static_cast<uccl_ep::CommandKind>(kind),
+                                                       static_cast<uint32_t>(dst_rank), static_cast<uint32_t>(flags),
+                                                       length_units, static_cast<uint32_t>(counter_index), lo, ro);
+    require(timeout_s > 0, "timeout_s must be > 0");
+    uccl_ep::PushResult result;
+    {
+      py::gil_scoped_release no_gil;
+      uccl_ep::HostFifoOps ops(std::chrono::steady_clock::now() +
+                               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                   std::chrono::duration<double>(timeout_s)));
+      result = uccl_ep::fifo_push(view_, c, ops);
+    }
+    if (result != uccl_ep::PushResult::kPushed) {
+      throw std::runtime_error("HostFifo.push timed out after " + std::to_string(timeout_s) +
+                               " s: the FIFO stayed full (is a proxy consuming it?); the FIFO is unusable now");
+    }
+  }
+
+  uint64_t pushed() const { return uccl_ep::host_load_acquire(view_.head); }
+  uint64_t taken() const { return uccl_ep::host_load_acquire(view_.tail); }
+  const uccl_ep::FifoView& view() const { return view_; }
+
+ private:
+  uint8_t* memory_ = nullptr;
+  uccl_ep::FifoView view_{};
+};
+
+// ---------------------------------------------------------------------------------------
+// Proxy (with the tcp transport it owns)
+// ---------------------------------------------------------------------------------------
+class PyProxy {
+ public:
+  PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::list fifos, int num_threads,
+          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
+    require(num_threads >= 1 && num_threads <= 256,
+            "num_threads must be in [1, 256] (got " + std::to_string(num_threads) + ")");
+    require(py::len(fifos) >= 1, "fifos must list at least one HostFifo");
+    std::vector<uccl_ep::FifoView> views;
+    for (size_t i = 0; i < py::len(fifos); ++i) {
+      py::object item = fifos[i];
+      require(py::isinstance<HostFifo>(item), "fifos[" + std::to_string(i) + "] is not a HostFifo");
+      views.push_back(item.cast<HostFifo&>().view());
+    }
+    fifos_ = fifos;  // keeps the FIFOs alive as long as the proxy
+    uccl_ep::MemoryRegion region;
+    region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
+    region.bytes = non_negative_arg("region_bytes", region_bytes);
+    uccl_ep::TcpTransportOptions options;
+    options.reorder_seed = reorder_seed;
+    options.timeout_s = transport_timeout_s;
+    transport_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
+    uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
+    c.num_threads = static_cast<uint32_t>(num_threads);
+    proxy_ = std::make_unique<uccl_ep::Proxy>(*transport_, std::move(views), c);
+  }
+
+  ~PyProxy() {
+    try {
+      shutdown(false);
+    } catch (...) {
+    }
+  }
+
+  uccl_ep::Proxy& proxy() {
+    if (!proxy_) throw std::runtime_error("Proxy is closed");
+    return *proxy_;
+  }
+  uccl_ep::TcpTransport& transport() {
+    if (!transport_) throw std::runtime_error("Proxy is closed");
+    return *transport_;
+  }
+
+  void stop() {
+    if (!proxy_) return;
+    py::gil_scoped_release no_gil;
+    proxy_->stop();
+  }
+
+  // Stops the threads (raising their error if `raise`), then closes the transport.
+  void shutdown(bool raise) {
+    std::string error;
+    {
+      py::gil_scoped_release no_gil;
+      if (proxy_) {
+        try {
+          proxy_->stop();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        proxy_.reset();
+      }
+      if (transport_) {
+        transport_->close();
+        transport_.reset();
+      }
+    }
+    if (raise && !error.empty()) throw uccl_ep::ProxyError(error);
+  }
+
+  void wait_barriers(uint64_t count, double timeout_s) {
+    require(timeout_s > 0, "timeout_s must be > 0");
+    uccl_ep::Proxy& p = proxy();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                                  std::chrono::duration<double>(timeout_s));
+    py::gil_scoped_release no_gil;
+    while (p.barriers_done() < count) {
+      p.check();
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw uccl_ep::ProxyError("proxy rank " + std::to_string(transport_->rank()) + ": " +
+                                  std::to_string(p.barriers_done()) + " barriers done after " +
+                                  std::to_string(timeout_s) + " s, waiting for " + std::to_string(count));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    p.check();
+  }
+
+ private:
+  py::list fifos_;
+  std::unique_ptr<uccl_ep::TcpTransport> transport_;
+  std::unique_ptr<uccl_ep::Proxy> proxy_;
+};
+
+py::dict ordering_stats_dict(const uccl_ep::OrderingStats& s) {
+  py::dict d;
+  d["adds_applied"] = s.adds_applied;
+  d["adds_held_now"] = s.adds_held_now;
+  d["adds_held_peak"] = s.adds_held_peak;
+  d["adds_applied_late"] = s.adds_applied_late;
+  d["tokens_landed"] = s.tokens_landed;
+  d["flags_released"] = s.flags_released;
+  d["flags_held_now"] = s.flags_held_now;
+  d["flags_held_peak"] = s.flags_held_peak;
+  d["flags_released_late"] = s.flags_released_late;
+  return d;
+}
+
+// The ordering layer alone, over a caller's buffer: unit tests feed it immediates by hand.
+class PyReceiverOrdering {
+ public:
+  PyReceiverOrdering(int64_t region_ptr, int64_t region_bytes, const uccl_ep::OrderingConfig& config) {
+    uccl_ep::MemoryRegion region;
+    region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
+    region.bytes = non_negative_arg("region_bytes", region_bytes);
+    impl_ = std::make_unique<uccl_ep::ReceiverOrdering>(region, config);
+  }
+  void on_immediate(int64_t src_rank, int64_t imm) {
+    require(src_rank >= 0 && src_rank < (1ll << 31), "src_rank must be >= 0");
+    require(imm >= 0 && imm <= 0xFFFFFFFFll, "imm must be in [0, 2**32) (got " + std::to_string(imm) + ")");
+    impl_->on_immediate(static_cast<uint32_t>(src_rank), static_cast<uint32_t>(imm));
+  }
+  py::dict stats() const { return ordering_stats_dict(impl_->stats()); }
+
+ private:
+  std::unique_ptr<uccl_ep::ReceiverOrdering> impl_;
+};
+
+uint32_t py_encode_immediate(int kind, int buffer, int seq, int counter, int64_t value) {
+  require(kind >= 0 && kind <= 3, "kind must be in [0, 3] (got " + std::to_string(kind) + ")");
+  require(buffer == 0 || buffer == 1, "buffer must be 0 or 1 (got " + std::to_string(buffer) + ")");
+  require(seq >= 0 && seq < static_cast<int>(uccl_ep::kImmSeqModulus),
+          "seq must be in [0, 16) (got " + std::to_string(seq) + ")");
+  require(counter >= 0 && counter < static_cast<int>(uccl_ep::kImmMaxCounters),
+          "counter must be in [0, 2048) (got " + std::to_string(counter) + ")");
+  const auto k = static_cast<uccl_ep::ImmKind>(kind);
+  if (k == uccl_ep::ImmKind::kAtomicAdd) {
+    require(uccl_ep::imm_add_fits(value), "value of an atomic add must be in [-8192, 8191] (got " +
+                                              std::to_string(value) + ")");
+  } else {
+    require(value >= 0 && uccl_ep::imm_value_fits(static_cast<uint64_t>(value)),
+            "value must be in [0, 16383] (got " + std::to_string(value) + ")");
+  }
+  return uccl_ep::encode_immediate(k, static_cast<uint32_t>(buffer), static_cast<uint32_t>(seq),
+                                   static_cast<uint32_t>(counter), static_cast<uint32_t>(value));
+}
+
+py::dict py_decode_immediate(int64_t imm) {
+  require(imm >= 0 && imm <= 0xFFFFFFFFll, "imm must be in [0, 2**32) (got " + std::to_string(imm) + ")");
+  const uccl_ep::ImmFields f = uccl_ep::decode_immediate(static_cast<uint32_t>(imm));
+  py::dict d;
+  d["kind"] = static_cast<int>(f.kind);
+  d["kind_name"] = uccl_ep::imm_kind_name(f.kind);
+  d["buffer"] = f.buffer;
+  d["seq"] = f.seq;
+  d["counter"] = f.counter;
+  d["value"] = f.kind == uccl_ep::ImmKind::kAtomicAdd ? static_cast<int64_t>(uccl_ep::imm_add_value(f))
+                                                      : static_cast<int64_t>(f.value);
+  return d;
+}
+
+uccl_ep::ProxyConfig config_from_environ(const std::map<std::string, std::string>& env) {
+  uccl_ep::ProxyConfig c;
+  c.apply_environ(env);
+  return c;
+}
+
+}  // namespace
+
+void bind_proxy(py::module_& m) {
+  py::register_exception<uccl_ep::ProxyError>(m, "ProxyError", PyExc_RuntimeError);
+  py::register_exception<uccl_ep::OrderingError>(m, "OrderingError", PyExc_RuntimeError);
+
+  py::class_<HostFifo>(m, "HostFifo", R"doc(
+A command FIFO in host memory, standing in for the pinned FIFO a GPU pushes into. push() encodes
+one 16-byte command (channel/command.h): offsets and lengths in bytes (multiples of 16); for
+kAtomicAdd `value` is the signed amount (or, with FLAG_COUNT, the announced token rows). Blocks
+(without the GIL) while the FIFO is full, up to timeout_s.)doc")
+      .def(py::init<int64_t>(), py::arg("capacity") = 1024)
+      .def("push", &HostFifo::push, py::arg("kind"), py::arg("dst_rank") = 0, py::arg("length_bytes") = 0,
+           py::arg("local_offset") = 0, py::arg("remote_offset") = 0, py::arg("counter_index") = 0,
+           py::arg("value") = 0, py::arg("flags") = 0, py::arg("timeout_s") = 30.0)
+      .def_property_readonly("pushed", &HostFifo::pushed, "Commands claimed by producers so far.")
+      .def_property_readonly("taken", &HostFifo::taken, "Commands the consumer has taken so far.")
+      .def_property_readonly("capacity", [](const HostFifo& f) { return f.view().capacity; })
+      .def_property_readonly_static("WRITE", [](py::object) { return 1; })
+      .def_property_readonly_static("WRITE_WITH_COUNT", [](py::object) { return 2; })
+      .def_property_readonly_static("ATOMIC_ADD", [](py::object) { return 3; })
+      .def_property_readonly_static("QUIET", [](py::object) { return 4; })
+      .def_property_readonly_static("BARRIER", [](py::object) { return 5; })
+      .def_property_readonly_static("FLAG_BUFFER", [](py::object) { return uccl_ep::kCommandFlagBuffer; })
+      .def_property_readonly_static("FLAG_COUNT", [](py::object) { return uccl_ep::kCommandFlagCountFlag; });
+
+  py::class_<uccl_ep::ProxyConfig>(m, "ProxyConfig", R"doc(
+Proxy settings. Counter layout in every rank's region: int64 counters[num_counters] at
+counters_offset (atomic-add targets) and int64 flags[2][num_counters][num_ranks] at flags_offset
+(low-latency count flags, -(N+1) once N rows landed). `ordering=False` applies immediates in
+arrival order (a test switch). from_environ() reads UCCL_IB_MAX_INFLIGHT_BYTES,
+UCCL_IB_MAX_INFLIGHT_NORMAL, UCCL_IB_MAX_INFLIGHT_LOW_LATENCY and UCCL_RDMA_ADAPTIVE_SLEEP from a
+dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
+      .def(py::init<>())
+      .def_static("from_environ", &config_from_environ, py::arg("environ"))
+      .def("apply_environ", &uccl_ep::ProxyConfig::apply_environ, py::arg("environ"))
+      .def_property(
+          "max_inflight_bytes",
+          [](const uccl_ep::ProxyConfig& c) -> py::object {
+            return c.max_inflight_bytes ? py::object(py::int_(c.max_inflight_bytes)) : py::object(py::none());
+          },
+          [](uccl_ep::ProxyConfig& c, std::optional<int64_t> v) {
+            require(!v || *v >= 1, "max_inflight_bytes must be >= 1 or None (unlimited)");
+            c.max_inflight_bytes = v ? static_cast<uint64_t>(*v) : 0;
+          })
+      .def_readwrite("max_inflight_normal", &uccl_ep::ProxyConfig::max_inflight_normal)
+      .def_readwrite("max_inflight_low_latency", &uccl_ep::ProxyConfig::max_inflight_low_latency)
+      .def_readwrite("low_latency", &uccl_ep::ProxyConfig::low_latency)
+      .def_readwrite("adaptive_sleep", &uccl_ep::ProxyConfig::adaptive_sleep)
+      .def_readwrite("cpu_affinity", &uccl_ep::ProxyConfig::cpu_affinity)
+      .def_readwrite("token_bytes", &uccl_ep::ProxyConfig::token_bytes)
+      .def_readwrite("timeout_s", &uccl_ep::ProxyConfig::timeout_s)
+      .def_property(
+          "num_counters", [](const uccl_ep::ProxyConfig& c) { return c.ordering.num_counters; },
+          [](uccl_ep::ProxyConfig& c, uint32_t v) { c.ordering.num_counters = v; })
+      .def_property(
+          "counters_offset", [](const uccl_ep::ProxyConfig& c) { return c.ordering.counters_offset; },
+          [](uccl_ep::ProxyConfig& c, uint64_t v) { c.ordering.counters_offset = v; })
+      .def_property(
+          "flags_offset", [](const uccl_ep::ProxyConfig& c) { return c.ordering.flags_offset; },
+          [](uccl_ep::ProxyConfig& c, uint64_t v) { c.ordering.flags_offset = v; })
+      .def_property(
+          "window", [](const uccl_ep::ProxyConfig& c) { return c.ordering.window; },
+          [](uccl_ep::ProxyConfig& c, uint32_t v) { c.ordering.window = v; })
+      .def_property(
+          "ordering", [](const uccl_ep::ProxyConfig& c) { return c.ordering.enabled; },
+          [](uccl_ep::ProxyConfig& c, bool v) { c.ordering.enabled = v; });
+
+  py::class_<PyProxy>(m, "Proxy", R"doc(
+A CPU proxy: num_threads threads take commands from `fifos` (HostFifo objects; FIFO f belongs to
+thread f % num_threads) and execute them through a tcp transport over the host region
+(region_ptr, region_bytes) that the proxy owns. Bootstrap: all-gather listen_address(), call
+connect(addresses), then start(). stop() joins the threads and raises the proxy's error if one
+was recorded; close() also closes the transport. Errors (a command that cannot be executed, a
+transport or ordering failure) name the rank, the peer and the decoded command, and are raised
+by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
+      .def(py::init<int, int, int64_t, int64_t, py::list, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double>(),
+           py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("fifos"),
+           py::arg("num_threads") = 1, py::arg("config") = py::none(), py::arg("reorder_seed") = -1,
+           py::arg("transport_timeout_s") = 30.0)
+      .def("listen_address", [](PyProxy& p) { return p.transport().listen_address(); })
+      .def(
+          "connect",
+          [](PyProxy& p, const std::vector<std::string>& addresses) {
+            auto& t = p.transport();
+            py::gil_scoped_release no_gil;
+            t.connect(addresses);
+          },
+          py::arg("addresses"))
+      .def("start", [](PyProxy& p) { p.proxy().start(); })
+      .def("stop", &PyProxy::stop, "Join every proxy thread; raise the stored error, if any.")
+      .def("close", [](PyProxy& p) { p.shutdown(true); },
+           "stop(), then close the transport (raises the stored error after closing). Idempotent.")
+      .def("check", [](PyProxy& p) { p.proxy().check(); }, "Raise the stored error, if any.")
+      .def("error", [](PyProxy& p) -> py::object {
+        const std::string e = p.proxy().error();
+        return e.empty() ? py::object(py::none()) : py::object(py::str(e));
+      })
+      .def("wait_barriers", &PyProxy::wait_barriers, py::arg("count"), py::arg("timeout_s") = 30.0,
+           "Wait until `count` barriers completed (raises the proxy's error, or on timeout).")
+      .def_property_readonly("barriers_done", [](PyProxy& p) { return p.proxy().barriers_done(); })
+      .def_property_readonly("quiets_done", [](PyProxy& p) { return p.proxy().quiets_done(); })
+      .def_property_readonly("inflight_requests", [](PyProxy& p) { return p.proxy().inflight_requests(); })
+      .def_property_readonly("transport_outstanding", [](PyProxy& p) { return p.transport().outstanding(); })
+      .def_property_readonly("reorder_seed",
+                             [](PyProxy& p) -> py::object {
+                               const auto& c = p.transport().reorder_config();
+                               return c.enabled ? py::object(py::int_(c.seed)) : py::object(py::none());
+                             })
+      .def("counter",
+           [](PyProxy& p, int64_t index) {
+             const auto& o = p.proxy().ordering();
+             require(index >= 0 && index < o.config().num_counters, "index must be in [0, num_counters)");
+             return __atomic_load_n(o.counter_ptr(static_cast<uint32_t>(index)), __ATOMIC_ACQUIRE);
+           },
+           py::arg("index"), "The int64 counter `index` of this rank's region.")
+      .def("flag",
+           [](PyProxy& p, int buffer, int64_t counter, int64_t src_rank) {
+             const auto& o = p.proxy().ordering();
+             require(buffer == 0 || buffer == 1, "buffer must be 0 or 1");
+             require(counter >= 0 && counter < o.config().num_counters, "counter must be in [0, num_counters)");
+             require(src_rank >= 0 && src_rank < o.config().num_ranks, "src_rank must be in [0, num_ranks)");
+             return __atomic_load_n(o.flag_ptr(buffer, static_cast<uint32_t>(counter), static_cast<uint32_t>(src_rank)),
+                                    __ATOMIC_ACQUIRE);
+           },
+           py::arg("buffer"), py::arg("counter"), py::arg("src_rank"),
+           "The low-latency count flag of (buffer, counter, src_rank): 0, or -(N+1).")
+      .def("stats", [](PyProxy& p) {
+        const uccl_ep::ProxyStats s = p.proxy().stats();
+        py::dict d;
+        d["commands"] = s.commands;
+        d["requests_posted"] = s.requests_posted;
+        d["requests_completed"] = s.requests_completed;
+        d["inflight_peak"] = s.inflight_peak;
+        d["flow_stalls"] = s.flow_stalls;
+        d["window_stalls"] = s.window_stalls;
+        d["quiets"] = s.quiets;
+        d["barriers"] = s.barriers;
+        d["immediates"] = s.immediates;
+        d["idle_sleeps"] = s.idle_sleeps;
+        d["ordering"] = ordering_stats_dict(s.ordering);
+        return d;
+      })
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyProxy& p, py::args) { p.shutdown(false); });
+
+  py::class_<PyReceiverOrdering>(m, "ReceiverOrdering",
+                                 "The receiver-side ordering layer alone over a caller's buffer (for tests).")
+      .def(py::init([](int64_t region_ptr, int64_t region_bytes, uint32_t num_ranks, uint32_t num_counters,
+                       uint64_t counters_offset, uint64_t flags_offset, uint32_t window, bool enabled) {
+             uccl_ep::OrderingConfig c;
+             c.num_ranks = num_ranks;
+             c.num_counters = num_counters;
+             c.counters_offset = counters_offset;
+             c.flags_offset = flags_offset;
+             c.window = window;
+             c.enabled = enabled;
+             return std::make_unique<PyReceiverOrdering>(region_ptr, region_bytes, c);
+           }),
+           py::arg("region_ptr"), py::arg("region_bytes"), py::arg("num_ranks"), py::arg("num_counters"),
+           py::arg("counters_offset"), py::arg("flags_offset"), py::arg("window") = uccl_ep::kMaxImmWindow,
+           py::arg("enabled") = true)
+      .def("on_immediate", &PyReceiverOrdering::on_immediate, py::arg("src_rank"), py::arg("imm"))
+      .def("stats", &PyReceiverOrdering::stats);
+
+  m.def("encode_immediate", &py_encode_immediate, py::arg("kind"), py::arg("buffer") = 0, py::arg("seq") = 0,
+        py::arg("counter") = 0, py::arg("value") = 0,
+        "Pack a proxy immediate (proxy/immediate.h): kind 0 write-landed, 1 atomic add, 2 count flag, 3 control.");
+  m.def("decode_immediate", &py_decode_immediate, py::arg("imm"),
+        "Unpack a proxy immediate into {kind, kind_name, buffer, seq, counter, value}.");
+  py::dict layout;
+  layout["kind_bits"] = py::make_tuple(30, 2);
+  layout["buffer_bits"] = py::make_tuple(29, 1);
+  layout["seq_bits"] = py::make_tuple(25, uccl_ep::kImmSeqBits);
+  layout["counter_bits"] = py::make_tuple(14, uccl_ep::kImmCounterBits);
+  layout["value_bits"] = py::make_tuple(0, uccl_ep::kImmValueBits);
+  layout["max_counters"] = uccl_ep::kImmMaxCounters;
+  layout["max_value"] = uccl_ep::kImmMaxUnsignedValue;
+  layout["min_add"] = uccl_ep::kImmMinAdd;
+  layout["max_add"] = uccl_ep::kImmMaxAdd;
+  layout["max_window"] = uccl_ep::kMaxImmWindow;
+  m.attr("IMMEDIATE_LAYOUT") = layout;
+}
