@@ -80,7 +80,8 @@ class Buffer:
         num_sms: SMs used by normal-mode kernels (class-wide, see :meth:`set_num_sms`).
         rank, group_size, group: this rank, the number of ranks and the group.
         num_nvl_bytes, num_rdma_bytes: sizes of the NVLink and NIC-registered buffers.
-        engine: ``"native"``, ``"reference"`` or ``"mixed"``; ``engine_by_operation`` gives each operation's.
+        engine: ``"native"``, ``"reference"`` or ``"mixed"``; ``engine_by_operation`` gives each operation's,
+            and ``engine_reasons`` why the native engine does not serve an operation (for logs).
     """
 
     num_sms: int = 20
@@ -110,7 +111,7 @@ class Buffer:
         choice = engines.choose(engines.requested_mode(), self.device)
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
-        self._engine_reasons = choice.reasons
+        self.engine_reasons = choice.reasons
         used = set(choice.by_operation.values())
         self._reference = (ReferenceEngine(self.group, self.rank, self.group_size, self.device, _timeout_seconds())
                            if "reference" in used else None)
@@ -223,7 +224,7 @@ class Buffer:
     def _engine_for(self, operation: str):
         self._check_alive()
         if self.engine_by_operation[operation] == "native":
-            reason = self._engine_reasons.get(operation)
+            reason = self.engine_reasons.get(operation)
             if reason is not None:
                 raise RuntimeError(f"{engines.ENGINE_ENV}=native, but {operation} cannot run natively: {reason}")
             return self._native

@@ -10,8 +10,8 @@ _reported = set()
 
 
 def describe(buffer) -> str:
-    """E.g. ``reference engine (dispatch, combine: no native kernel exists for it yet; ...)``."""
-    reasons = engines.choose(engines.requested_mode(), buffer.device).reasons
+    """E.g. ``reference engine on cuda:0 (native for get_dispatch_layout; reference for combine, ... because ...)``."""
+    reasons = buffer.engine_reasons
     by_reason = {}
     for operation, engine in sorted(buffer.engine_by_operation.items()):
         why = reasons.get(operation) if engine == "reference" else None
