@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import find_namespace_packages, setup
 from setuptools.command.build_ext import build_ext
 
@@ -289,6 +289,8 @@ class BuildExtWithCuda(build_ext):
 
 
 CONFIG = BuildConfig()
+# Compile the C++ sources in parallel (UCCL_EP_BUILD_JOBS, default: one per core).
+ParallelCompile("UCCL_EP_BUILD_JOBS", default=0).install()
 
 # Namespace-aware search: a folder still missing its __init__.py is packaged all the same.
 PACKAGES = [
