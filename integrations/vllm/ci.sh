@@ -83,10 +83,12 @@ fi
 
 step "installing uccl-ep-plugin from $REPO"
 quiet_resolver "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$REPO"
-"$VENV/bin/python" - <<'PY'
+# From the tests folder, so the repository's own uccl_ep_plugin/ (without integrations/) is not imported.
+(cd "$HERE/tests" && "$VENV/bin/python" - <<'PY'
 import torch, vllm, uccl_ep_plugin.integrations.vllm as plugin
 print(f"  torch {torch.__version__}, vllm {vllm.__version__}, plugin {plugin.__file__}")
 PY
+)
 
 step "running integrations/vllm/tests"
 cd "$HERE/tests"      # its pytest.ini keeps the repository root (and its uccl_ep_plugin/) off sys.path
