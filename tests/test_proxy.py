@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
+from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
 
 WRITE, WRITE_WITH_COUNT, ATOMIC_ADD, QUIET, BARRIER = 1, 2, 3, 4, 5
@@ -441,17 +442,8 @@ def test_ordering_bad_layout_names_the_setting():
 
 
 # ---------------------------------------------------------------------------------------- single rank
-def _counts():
-    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-def _settled_counts(expected, timeout=2.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = _counts()
-        if counts == expected or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.01)
 
 
 def _single(fifos, size=1 << 16, num_threads=2, **settings):
@@ -509,12 +501,15 @@ def test_bad_command_is_reported(push, why):
 
 
 def test_quiet_barrier_and_stop_leak_nothing():
-    before = _counts()
+    # Torch starts its worker threads on its first parallel operation: let that happen before counting.
+    torch.ones(1 << 20).sum()
+    pattern = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    before = fds_and_threads()
     fifos = [_C.HostFifo(64) for _ in range(3)]
     proxy, region = _single(fifos, num_threads=3, max_inflight_bytes=256, cpu_affinity=[0])
-    region[:4096] = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    region[:4096] = pattern
     proxy.start()
-    assert _counts()[1] > before[1]
+    assert fds_and_threads()[1] > before[1]
     for i in range(32):
         fifos[i % 3].push(WRITE, 0, length_bytes=128, local_offset=128 * i, remote_offset=8192 + 128 * i)
         fifos[1].push(ATOMIC_ADD, 0, counter_index=2, value=i)
@@ -540,7 +535,7 @@ def test_quiet_barrier_and_stop_leak_nothing():
     proxy.close()
     proxy.close()  # idempotent
     del proxy
-    assert _settled_counts(before) == before
+    assert settled_fds_and_threads(before) == before
 
 
 def test_config_from_environ_and_bad_arguments():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
+from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
 
 SLICE = 1 << 18          # bytes each source writes to each destination
@@ -168,19 +169,8 @@ def _mesh(num_ranks, size=1 << 16, **kwargs):
     return transports, bufs
 
 
-def _counts():
-    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
 
-def _settled_counts(expected, timeout=2.0):
-    """The (fds, threads) counts once they equal `expected`, or as they are after `timeout`: a joined
-    Python thread can still be listed for a moment while the OS thread exits."""
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = _counts()
-        if counts == expected or time.monotonic() > deadline:
-            return counts
-        time.sleep(0.01)
 
 
 @pytest.fixture(autouse=True)
@@ -403,9 +393,9 @@ def test_close_leaks_no_threads_or_sockets():
     warm.close()
     del warm
     gc.collect()
-    before = _counts()
+    before = fds_and_threads()
     (a, b, c), bufs = _mesh(3, size=1 << 20, reorder_seed=1)
-    during = _settled_counts((before[0] + 3 * 4, before[1] + 3))
+    during = settled_fds_and_threads((before[0] + 3 * 4, before[1] + 3))
     assert during == (before[0] + 3 * 4, before[1] + 3), "one I/O thread, 2 sockets, an epoll and an eventfd each"
     for t in (a, b, c):
         for peer in range(3):
@@ -416,7 +406,7 @@ def test_close_leaks_no_threads_or_sockets():
     for t in (a, b, c):
         t.close()
         t.close()  # idempotent
-    assert _settled_counts(before) == before
+    assert settled_fds_and_threads(before) == before
 
     # The destructor does the same, even for a transport that never connected or failed to.
     (a, b), _ = _mesh(2)
@@ -426,7 +416,7 @@ def test_close_leaks_no_threads_or_sockets():
         lone.connect([lone.listen_address(), "127.0.0.1:1"])
     del a, b, lone
     gc.collect()
-    assert _settled_counts(before) == before
+    assert settled_fds_and_threads(before) == before
 
 
 def test_reorder_window_releases_without_quiet():
