@@ -2,18 +2,13 @@
 and collect each rank's failure."""
 
 import os
-import socket
 import traceback
 from typing import Any, Callable, Dict
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from uccl_ep_plugin.local_port import free_local_port
 
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, kwargs: Dict[str, Any],
@@ -36,7 +31,7 @@ def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -
     """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure."""
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
-    port = free_port()
+    port = free_local_port()
     processes = [context.Process(target=_worker, args=(rank, num_ranks, port, backend, body, kwargs, errors))
                  for rank in range(num_ranks)]
     for process in processes:

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/settings.h"
+
 namespace uccl_ep {
 
 namespace {
@@ -39,26 +41,6 @@ const char* kind_name(uint32_t kind) {
   return "unknown";
 }
 
-bool parse_flag(const std::string& key, const std::string& text) {
-  if (text == "1" || text == "true" || text == "yes" || text == "on") return true;
-  if (text == "0" || text == "false" || text == "no" || text == "off" || text.empty()) return false;
-  throw std::invalid_argument(key + "=" + text + " is not a flag (0/1)");
-}
-
-uint64_t parse_positive(const std::string& key, const std::string& text) {
-  size_t used = 0;
-  unsigned long long value = 0;
-  try {
-    value = std::stoull(text, &used, 10);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || text[0] == '-' || value == 0) {
-    throw std::invalid_argument(key + "=" + text + " is not a positive integer");
-  }
-  return value;
-}
-
 }  // namespace
 
 void ProxyConfig::apply_environ(const std::map<std::string, std::string>& env) {
@@ -67,17 +49,17 @@ void ProxyConfig::apply_environ(const std::map<std::string, std::string>& env) {
     return it == env.end() ? nullptr : &it->second;
   };
   if (auto* v = get("UCCL_IB_MAX_INFLIGHT_BYTES")) {
-    max_inflight_bytes = (v->empty() || *v == "null" || *v == "None") ? 0 : parse_positive("UCCL_IB_MAX_INFLIGHT_BYTES", *v);
+    max_inflight_bytes = (v->empty() || *v == "null" || *v == "None") ? 0 : parse_setting_unsigned("UCCL_IB_MAX_INFLIGHT_BYTES", *v, 1);
   }
   if (auto* v = get("UCCL_IB_MAX_INFLIGHT_NORMAL")) {
-    const uint64_t n = parse_positive("UCCL_IB_MAX_INFLIGHT_NORMAL", *v);
+    const uint64_t n = parse_setting_unsigned("UCCL_IB_MAX_INFLIGHT_NORMAL", *v, 1);
     max_inflight_normal = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
   }
   if (auto* v = get("UCCL_IB_MAX_INFLIGHT_LOW_LATENCY")) {
-    const uint64_t n = parse_positive("UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", *v);
+    const uint64_t n = parse_setting_unsigned("UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", *v, 1);
     max_inflight_low_latency = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
   }
-  if (auto* v = get("UCCL_RDMA_ADAPTIVE_SLEEP")) adaptive_sleep = parse_flag("UCCL_RDMA_ADAPTIVE_SLEEP", *v);
+  if (auto* v = get("UCCL_RDMA_ADAPTIVE_SLEEP")) adaptive_sleep = parse_setting_flag("UCCL_RDMA_ADAPTIVE_SLEEP", *v);
 }
 
 bool transport_orders_atomics(const Transport& transport) {

@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+
+#include "common/settings.h"
 #include <utility>
 #include <vector>
 
@@ -44,31 +46,16 @@ struct ReorderConfig {
       const std::string text(env);
       if (!text.empty() && text != "off") {
         config.enabled = true;
-        config.seed = parse_unsigned(kSeedEnv, text);
+        config.seed = parse_setting_unsigned(kSeedEnv, text);
       }
     }
     if (const char* env = std::getenv(kWindowEnv)) {
-      if (*env) config.window = static_cast<size_t>(parse_unsigned(kWindowEnv, env));
-      if (config.window < 2) throw std::invalid_argument(std::string(kWindowEnv) + " must be >= 2");
+      if (*env) config.window = static_cast<size_t>(parse_setting_unsigned(kWindowEnv, env, 2));
     }
     if (const char* env = std::getenv(kHoldEnv)) {
-      if (*env) config.max_hold_us = static_cast<int64_t>(parse_unsigned(kHoldEnv, env));
+      if (*env) config.max_hold_us = static_cast<int64_t>(parse_setting_unsigned(kHoldEnv, env));
     }
     return config;
-  }
-
-  static uint64_t parse_unsigned(const char* name, const std::string& text) {
-    size_t used = 0;
-    unsigned long long value = 0;
-    try {
-      value = std::stoull(text, &used, 0);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != text.size() || text[0] == '-') {
-      throw std::invalid_argument(std::string(name) + "=" + text + " is not a non-negative integer");
-    }
-    return value;
   }
 };
 

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from ..benchmark.report import print_summary, progress_line, write_json
 from ..benchmark.runner import BenchOptions, run_rank
 from ..benchmark.workloads import Workload
+from ..local_port import free_local_port
 
 
 def register(subparsers) -> None:
@@ -57,13 +58,6 @@ def _device_name(device: str, num_ranks: int) -> str:
     return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
@@ -93,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
-    port = _free_port()
+    port = free_local_port()
     processes = [context.Process(target=run_rank, args=(rank, options, port, queue)) for rank in range(num_ranks)]
     for process in processes:
         process.start()

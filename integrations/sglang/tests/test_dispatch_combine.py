@@ -20,25 +20,19 @@ Stand-ins (the smallest pieces SGLang's classes need that only exist on GPUs):
 """
 
 import os
-import socket
 import traceback
 from types import SimpleNamespace
 
 import pytest
 
 from launch_args import BASE_ARGS
+from uccl_ep_plugin.local_port import free_local_port
 
 WORLD = 2
 HIDDEN = 256
 TOPK = 4
 NUM_EXPERTS = 8
 TOKENS = (13, 7)            # tokens per rank: ranks send different amounts
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _install_gpu_stand_ins():
@@ -166,7 +160,7 @@ def test_dispatch_combine_through_sglang_dispatcher(mode):
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_local_port()
     procs = [ctx.Process(target=_run_rank, args=(rank, port, mode, results)) for rank in range(WORLD)]
     for proc in procs:
         proc.start()

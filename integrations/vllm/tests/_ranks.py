@@ -10,21 +10,16 @@ Stand-ins (each replaces the smallest CUDA-only piece; see README "Stand-ins in 
 """
 
 import os
-import socket
 import traceback
 from typing import Callable
 
 import torch.multiprocessing as mp
 
+from uccl_ep_plugin.local_port import free_local_port
+
 # vLLM resolves its platform once, on first use: pick the CPU platform before anything imports vLLM.
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank: int, port: int, body: Callable, args: tuple, results) -> None:
@@ -38,7 +33,7 @@ def run_ranks(body: Callable, *args, timeout: float = 240.0):
     """Run ``body(rank, port, *args)`` in WORLD spawned processes; return the results by rank."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    port = free_local_port()
     processes = [context.Process(target=_entry, args=(rank, port, body, args, results)) for rank in range(WORLD)]
     for process in processes:
         process.start()
