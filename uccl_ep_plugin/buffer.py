@@ -19,6 +19,7 @@ from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .streams import StreamScope
+from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, TOPK_IDX_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
 
@@ -134,6 +135,8 @@ class Buffer:
         self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
         self._low_latency_buffer_idx = 0
         self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
+        self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
+                         else None)
         self._destroyed = False
 
     # ------------------------------------------------------------------ lifecycle and queries
@@ -151,7 +154,7 @@ class Buffer:
             if engine is not None:
                 engine.destroy()
         self._reference = self._native = None
-        self._nvl_buffer = self._rdma_buffer = self._mask = None
+        self._nvl_buffer = self._rdma_buffer = self._mask = self._traffic = None
         self._comm_stream = None
         self._destroyed = True
 
@@ -219,6 +222,13 @@ class Buffer:
         if size.numel() > tensor.numel():
             raise ValueError(f"size {tuple(size)} needs {size.numel()} elements, the buffer holds {tensor.numel()}")
         return tensor[:size.numel()].view(size)
+
+    def traffic_counters(self) -> Optional[dict]:
+        """Per-peer rows/pairs this Buffer sent and received since it was made (reads them back: syncs), or None
+        unless ``UCCL_EP_TRAFFIC_COUNTERS=1`` was set when it was made. ``crossed_ranks`` sums the other ranks'
+        entries."""
+        self._check_alive()
+        return None if self._traffic is None else self._traffic.snapshot()
 
     # ------------------------------------------------------------------ engine routing
     def _engine_for(self, operation: str):
@@ -320,6 +330,8 @@ class Buffer:
                                      topk_weights=topk_weights, expert_alignment=expert_alignment,
                                      num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
                                      cached_handle=cached)
+            if self._traffic is not None:
+                self._traffic.add_dispatch(is_token_in_rank, result.handle[0])
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
         event = scope.finish(outputs)
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
@@ -431,6 +443,8 @@ class Buffer:
                 use_ue8m0=use_ue8m0, masked_ranks=self._mask,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
+            if self._traffic is not None:
+                self._traffic.add_low_latency_dispatch(topk_idx, num_experts, result.layout_range, self._mask)
         self._low_latency_buffer_idx ^= 1
         handle = LowLatencyHandle((result.src_info, result.layout_range, num_tokens_limit, x.size(1), num_experts),
                                   self._owner_id)
