@@ -57,6 +57,7 @@ BuildInfo get_build_info() {
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   info.features.push_back("dispatch_layout");
   info.features.push_back("gpu_channel");
+  info.features.push_back("low_latency_nvlink");
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");

@@ -175,15 +175,16 @@ class SectionResults:
         self.crash = crash
 
 
-def run_sections(num_ranks: int, body: Callable, deadline_s: float = BODY_DEADLINE_SECONDS,
+def run_sections(num_ranks: int, body: Callable, deadline_s: float = BODY_DEADLINE_SECONDS, backend: str = "gloo",
                  **body_kwargs) -> SectionResults:
-    """Run ``body(rank, num_ranks, group, recorder, **body_kwargs)`` on a fresh group; collect each rank's record.
+    """Run ``body(rank, num_ranks, group, recorder, **body_kwargs)`` on a fresh group (``backend``: gloo on CPU
+    processes, nccl with one GPU per rank); collect each rank's record.
     A rank still running after ``deadline_s`` records that in its current section and exits."""
     with tempfile.TemporaryDirectory(prefix="uccl_ep_test_") as out_dir:
         crash = None
         try:
-            run_ranks(num_ranks, _section_worker, test_body=body, out_dir=out_dir, body_kwargs=body_kwargs,
-                      deadline_s=deadline_s)
+            run_ranks(num_ranks, _section_worker, backend=backend, test_body=body, out_dir=out_dir,
+                      body_kwargs=body_kwargs, deadline_s=deadline_s)
         except AssertionError as error:
             crash = str(error)
         per_rank = {}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import engines
 from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
-from .engines.native import NativeEngine
+from .engines.native import LOW_LATENCY_OPERATIONS, NativeEngine
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
@@ -30,6 +30,21 @@ _owner_ids = itertools.count(1)
 _warned = set()   # fallback messages already given in this process
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _then_once(hook: Optional[Callable[[], None]], action: Callable[[], None]) -> Optional[Callable[[], None]]:
+    """Run ``action`` now if there is no receive hook, else once, right after the hook's first call."""
+    if hook is None:
+        action()
+        return None
+    done = []
+
+    def wrapped() -> None:
+        hook()
+        if not done:
+            done.append(True)
+            action()
+    return wrapped
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup], comm) -> dist.ProcessGroup:
@@ -109,16 +124,23 @@ class Buffer:
         self.device = _group_device(self.group)
         self._owner_id = next(_owner_ids)
 
+        timeout_s = _timeout_seconds()
         choice = engines.choose(engines.requested_mode(), self.device)
+        # The reference engine also provides the timed barriers, so it is always there.
+        self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s)
+        self._native = (NativeEngine(self.group_size, self.device)
+                        if self.device.type == "cuda" and
+                        any(engine == "native" and op not in choice.reasons
+                            for op, engine in choice.by_operation.items()) else None)
+        if self._native is not None and low_latency_mode and num_rdma_bytes > 0 and all(
+                choice.by_operation[op] == "native" and op not in choice.reasons for op in LOW_LATENCY_OPERATIONS):
+            for op, why in self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes, timeout_s).items():
+                choice.reasons[op] = why
+                if choice.mode != "native":
+                    choice.by_operation[op] = "reference"
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
-        used = set(choice.by_operation.values())
-        self._reference = (ReferenceEngine(self.group, self.rank, self.group_size, self.device, _timeout_seconds())
-                           if "reference" in used else None)
-        self._native = (NativeEngine(self.group_size, self.device)
-                        if "native" in used and self.device.type == "cuda" and
-                        any(op not in choice.reasons for op in choice.by_operation) else None)
         fallback = {op: why for op, why in choice.reasons.items() if choice.by_operation[op] == "reference"}
         if fallback:
             by_reason = {}
@@ -132,7 +154,9 @@ class Buffer:
 
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
-        self._rdma_buffer = torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device)
+        native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
+        self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
+                             else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
         self._low_latency_buffer_idx = 0
         self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
         self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
@@ -145,7 +169,14 @@ class Buffer:
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
                                "released when the Buffer is garbage-collected")
+        if self._native_low_latency() is not None:
+            # Peers map this rank's buffer: all of them finish with it before anyone frees theirs.
+            torch.cuda.synchronize(self.device)
+            self._reference.barrier("destroy")
         self._release()
+
+    def _native_low_latency(self):
+        return None if self._native is None else self._native.low_latency
 
     def _release(self) -> None:
         if self._destroyed:
@@ -264,7 +295,7 @@ class Buffer:
         """
         engine = self._engine_for("get_dispatch_layout")
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx(topk_idx, num_experts)
+        check_topk_idx(topk_idx, num_experts, check_values=engine is not self._native)
         check_same_device(self.device, topk_idx=topk_idx)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
@@ -317,7 +348,8 @@ class Buffer:
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError("topk_idx and topk_weights must be given together")
             if topk_idx is not None:
-                check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens)
+                check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens,
+                               check_values=engine is not self._native)
                 check_topk_weights(topk_weights, topk_idx)
             elif num_worst_tokens > 0:
                 raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
@@ -392,11 +424,17 @@ class Buffer:
         """Zero the low-latency signal areas (needed after normal-mode use of the same memory); all ranks call it."""
         self._require_low_latency_mode("clean_low_latency_buffer")
         layout = self._check_low_latency_sizes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        for idx in (0, 1):
-            start = layout.signal_offset(idx)
-            self._rdma_buffer[start:start + layout.signal_bytes].zero_()
-        if self._reference is not None:
-            self._reference.barrier("clean_low_latency_buffer")
+        native = self._native_low_latency()
+        if native is not None:
+            # No peer may still be storing into this rank's buffer while it is zeroed.
+            torch.cuda.synchronize(self.device)
+            self._reference.barrier("clean_low_latency_buffer: before cleaning")
+            native.clean()
+        else:
+            for idx in (0, 1):
+                start = layout.signal_offset(idx)
+                self._rdma_buffer[start:start + layout.signal_bytes].zero_()
+        self._reference.barrier("clean_low_latency_buffer")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -425,7 +463,7 @@ class Buffer:
             raise ValueError("use_ue8m0=True requires use_fp8=True")
         check_hidden("x", x.size(1), x.element_size(), multiple_of=512 if use_ue8m0 else 128 if use_fp8 else 1)
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx(topk_idx, num_experts, num_tokens=x.size(0))
+        check_topk_idx(topk_idx, num_experts, num_tokens=x.size(0), check_values=engine is not self._native)
         local_experts = num_experts // self.group_size
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (torch.int32,),
@@ -442,16 +480,21 @@ class Buffer:
                 x, topk_idx, num_tokens_limit, num_experts, use_fp8=use_fp8, round_scale=round_scale,
                 use_ue8m0=use_ue8m0, masked_ranks=self._mask,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
+                buffer_idx=self._low_latency_buffer_idx)
+            hook = result.hook
             if self._traffic is not None:
-                self._traffic.add_low_latency_dispatch(topk_idx, num_experts, result.layout_range, self._mask)
+                # layout_range is complete once the data has been received: after the hook, if there is one.
+                traffic, mask = self._traffic, self._mask
+                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts,
+                                                                                 result.layout_range, mask))
         self._low_latency_buffer_idx ^= 1
         handle = LowLatencyHandle((result.src_info, result.layout_range, num_tokens_limit, x.size(1), num_experts),
                                   self._owner_id)
         outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range)
         event = scope.finish(outputs, (x, topk_idx) + outputs if async_finish else None)
         recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv_x, result.recv_count, handle, event, result.hook
+        return recv_x, result.recv_count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -470,7 +513,7 @@ class Buffer:
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
         local_experts, slots = src_info.shape
         check_tensor("x", x, (torch.bfloat16,), shape=(local_experts, slots, hidden))
-        check_topk_idx(topk_idx, num_experts)
+        check_topk_idx(topk_idx, num_experts, check_values=engine is not self._native)
         if topk_idx.size(0) > num_tokens_limit:
             raise ValueError(f"topk_idx has {topk_idx.size(0)} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_tokens_limit}")
@@ -490,8 +533,10 @@ class Buffer:
             x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
         with self._scope(None, async_finish, False, use_comm_stream=not return_recv_hook) as scope:
             combined, hook = engine.low_latency_combine(
-                x, topk_idx, topk_weights, layout_range, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
-                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
+                x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
+                num_experts=num_experts, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
+                buffer_idx=self._low_latency_buffer_idx)
         self._low_latency_buffer_idx ^= 1
         event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined)
                              if async_finish else None)

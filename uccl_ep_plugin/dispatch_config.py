@@ -121,7 +121,7 @@ def combine_config(num_sms: int, num_ranks: int) -> Config:
 @dataclass(frozen=True)
 class LowLatencyLayout:
     """Byte layout of the low-latency region: two alternating halves, each with a signal
-    area (one int per expert), a send area and a receive area.
+    area (one 64-bit flag per expert: epoch and row count), a send area and a receive area.
 
     The send area is large enough for the combine payload of every local expert, so
     ``get_next_low_latency_combine_buffer`` can hand out a ``[El, R*T, H]`` bf16 view of it.
@@ -134,17 +134,23 @@ class LowLatencyLayout:
 
     @property
     def dispatch_msg_bytes(self) -> int:
-        # 16-byte header (source token, expert), then the larger of a bf16 row and an fp8 row with its scales.
+        # 16-byte header (source token), then the larger of a bf16 row and an fp8 row with its scales.
         num_scales = (self.hidden + 127) // 128
         return 16 + max(2 * self.hidden, self.hidden + 4 * num_scales)
 
     @property
     def combine_msg_bytes(self) -> int:
-        return 2 * self.hidden
+        # The bf16 row, then an 8-byte LogFMT header per 128 channels, in whole 16-byte units.
+        num_groups = (self.hidden + 127) // 128
+        return _align_up(2 * self.hidden + 8 * num_groups, 16)
 
     @property
     def signal_bytes(self) -> int:
-        return _align_up(4 * self.num_experts, BUFFER_ALIGNMENT_BYTES)
+        # Then, used by this rank alone, one 32-bit "rows sent" counter per expert.
+        return _align_up(12 * self.num_experts, BUFFER_ALIGNMENT_BYTES)
+
+    def recv_offset(self, buffer_idx: int) -> int:
+        return self.send_offset(buffer_idx) + self.send_bytes
 
     @property
     def send_bytes(self) -> int:

@@ -48,7 +48,8 @@ class TrafficCounters:
         """``layout_range[e, r]`` holds ``(begin << 32) | count`` of source rank ``r``'s rows for local expert ``e``."""
         self._calls["low_latency_dispatch"] += 1
         experts_per_rank = num_experts // self.num_ranks
-        destination = torch.where(topk_idx >= 0, topk_idx // experts_per_rank, self.num_ranks).flatten()
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        destination = torch.where(valid, topk_idx // experts_per_rank, self.num_ranks).flatten()
         if masked_ranks is not None:   # nothing is sent to a masked rank
             masked = torch.cat([masked_ranks, masked_ranks.new_ones(1)])
             destination = torch.where(masked[destination], self.num_ranks, destination)

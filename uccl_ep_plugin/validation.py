@@ -68,12 +68,16 @@ def check_num_experts(num_experts: int, num_ranks: int, name: str = "num_experts
 
 
 def check_topk_idx(topk_idx, num_experts: int, name: str = "topk_idx",
-                   num_tokens: Optional[int] = None) -> torch.Tensor:
-    """``[num_tokens, num_topk]`` int64 with entries in ``[-1, num_experts)``."""
+                   num_tokens: Optional[int] = None, check_values: bool = True) -> torch.Tensor:
+    """``[num_tokens, num_topk]`` int64 with entries in ``[-1, num_experts)``.
+
+    Reading the values of a GPU tensor syncs the host, which the native kernels must not do (and a
+    CUDA graph cannot capture): they pass ``check_values=False`` and treat entries outside the range as -1.
+    """
     check_tensor(name, topk_idx, (TOPK_IDX_DTYPE,), shape=(num_tokens, None))
     if topk_idx.size(1) > MAX_TOPK:
         raise ValueError(f"{name}: top-k of {topk_idx.size(1)} exceeds the supported maximum of {MAX_TOPK}")
-    if topk_idx.numel() > 0:
+    if check_values and topk_idx.numel() > 0:
         low, high = int(topk_idx.min()), int(topk_idx.max())
         if low < -1 or high >= num_experts:
             bad = low if low < -1 else high

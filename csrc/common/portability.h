@@ -185,6 +185,51 @@ __device__ __forceinline__ uint32_t atomic_or_block_relaxed(uint32_t* addr, uint
 #endif
 }
 
+// Barrier among `num_threads` threads (whole warps) of the block that use barrier `id`
+// (1..15; 0 is __syncthreads'), so independent warp groups of one block sync separately.
+__device__ __forceinline__ void group_barrier(int id, int num_threads) {
+#if defined(__HIP_PLATFORM_AMD__)
+  (void)id;
+  (void)num_threads;
+  __syncthreads();  // HIP has no named barriers: callers keep their groups in step
+#else
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+#endif
+}
+
+// Lanes below this one, as a bit mask (for ballot-based compaction).
+__device__ __forceinline__ uint32_t lanes_below_mask() {
+#if defined(__HIP_PLATFORM_AMD__)
+  return static_cast<uint32_t>((1ull << (threadIdx.x % kWarpSize)) - 1);
+#else
+  uint32_t mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+#endif
+}
+
+// 16-byte load that skips the SM's L1: for data a peer GPU wrote into this GPU's memory,
+// read after an acquire of the flag that announced it.
+__device__ __forceinline__ int4 load_l2_16(const void* addr) {
+  return __ldcg(reinterpret_cast<const int4*>(addr));
+}
+
+// A byte another agent may change while this thread polls it.
+__device__ __forceinline__ uint8_t load_volatile_u8(const uint8_t* addr) {
+  return *reinterpret_cast<const volatile uint8_t*>(addr);
+}
+
+// Compare-and-swap visible to the host (mapped pinned memory); returns the old value.
+__device__ __forceinline__ int32_t compare_and_swap_system(int32_t* addr, int32_t expected, int32_t desired) {
+#if defined(__HIP_PLATFORM_AMD__)
+  __hip_atomic_compare_exchange_strong(addr, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+#else
+  return atomicCAS_system(addr, expected, desired);
+#endif
+}
+
 #endif  // UCCL_EP_DEVICE_COMPILER
 
 }  // namespace uccl_ep

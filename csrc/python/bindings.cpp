@@ -14,6 +14,9 @@
 namespace py = pybind11;
 void bind_transport(py::module_& m);  // bind_transport.cpp
 void bind_proxy(py::module_& m);      // bind_proxy.cpp
+#if defined(UCCL_EP_WITH_CUDA)
+void bind_low_latency(py::module_& m);  // bind_low_latency.cpp
+#endif
 
 namespace {
 
@@ -105,6 +108,7 @@ PYBIND11_MODULE(_C, m) {
         "returns counts of lost, out-of-order and torn commands and the elapsed seconds.");
 
 #if defined(UCCL_EP_WITH_CUDA)
+  bind_low_latency(m);
   m.def("channel_stress_gpu", &channel_stress_gpu, py::arg("num_fifos"), py::arg("blocks_per_fifo"),
         py::arg("threads_per_block"), py::arg("commands_per_thread"), py::arg("capacity"), py::arg("timeout_s"),
         "GPU threads push numbered commands into FIFOs in pinned mapped host memory, one checking host "

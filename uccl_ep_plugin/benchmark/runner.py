@@ -3,8 +3,8 @@
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,21 @@ class BenchOptions:
 
 
 class Case:
-    """A measured operation: ``run()`` does one call, ``check()`` verifies the last call's outputs."""
+    """A measured operation: ``run()`` does one call, ``check()`` verifies the last call's outputs.
+
+    ``prepare()`` (before the iteration's barrier) and ``finish()`` (after the timed region) run untimed in
+    every iteration: the halves of a split operation (send, then receive through the hook) use them for
+    the half that is not measured. ``bytes_per_rank`` None: no bandwidth is reported.
+    """
 
     def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
-                 check: Callable[[], bool], bytes_per_rank: float, engine: str) -> None:
+                 check: Callable[[], bool], bytes_per_rank: Optional[float], engine: str,
+                 prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
+                 kernels: Tuple[str, ...] = ()) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
+        self.prepare, self.finish = prepare, finish
+        self.kernels = kernels    # names of the native kernels that run() launches, for the kernel timing
 
     @property
     def label(self) -> str:
@@ -47,10 +56,14 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
     return bool(((got.float() - expected.float()).abs().amax() <= rel * scale).item())
 
 
-def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
-    """Per-iteration seconds of this rank; every iteration starts together on all ranks."""
+def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
+    """Per-iteration seconds of this rank; every timed region starts together on all ranks."""
     samples = []
     for i in range(options.warmup + options.iters):
+        if case.prepare is not None:
+            case.prepare()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)      # its kernels have finished before the barrier
         dist.barrier(group)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,9 +77,89 @@ def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Li
             begin = time.perf_counter()
             case.run()
             elapsed = time.perf_counter() - begin
+        if case.finish is not None:
+            case.finish()
         if i >= options.warmup:
             samples.append(elapsed)
     return samples
+
+
+class _CapturedCase:
+    """The case's steps captured as CUDA graphs (in step order, so each graph sees the state the previous
+    one left), replayed back to back: the host runs ahead of the GPUs, as when a serving engine replays its
+    decode graph, so the ranks' kernels meet in lockstep and the figures hold no host overhead or skew."""
+
+    def __init__(self, case: Case, device: torch.device) -> None:
+        self.steps = []
+        for step in (case.prepare, case.run, case.finish):
+            if step is None:
+                self.steps.append(None)
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            self.steps.append(graph)
+        torch.cuda.synchronize(device)
+
+    def replay(self, iters: int) -> List[float]:
+        """Seconds of each iteration's measured step, timed with events between the replays."""
+        prepare, run, finish = self.steps
+        events = []
+        for _ in range(iters):
+            if prepare is not None:
+                prepare.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run.replay()
+            end.record()
+            if finish is not None:
+                finish.replay()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
+
+
+def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
+    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine (it never
+    syncs the host), else eager calls with a barrier before each."""
+    if device.type != "cuda" or case.engine != "native":
+        return _timed_eager(case, options, group, device), "eager"
+    _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
+    dist.barrier(group)
+    captured = _CapturedCase(case, device)
+    dist.barrier(group)
+    captured.replay(options.warmup)
+    dist.barrier(group)
+    return captured.replay(options.iters), "cuda-graph"
+
+
+def _kernel_name(profiler_name: str) -> str:
+    """``low_latency_dispatch`` from ``uccl_ep::kernels::low_latency_dispatch(uccl_ep::LowLatencyDispatchArgs)``."""
+    return profiler_name.split("(")[0].split("::")[-1].strip()
+
+
+def _kernel_seconds(case: Case, options: BenchOptions, group, device: torch.device) -> Optional[float]:
+    """Median GPU time of each kernel in ``case.kernels`` over the timed iterations, summed (as DeepEP's
+    kernel timings through the profiler: launch gaps and host work excluded, waits for peers included).
+    None when the engine launched none of them (the reference engine's NCCL kernels are not counted)."""
+    if device.type != "cuda" or not case.kernels:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        _timed(case, replace(options, warmup=0), group, device)
+        torch.cuda.synchronize(device)
+    durations: Dict[str, List[float]] = {name: [] for name in case.kernels}
+    for event in profiler.events():
+        name = _kernel_name(event.name)
+        if event.device_type.name == "CUDA" and name in durations:
+            durations[name].append(event.device_time_total)
+    if not all(durations.values()):
+        return None
+    return sum(statistics.median(values) for values in durations.values()) / 1e6
+
+
+#: Cases each mode measures (normal_cases and low_latency_cases return this many), for progress output.
+CASES_PER_MODE = {"normal": 3, "low_latency": 7}
 
 
 def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, seed: int, group,
@@ -155,13 +248,41 @@ def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: 
         run_dispatch()
         run_combine()
 
+    # The hook split: the send half returns a hook, the receive half calls it. A timed send covers the call
+    # until its kernels finish on this rank's stream; a timed receive covers the hook only. Each receive's
+    # send ran (and finished on this rank) before the iteration's barrier, so by the time the hook is timed
+    # every rank has sent: the receive figure is the hook's own work plus any wait for data still in flight
+    # (with the reference engine, the rest of the collective it started in the send).
+    def send_dispatch() -> None:
+        state["pending dispatch"] = buffer.low_latency_dispatch(x, topk_idx, workload.tokens, workload.experts,
+                                                                use_fp8=True, return_recv_hook=True)
+
+    def receive_dispatch() -> None:
+        dispatched = state.pop("pending dispatch")
+        dispatched[4]()
+        state["dispatch"] = dispatched
+
+    def send_combine() -> None:
+        _, _, handle, _, _ = state["dispatch"]
+        state["pending combine"] = buffer.low_latency_combine(state["outputs"], topk_idx, topk_weights, handle,
+                                                              return_recv_hook=True)
+
+    def receive_combine() -> None:
+        combined = state.pop("pending combine")
+        combined[2]()
+        state["combine"] = combined
+
     def check() -> bool:
         combined, _, _ = state["combine"]
         return _close(combined, expected, 5e-2)
 
     def check_dispatch() -> bool:
-        _, count, _, _, _ = state["dispatch"]
-        return torch.equal(count.cpu().to(torch.int64), expected_count) and check()
+        """The last dispatch's counts, and its rows combined back (untimed) through the identity expert."""
+        _, count, handle, _, _ = state["dispatch"]
+        if not torch.equal(count.cpu().to(torch.int64), expected_count):
+            return False
+        combined, _, _ = buffer.low_latency_combine(expert_outputs(), topk_idx, topk_weights, handle)
+        return _close(combined, expected, 5e-2)
 
     # The expert outputs are made once: the routing, hence the packed layout, is the same every call.
     run_dispatch()
@@ -170,13 +291,23 @@ def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: 
     engine = buffer.engine_by_operation
     dispatch_bytes = low_latency_bytes(num_selections, workload.hidden, "dispatch", "fp8")
     combine_bytes = low_latency_bytes(num_selections, workload.hidden, "combine", "bf16")
+    dispatch_engine, combine_engine = engine["low_latency_dispatch"], engine["low_latency_combine"]
+    # Native kernel names: one kernel per call, or a send kernel and a receive kernel with a hook.
     return [
         Case("low_latency", "dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
-             engine["low_latency_dispatch"]),
-        Case("low_latency", "combine", "bf16", workload, run_combine, check, combine_bytes,
-             engine["low_latency_combine"]),
+             dispatch_engine, kernels=("low_latency_dispatch",)),
+        Case("low_latency", "dispatch-send", "fp8", workload, send_dispatch, check_dispatch, None, dispatch_engine,
+             finish=receive_dispatch, kernels=("low_latency_dispatch_send",)),
+        Case("low_latency", "dispatch-recv", "fp8", workload, receive_dispatch, check_dispatch, None,
+             dispatch_engine, prepare=send_dispatch, kernels=("low_latency_dispatch_recv",)),
+        Case("low_latency", "combine", "bf16", workload, run_combine, check, combine_bytes, combine_engine,
+             kernels=("low_latency_combine",)),
+        Case("low_latency", "combine-send", "bf16", workload, send_combine, check, None, combine_engine,
+             finish=receive_combine, kernels=("low_latency_combine_send",)),
+        Case("low_latency", "combine-recv", "bf16", workload, receive_combine, check, None, combine_engine,
+             prepare=send_combine, kernels=("low_latency_combine_recv",)),
         Case("low_latency", "dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
-             engine["low_latency_dispatch"]),
+             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine")),
     ]
 
 
@@ -188,19 +319,23 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
 
 
 def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
-    samples = _timed(case, options, group, device)
+    samples, timing = _timed(case, options, group, device)
+    kernel_s = _kernel_seconds(case, options, group, device)
     correct = case.check()
-    per_rank = _gather_floats(samples + [case.bytes_per_rank, float(correct)], group, device)
+    per_rank = _gather_floats(samples + [case.bytes_per_rank or 0.0, float(correct), kernel_s or 0.0], group, device)
     iteration_time = per_rank[:, :len(samples)].amax(0)     # the slowest rank sets each step
     median_s = statistics.median(iteration_time.tolist())
     mean_bytes = float(per_rank[:, len(samples)].mean())
     all_correct = bool(per_rank[:, len(samples) + 1].min() > 0.5)
+    kernel_s = float(per_rank[:, len(samples) + 2].max()) if kernel_s is not None else None
     workload = case.workload
     result = {"mode": case.mode, "op": case.op, "dtype": case.dtype, "engine": case.engine,
               "path": _path_name(case, device), "ranks": options.num_ranks, "tokens": workload.tokens,
               "hidden": workload.hidden, "topk": workload.topk, "experts": workload.experts,
               "num_sms": options.num_sms if case.mode == "normal" else None,
-              "median_us": median_s * 1e6, "gbps": mean_bytes / median_s / 1e9, "correct": all_correct,
+              "median_us": median_s * 1e6, "timing": timing,
+              "kernel_us": None if kernel_s is None else kernel_s * 1e6,
+              "gbps": None if case.bytes_per_rank is None else mean_bytes / median_s / 1e9, "correct": all_correct,
               "iters": options.iters, "device": options.device_name, "commit": options.commit}
     if rank == 0:
         report(result)

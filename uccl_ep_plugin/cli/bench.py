@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..benchmark.report import print_summary, progress_line, write_json
-from ..benchmark.runner import BenchOptions, run_rank
+from ..benchmark.runner import CASES_PER_MODE, BenchOptions, run_rank
 from ..benchmark.workloads import Workload
 from ..local_port import free_local_port
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup if args.warmup is not None else (5 if on_gpu else 1),
         iters=args.iters if args.iters is not None else (50 if on_gpu else 5),
         seed=args.seed, device_name=_device_name(device, num_ranks), commit=_commit(), num_sms=args.num_sms)
-    total = 3 * ((options.normal is not None) + (options.low_latency is not None))
+    total = sum(count for mode, count in CASES_PER_MODE.items() if getattr(options, mode) is not None)
     print(f"uccl-ep bench: {num_ranks} ranks on {options.device_name}, {total} cases, "
           f"{options.warmup} warm-up + {options.iters} timed iterations each", file=sys.stderr, flush=True)
 

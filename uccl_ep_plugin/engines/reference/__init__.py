@@ -29,10 +29,13 @@ class ReferenceEngine:
     def combine(self, x, handle, topk_weights, biases):
         return normal.combine(self.comm, x, handle, topk_weights, biases)
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, **kwargs):
+    # The buffer half (buffer_idx) and the handle's src_info/sizes matter to the native kernels only: the
+    # reference orders rows deterministically and moves them through the group, not the registered buffer.
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, *, buffer_idx, **kwargs):
         return low_latency.low_latency_dispatch(self.comm, x, topk_idx, num_max_tokens, num_experts, **kwargs)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, **kwargs):
+    def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, *, src_info, num_max_tokens, num_experts,
+                            buffer_idx, **kwargs):
         return low_latency.low_latency_combine(self.comm, x, topk_idx, topk_weights, layout_range, **kwargs)
 
     def barrier(self, phase: str) -> None:

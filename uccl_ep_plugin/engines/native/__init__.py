@@ -1,20 +1,25 @@
 """The native engine: operations backed by the compiled kernels of ``uccl_ep_plugin._C``.
 
-It reports, per operation, why it cannot serve (no GPU, not built, not implemented yet),
-so the Buffer can fall back visibly instead of silently.
+It reports, per operation, why it cannot serve (no GPU, not built, not implemented yet, peers
+it cannot map), so the Buffer can fall back visibly instead of silently.
 """
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
-from .reference.layout import rdma_rank_counts
+from ..reference.layout import rdma_rank_counts
+from .low_latency import NativeLowLatency
+from .peers import map_peer_buffer
 
-IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout"}   # operation -> build feature it needs
+# operation -> build feature it needs
+IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",
+               "low_latency_combine": "low_latency_nvlink"}
+LOW_LATENCY_OPERATIONS = ("low_latency_dispatch", "low_latency_combine")
 
 
 def _load_extension():
-    from .. import _C  # noqa: WPS433 (imported lazily: the reference engine works without it)
+    from ... import _C  # noqa: WPS433 (imported lazily: the reference engine works without it)
     return _C
 
 
@@ -41,6 +46,29 @@ class NativeEngine:
         self._C = _load_extension()
         self.num_ranks = num_ranks
         self.device = device
+        self.low_latency: Optional[NativeLowLatency] = None
+
+    def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
+        """Map every rank's low-latency buffer (collective). Returns ``{operation: reason}`` for the
+        operations that cannot run natively after all (the same on every rank)."""
+        with torch.cuda.device(self.device):
+            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
+            if peer_buffer is None:
+                return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
+            self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s)
+        return {}
+
+    @property
+    def low_latency_buffer(self) -> Optional[torch.Tensor]:
+        return None if self.low_latency is None else self.low_latency.peer_buffer.tensor
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        with torch.cuda.device(self.device):
+            return self.low_latency.low_latency_dispatch(*args, **kwargs)
+
+    def low_latency_combine(self, *args, **kwargs):
+        with torch.cuda.device(self.device):
+            return self.low_latency.low_latency_combine(*args, **kwargs)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         num_tokens, num_topk = topk_idx.shape
@@ -56,4 +84,8 @@ class NativeEngine:
         return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:
+        if self.low_latency is not None:
+            with torch.cuda.device(self.device):
+                self.low_latency.destroy()
+            self.low_latency = None
         self._C = None

@@ -1,0 +1,743 @@
+// Low-latency dispatch and combine over mapped peer memory (see low_latency.h).
+//
+// A block is kGroupsPerBlock independent warp groups; each group takes whole units of work
+// in turn (unit u goes to group u mod the number of groups) and syncs only its own warps:
+//   dispatch send: one unit per token. The group casts the row once into shared memory (fp8
+//     with its scales; bf16 rows are sent from x as they are), counts for each of the token's
+//     experts the entries before it that chose the same expert (its slot: rows of one expert
+//     are numbered in (token, top-k slot) order) and the expert's total, then one warp per
+//     top-k slot stores the message into the expert's rank. The last sender of an expert (a
+//     per-expert counter in this rank's signal area) publishes the count with the epoch;
+//     experts nobody chose get a zero count from the group that owns them.
+//   dispatch recv: one unit per local expert. It waits for every source's flag, lays the
+//     sources out in rank order, and copies the rows into the packed outputs.
+//   combine send: one unit per local expert: each received row goes back to its source
+//     rank's slot (expert, token), then one flag per source.
+//   combine recv: one unit per token: wait for the flags of its experts, then sum the
+//     weighted rows in float32.
+// Sending and receiving are one launch unless the caller asked for a hook; a group only
+// starts receiving after all its sends, so a grid no larger than the SM count cannot
+// deadlock on itself.
+#include "kernels/low_latency.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace uccl_ep {
+namespace kernels {
+
+constexpr int kWarpsPerGroup = 8;
+constexpr int kGroupsPerBlock = 2;
+constexpr int kGroupThreads = kWarpsPerGroup * kWarpSize;
+constexpr int kBlockThreads = kGroupsPerBlock * kGroupThreads;
+constexpr int kChannels = kLowLatencyChannelsPerScale;
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;        // keeps all-zero groups finite (as the reference)
+constexpr int kLogfmtMaxLevel = 511;       // 9 magnitude bits
+constexpr float kLogfmtClipLog2 = 32.0f;   // smallest magnitude kept: max * 2^-32
+constexpr int kLogfmtGroupBytes = 2 * kChannels;   // a group's payload slot (a raw bf16 group)
+constexpr int kLogfmtLaneBytes = 10;       // 8 channels x 10 bits
+constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on sm_90
+
+static_assert(kGroupThreads >= kLowLatencyMaxTopk, "a group waits for all of a token's experts at once");
+
+struct GroupShared {
+  int32_t warp_matches[kWarpsPerGroup];
+  int32_t tokens[kGroupThreads];           // tokens matched by one scan chunk, in order
+  int32_t counts[kLowLatencyMaxRanks];     // rows per source rank
+  int32_t begins[kLowLatencyMaxRanks];
+  int32_t experts[kLowLatencyMaxTopk];     // a token's experts (-1: skip)
+  int32_t before[kLowLatencyMaxTopk];      // entries before this one with the same expert
+  int32_t chosen[kLowLatencyMaxTopk];      // entries with the same expert in all
+  float weights[kLowLatencyMaxTopk];
+  int32_t total;
+  int32_t found;
+};
+
+// Bytes of shared memory a group stages one fp8 message in (header, row, scales).
+__host__ __device__ __forceinline__ int64_t fp8_message_bytes(int hidden) {
+  return 16 + hidden + 4 * (hidden / kLowLatencyChannelsPerScale);
+}
+__host__ __device__ __forceinline__ int64_t staging_bytes(int hidden) { return (fp8_message_bytes(hidden) + 15) / 16 * 16; }
+
+struct GroupPosition {
+  int index;   // group in the block
+  int thread;  // thread in the group
+  int warp;    // warp in the group
+  int lane;
+  int first;   // first unit of this group
+  int stride;  // groups in the grid
+};
+
+__device__ __forceinline__ GroupPosition group_position() {
+  GroupPosition g;
+  g.index = threadIdx.x / kGroupThreads;
+  g.thread = threadIdx.x % kGroupThreads;
+  g.warp = g.thread / kWarpSize;
+  g.lane = threadIdx.x % kWarpSize;
+  g.first = blockIdx.x * kGroupsPerBlock + g.index;
+  g.stride = gridDim.x * kGroupsPerBlock;
+  return g;
+}
+
+__device__ __forceinline__ void group_sync(const GroupPosition& g) { group_barrier(1 + g.index, kGroupThreads); }
+
+__device__ __forceinline__ uint8_t* rank_base(const LowLatencyRegion& r, int rank) {
+  return reinterpret_cast<uint8_t*>(r.peer_bases[rank]);
+}
+
+__device__ __forceinline__ uint64_t* flag_at(const LowLatencyRegion& r, int rank, int64_t index) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.signal_offset) + index;
+}
+
+// A rank that finds itself masked takes part in nothing: it neither sends nor waits, so it
+// receives no rows and combines to zeros (the peers skip it too).
+__device__ __forceinline__ bool is_masked(const LowLatencyRegion& r, int rank) {
+  return r.masked != nullptr &&
+         (load_volatile_u8(r.masked + rank) != 0 || load_volatile_u8(r.masked + r.rank) != 0);
+}
+
+__device__ __forceinline__ bool aborted(const LowLatencyRegion& r) {
+  return *reinterpret_cast<const volatile uint64_t*>(r.control + 2) != 0;
+}
+
+__device__ void report(const LowLatencyRegion& r, int32_t code, int32_t phase, int32_t peer, int32_t detail) {
+  *reinterpret_cast<volatile uint64_t*>(r.control + 2) = 1;  // the other waits stop early
+  if (compare_and_swap_system(&r.status->code, 0, code) == 0) {
+    r.status->phase = phase;
+    r.status->peer = peer;
+    r.status->detail = detail;
+    __threadfence_system();
+  }
+}
+
+// Waits for `flag` to carry `epoch`; returns its row count, or -1 if `peer` is masked or
+// timed out (then masked with enable_shrink, else reported).
+__device__ int wait_flag(const LowLatencyRegion& r, const uint64_t* flag, uint64_t epoch, int peer, int32_t phase,
+                         int32_t detail, int64_t* wait_cost_stats) {
+  if (is_masked(r, peer)) return -1;
+  const uint64_t start = device_time_ns();
+  uint64_t value = load_acquire_system(flag);
+  while ((value >> 32) != epoch) {
+    if (is_masked(r, peer) || aborted(r)) return -1;
+    if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
+      if (r.masked != nullptr) {
+        *reinterpret_cast<volatile uint8_t*>(r.masked + peer) = 1;
+      } else {
+        report(r, kLowLatencyTimeout, phase, peer, detail);
+      }
+      return -1;
+    }
+    value = load_acquire_system(flag);
+  }
+  if (wait_cost_stats != nullptr) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + peer),
+              static_cast<unsigned long long>(device_time_ns() - start));
+  }
+  return static_cast<int>(value & 0xFFFFFFFFu);
+}
+
+// The use of a half ends when the last block of its receiving launch finishes.
+__device__ void finish_use(const LowLatencyRegion& r) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const auto done = atomicAdd(reinterpret_cast<unsigned long long*>(r.control + 1), 1ull);
+    if (done == gridDim.x - 1) {
+      r.control[1] = 0;
+      r.control[0] += 1;
+    }
+  }
+}
+
+// A warp copies `bytes` (a multiple of 16): kCopyBatch loads in flight per lane before their stores.
+constexpr int kCopyBatch = 8;
+template <bool kFromL2>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+  auto* out = reinterpret_cast<int4*>(dst);
+  const auto* in = reinterpret_cast<const int4*>(src);
+  const int64_t n = bytes / 16;
+  for (int64_t base = lane; base < n; base += kWarpSize * kCopyBatch) {
+    int4 values[kCopyBatch];
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u) {
+      const int64_t i = base + u * kWarpSize;
+      if (i < n) values[u] = kFromL2 ? load_l2_16(in + i) : in[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u) {
+      const int64_t i = base + u * kWarpSize;
+      if (i < n) out[i] = values[u];
+    }
+  }
+}
+
+__device__ __forceinline__ void bf16x8_to_float(const int4& packed, float* out) {
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// ------------------------------------------------------------------------------ dispatch
+// Scale for one 128-channel group, as the reference quantizer computes it: x * scale is cast,
+// and scale_inv travels (x ~= fp8 * scale_inv).
+__device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& scale, float& scale_inv) {
+  amax = fmaxf(amax, kAmaxFloor);
+  if (round_scale) {
+    int exponent;
+    const float mantissa = frexpf(__fmul_rn(amax, static_cast<float>(1.0 / 448.0)), &exponent);
+    if (mantissa == 0.5f) exponent -= 1;  // already a power of two: ceil(log2) is exact
+    scale_inv = ldexpf(1.0f, exponent);
+    scale = ldexpf(1.0f, -exponent);
+  } else {
+    scale_inv = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
+    scale = __fmul_rn(__frcp_rn(amax), kFp8Max);  // torch computes 448 / amax as reciprocal(amax) * 448
+  }
+}
+
+// The group casts token `token`'s row into `message` (shared): header, fp8 row, scales.
+// 16 channels per thread, 8 threads per scale group.
+__device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, uint8_t* message,
+                                  const GroupPosition& g) {
+  if (g.thread == 0) *reinterpret_cast<int4*>(message) = make_int4(token, 0, 0, 0);
+  const auto* row = reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.hidden * 2;
+  auto* scales = reinterpret_cast<float*>(message + 16 + a.hidden);
+  for (int base = 0; base < a.hidden; base += kGroupThreads * 16) {
+    const int channel = base + g.thread * 16;
+    const bool active = channel < a.hidden;
+    float values[16];
+    float amax = 0.0f;
+    if (active) {
+      const auto* src = reinterpret_cast<const int4*>(row + 2LL * channel);
+      const int4 first = __ldg(src), second = __ldg(src + 1);
+      bf16x8_to_float(first, values);
+      bf16x8_to_float(second, values + 8);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(values[i]));
+    }
+#pragma unroll
+    for (int mask = 1; mask < 8; mask <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
+    if (!active) continue;
+    float scale, scale_inv;
+    fp8_scales(amax, a.round_scale, scale, scale_inv);
+    int4 packed;
+    auto* pairs = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float lo = fminf(fmaxf(__fmul_rn(values[2 * i], scale), -kFp8Max), kFp8Max);
+      const float hi = fminf(fmaxf(__fmul_rn(values[2 * i + 1], scale), -kFp8Max), kFp8Max);
+      pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+    }
+    *reinterpret_cast<int4*>(message + 16 + channel) = packed;
+    if (g.thread % 8 == 0) scales[channel / kChannels] = scale_inv;
+  }
+}
+
+// Expert of entry `entry`, or -1 for none, out of range, or on a masked rank.
+__device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& a, int64_t entry, int local_experts) {
+  const int64_t expert = a.topk_idx[entry];
+  if (expert < 0 || expert >= a.num_experts) return -1;
+  return is_masked(a.region, static_cast<int>(expert / local_experts)) ? -1 : static_cast<int>(expert);
+}
+
+__device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared& sh, uint8_t* message,
+                                    const GroupPosition& g, int token, uint64_t epoch, int32_t* sent_counters) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  const int64_t first_entry = static_cast<int64_t>(token) * a.num_topk;
+  if (g.thread < a.num_topk) {
+    sh.experts[g.thread] = routed_expert(a, first_entry + g.thread, local_experts);
+    sh.before[g.thread] = 0;
+    sh.chosen[g.thread] = 0;
+  }
+  group_sync(g);
+  if (a.use_fp8) stage_fp8_message(a, token, message, g);
+  // Slots: entries of the same expert earlier in (token, slot) order.
+  const int64_t entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  for (int64_t entry = g.thread; entry < entries; entry += kGroupThreads) {
+    const int64_t expert = a.topk_idx[entry];
+    if (expert < 0) continue;
+    for (int k = 0; k < a.num_topk; ++k) {
+      if (expert != sh.experts[k]) continue;
+      atomic_add_block_relaxed(&sh.chosen[k], 1);
+      if (entry < first_entry + k) atomic_add_block_relaxed(&sh.before[k], 1);
+    }
+  }
+  group_sync(g);
+  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  for (int k = g.warp; k < a.num_topk; k += kWarpsPerGroup) {
+    const int expert = sh.experts[k];
+    if (expert < 0) continue;
+    const int dst = expert / local_experts, local = expert % local_experts;
+    const int slot = sh.before[k];
+    if (slot >= a.num_max_tokens) {
+      if (g.lane == 0) report(r, kLowLatencyTooManyRows, kLowLatencyDispatchSend, dst, expert);
+      continue;
+    }
+    uint8_t* out = rank_base(r, dst) + r.recv_offset +
+                   ((static_cast<int64_t>(local) * r.num_ranks + r.rank) * a.num_max_tokens + slot) * msg_bytes;
+    if (a.use_fp8) {
+      warp_copy<false>(out, message, staging_bytes(a.hidden), g.lane);
+    } else {
+      if (g.lane == 0) *reinterpret_cast<int4*>(out) = make_int4(token, 0, 0, 0);
+      warp_copy<false>(out + 16, reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.hidden * 2,
+                       2LL * a.hidden, g.lane);
+    }
+    __syncwarp();
+    if (g.lane == 0) {
+      // Release this warp's stores; the last of the expert's senders acquires them all and publishes.
+      __threadfence();
+      const int done = atomicAdd(sent_counters + expert, 1) + 1;
+      const int rows = min(sh.chosen[k], a.num_max_tokens);
+      if (done == sh.chosen[k]) {
+        __threadfence();
+        sent_counters[expert] = 0;
+        store_release_system(flag_at(r, dst, static_cast<int64_t>(local) * r.num_ranks + r.rank),
+                             (epoch << 32) | static_cast<uint32_t>(rows));
+      }
+    }
+  }
+  group_sync(g);  // shared memory is reused by the group's next token
+}
+
+// Experts no token of this rank chose still get their (zero) count.
+__device__ void dispatch_send_empty_expert(const LowLatencyDispatchArgs& a, GroupShared& sh, const GroupPosition& g,
+                                           int expert, uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  const int dst = expert / local_experts, local = expert % local_experts;
+  if (is_masked(r, dst)) return;
+  if (g.thread == 0) sh.found = 0;
+  group_sync(g);
+  const int64_t entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  bool found = false;
+  for (int64_t entry = g.thread; entry < entries && !found; entry += kGroupThreads) found = a.topk_idx[entry] == expert;
+  if (found) sh.found = 1;
+  group_sync(g);
+  if (g.thread == 0 && sh.found == 0) {
+    store_release_system(flag_at(r, dst, static_cast<int64_t>(local) * r.num_ranks + r.rank), epoch << 32);
+  }
+  group_sync(g);
+}
+
+// Waits for the flags of `count` peers (one per group thread) and fills sh.counts/begins/total.
+template <typename FlagOf>
+__device__ void gather_counts(const LowLatencyRegion& r, GroupShared& sh, const GroupPosition& g, uint64_t epoch,
+                              int32_t phase, int32_t detail, int64_t* wait_cost_stats, FlagOf flag_of) {
+  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
+    const int rows = wait_flag(r, flag_of(src), epoch, src, phase, detail, wait_cost_stats);
+    sh.counts[src] = max(rows, 0);
+  }
+  group_sync(g);
+  if (g.thread == 0) {
+    int begin = 0;
+    for (int src = 0; src < r.num_ranks; ++src) {
+      sh.begins[src] = begin;
+      begin += sh.counts[src];
+    }
+    sh.total = begin;
+  }
+  group_sync(g);
+}
+
+__device__ __forceinline__ int source_of_row(const GroupShared& sh, int row, int num_ranks) {
+  int src = 0;
+  while (src + 1 < num_ranks && row >= sh.begins[src + 1]) ++src;
+  return src;
+}
+
+__device__ void dispatch_recv_expert(const LowLatencyDispatchArgs& a, GroupShared& sh, const GroupPosition& g,
+                                     int local, uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
+  gather_counts(r, sh, g, epoch, kLowLatencyDispatchRecv, local, a.wait_cost_stats,
+                [&](int src) { return flag_at(r, r.rank, static_cast<int64_t>(local) * r.num_ranks + src); });
+  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
+    a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src] =
+        (static_cast<int64_t>(sh.begins[src]) << 32) | sh.counts[src];
+  }
+  const int total = sh.total;
+  if (g.thread == 0) {
+    a.recv_count[local] = total;
+    if (a.cumulative_recv_stats != nullptr) a.cumulative_recv_stats[local] += total;
+  }
+  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  const int64_t row_bytes = a.use_fp8 ? a.hidden : 2LL * a.hidden;
+  const int num_scales = a.hidden / kChannels;
+  const uint8_t* area = rank_base(r, r.rank) + r.recv_offset;
+  for (int row = g.warp; row < total; row += kWarpsPerGroup) {
+    const int src = source_of_row(sh, row, r.num_ranks);
+    const int slot = row - sh.begins[src];
+    const uint8_t* msg = area + ((static_cast<int64_t>(local) * r.num_ranks + src) * a.num_max_tokens + slot) * msg_bytes;
+    const int64_t out_row = local * slots_per_expert + row;
+    if (g.lane == 0) a.src_info[out_row] = load_l2_16(msg).x;
+    warp_copy<true>(reinterpret_cast<uint8_t*>(a.recv_x) + out_row * row_bytes, msg + 16, row_bytes, g.lane);
+    if (!a.use_fp8) continue;
+    const auto* scales = reinterpret_cast<const float*>(msg + 16 + a.hidden);
+    if (a.use_ue8m0) {
+      // Four exponent bytes per int32, lowest channel group first.
+      const int num_words = num_scales / 4;
+      auto* out = reinterpret_cast<int32_t*>(a.recv_scales) + static_cast<int64_t>(local) * num_words * slots_per_expert;
+      for (int w = g.lane; w < num_words; w += kWarpSize) {
+        const int4 four = load_l2_16(scales + 4 * w);
+        const uint32_t word = ((static_cast<uint32_t>(four.x) >> 23) & 0xFF) |
+                              (((static_cast<uint32_t>(four.y) >> 23) & 0xFF) << 8) |
+                              (((static_cast<uint32_t>(four.z) >> 23) & 0xFF) << 16) |
+                              (((static_cast<uint32_t>(four.w) >> 23) & 0xFF) << 24);
+        out[w * slots_per_expert + row] = static_cast<int32_t>(word);
+      }
+    } else {
+      auto* out = reinterpret_cast<float*>(a.recv_scales) + static_cast<int64_t>(local) * num_scales * slots_per_expert;
+      for (int s = g.lane; s < num_scales; s += kWarpSize) out[s * slots_per_expert + row] = __ldcg(scales + s);
+    }
+  }
+  group_sync(g);  // shared counts are reused by the group's next unit
+}
+
+// One body, three kernels named after what they do (profilers tell the hook's halves apart).
+template <int kPhases>
+__device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispatchArgs& a) {
+  __shared__ GroupShared shared[kGroupsPerBlock];
+  extern __shared__ int4 staging[];  // kGroupsPerBlock fp8 messages (fp8 only)
+  const GroupPosition g = group_position();
+  GroupShared& sh = shared[g.index];
+  uint8_t* message = reinterpret_cast<uint8_t*>(staging) + (a.use_fp8 ? g.index * staging_bytes(a.hidden) : 0);
+  const uint64_t epoch = a.region.control[0] + 1;
+  if (kPhases & kLowLatencySend) {
+    // The per-expert sent counters follow the flags in this rank's signal area.
+    auto* sent_counters = reinterpret_cast<int32_t*>(flag_at(a.region, a.region.rank, a.num_experts));
+    for (int token = g.first; token < a.num_tokens; token += g.stride) {
+      dispatch_send_token(a, sh, message, g, token, epoch, sent_counters);
+    }
+    for (int expert = g.first; expert < a.num_experts; expert += g.stride) {
+      dispatch_send_empty_expert(a, sh, g, expert, epoch);
+    }
+  }
+  if (kPhases & kLowLatencyRecv) {
+    const int local_experts = a.num_experts / a.region.num_ranks;
+    for (int local = g.first; local < local_experts; local += g.stride) dispatch_recv_expert(a, sh, g, local, epoch);
+    finish_use(a.region);
+  }
+}
+
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch(const LowLatencyDispatchArgs a) {
+  low_latency_dispatch_body<kLowLatencySend | kLowLatencyRecv>(a);
+}
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch_send(const LowLatencyDispatchArgs a) {
+  low_latency_dispatch_body<kLowLatencySend>(a);
+}
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch_recv(const LowLatencyDispatchArgs a) {
+  low_latency_dispatch_body<kLowLatencyRecv>(a);
+}
+
+// ------------------------------------------------------------------------------ combine
+// LogFMT: per 128 channels, 16 lanes of 8 channels. A group that is cast stores 10-bit codes
+// (sign, 9-bit level on a log scale between log_min and log_max) and a (log_min, step) header;
+// others travel as bf16 with step 0. The float operations are those of the reference's
+// emulation, each rounded separately.
+__device__ void send_logfmt_row(const uint8_t* row, uint8_t* msg, int hidden, int lane) {
+  const int groups = hidden / kChannels;
+  auto* headers = reinterpret_cast<float2*>(msg + 2LL * hidden);
+  for (int base = 0; base < groups; base += 2) {
+    const int group = base + lane / 16;
+    const int quarter = lane % 16;  // which 8 channels of the group
+    const bool active = group < groups;
+    float values[8];
+    int4 raw = make_int4(0, 0, 0, 0);
+    if (active) raw = __ldg(reinterpret_cast<const int4*>(row + 2LL * (group * kChannels + quarter * 8)));
+    bf16x8_to_float(raw, values);
+    float mag_max = 0.0f, mag_min = INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      mag_max = fmaxf(mag_max, fabsf(values[i]));
+      mag_min = fminf(mag_min, fabsf(values[i]));
+    }
+#pragma unroll
+    for (int mask = 1; mask < 16; mask <<= 1) {
+      mag_max = fmaxf(mag_max, __shfl_xor_sync(0xffffffffu, mag_max, mask));
+      mag_min = fminf(mag_min, __shfl_xor_sync(0xffffffffu, mag_min, mask));
+    }
+    if (!active) continue;
+    uint8_t* payload = msg + static_cast<int64_t>(group) * kLogfmtGroupBytes;
+    const float log_max = log2f(mag_max);
+    const float log_min = fmaxf(log2f(mag_min), __fsub_rn(log_max, kLogfmtClipLog2));
+    if (!(log_max < 0.0f && log_min < log_max)) {
+      *reinterpret_cast<int4*>(payload + quarter * 16) = raw;
+      if (quarter == 0) headers[group] = make_float2(0.0f, 0.0f);
+      continue;
+    }
+    const float step = __fdiv_rn(__fsub_rn(log_max, log_min), static_cast<float>(kLogfmtMaxLevel - 1));
+    const float rounding =
+        __fsub_rn(2.0f, __fdiv_rn(log2f(__fmul_rn(__fadd_rn(1.0f, exp2f(step)), 0.5f)), step));
+    const float offset = __fsub_rn(rounding, __fdiv_rn(log_min, step));
+    uint64_t bits_lo = 0;  // codes 0..5 (60 bits), then 6..7 in bits_hi
+    uint32_t bits_hi = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float level = floorf(fmaxf(__fadd_rn(__fdiv_rn(log2f(fabsf(values[i])), step), offset), 0.0f));
+      level = fminf(level, static_cast<float>(kLogfmtMaxLevel));
+      const uint32_t code = (signbit(values[i]) ? 1u << 9 : 0u) | static_cast<uint32_t>(level);
+      if (i < 6) {
+        bits_lo |= static_cast<uint64_t>(code) << (10 * i);
+      } else {
+        bits_hi |= code << (10 * (i - 6));
+      }
+    }
+    // 80 bits as five 16-bit words (the lane's 10 bytes are 2-byte aligned).
+    auto* words = reinterpret_cast<uint16_t*>(payload + quarter * kLogfmtLaneBytes);
+    const uint64_t low64 = bits_lo | (static_cast<uint64_t>(bits_hi) << 60);
+    words[0] = static_cast<uint16_t>(low64);
+    words[1] = static_cast<uint16_t>(low64 >> 16);
+    words[2] = static_cast<uint16_t>(low64 >> 32);
+    words[3] = static_cast<uint16_t>(low64 >> 48);
+    words[4] = static_cast<uint16_t>(bits_hi >> 4);
+    if (quarter == 0) headers[group] = make_float2(log_min, step);
+  }
+}
+
+// Decodes channels [8 * chunk, 8 * chunk + 8) of a LogFMT message.
+__device__ __forceinline__ void read_logfmt_chunk(const uint8_t* msg, int hidden, int chunk, float* out) {
+  const int group = chunk / 16;
+  const int quarter = chunk % 16;
+  const uint8_t* payload = msg + static_cast<int64_t>(group) * kLogfmtGroupBytes;
+  const float2 header = __ldcg(reinterpret_cast<const float2*>(msg + 2LL * hidden) + group);
+  if (header.y == 0.0f) {
+    bf16x8_to_float(load_l2_16(payload + quarter * 16), out);
+    return;
+  }
+  const auto* words = reinterpret_cast<const uint16_t*>(payload + quarter * kLogfmtLaneBytes);
+  uint64_t low64 = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) low64 |= static_cast<uint64_t>(__ldcg(words + w)) << (16 * w);
+  const uint32_t top = __ldcg(words + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    uint32_t code;
+    if (i < 6) {
+      code = static_cast<uint32_t>(low64 >> (10 * i)) & 0x3FF;
+    } else if (i == 6) {
+      code = static_cast<uint32_t>((low64 >> 60) | (static_cast<uint64_t>(top) << 4)) & 0x3FF;
+    } else {
+      code = (top >> 6) & 0x3FF;
+    }
+    const uint32_t level = code & 0x1FF;
+    const float magnitude =
+        level == 0 ? 0.0f : exp2f(__fadd_rn(__fmul_rn(static_cast<float>(level) - 1.0f, header.y), header.x));
+    out[i] = (code >> 9) ? -magnitude : magnitude;
+  }
+}
+
+__device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int local,
+                                    uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
+  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
+  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
+    const int64_t range = a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src];
+    sh.begins[src] = static_cast<int32_t>(range >> 32);
+    sh.counts[src] = static_cast<int32_t>(range & 0xFFFFFFFF);
+  }
+  group_sync(g);
+  int total = 0;
+  for (int src = 0; src < r.num_ranks; ++src) total += sh.counts[src];
+  const int64_t global_expert = static_cast<int64_t>(r.rank) * local_experts + local;
+  for (int row = g.warp; row < total; row += kWarpsPerGroup) {
+    const int src = source_of_row(sh, row, r.num_ranks);
+    if (is_masked(r, src)) continue;
+    const int token = a.src_info[local * slots_per_expert + row];
+    uint8_t* msg = rank_base(r, src) + r.recv_offset + (global_expert * a.num_max_tokens + token) * msg_bytes;
+    const auto* in = reinterpret_cast<const uint8_t*>(a.x) + (local * slots_per_expert + row) * 2LL * a.hidden;
+    if (a.use_logfmt) {
+      send_logfmt_row(in, msg, a.hidden, g.lane);
+    } else {
+      warp_copy<false>(msg, in, 2LL * a.hidden, g.lane);
+    }
+  }
+  group_sync(g);
+  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
+    if (!is_masked(r, src)) {
+      store_release_system(flag_at(r, src, global_expert), (epoch << 32) | static_cast<uint32_t>(sh.counts[src]));
+    }
+  }
+  group_sync(g);
+}
+
+__device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int token,
+                                   uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  if (g.thread < a.num_topk) {
+    const int64_t entry = static_cast<int64_t>(token) * a.num_topk + g.thread;
+    const int64_t chosen = a.topk_idx[entry];
+    int expert = chosen >= 0 && chosen < a.num_experts ? static_cast<int>(chosen) : -1;  // others: no expert
+    if (expert >= 0) {
+      const int owner = expert / local_experts;
+      if (wait_flag(r, flag_at(r, r.rank, expert), epoch, owner, kLowLatencyCombineRecv, expert, a.wait_cost_stats) < 0) {
+        expert = -1;
+      }
+    }
+    sh.experts[g.thread] = expert;
+    sh.weights[g.thread] = a.topk_weights[entry];
+  }
+  group_sync(g);
+  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
+  const uint8_t* area = rank_base(r, r.rank) + r.recv_offset;
+  auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
+  for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) {
+    float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    // kCopyBatch experts' rows in flight at once; the sum keeps top-k order.
+    for (int k0 = 0; k0 < a.num_topk; k0 += kCopyBatch) {
+      int4 rows[kCopyBatch];
+#pragma unroll
+      for (int u = 0; u < kCopyBatch; ++u) {
+        const int k = k0 + u;
+        const int expert = k < a.num_topk ? sh.experts[k] : -1;
+        if (expert < 0 || a.use_logfmt) continue;
+        rows[u] = load_l2_16(area + (static_cast<int64_t>(expert) * a.num_max_tokens + token) * msg_bytes + chunk * 16);
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyBatch; ++u) {
+        const int k = k0 + u;
+        const int expert = k < a.num_topk ? sh.experts[k] : -1;
+        if (expert < 0) continue;
+        float values[8];
+        if (a.use_logfmt) {
+          read_logfmt_chunk(area + (static_cast<int64_t>(expert) * a.num_max_tokens + token) * msg_bytes, a.hidden,
+                            chunk, values);
+        } else {
+          bf16x8_to_float(rows[u], values);
+        }
+        const float weight = sh.weights[k];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(values[i], weight));
+      }
+    }
+    int4 packed;
+    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+    reinterpret_cast<int4*>(out)[chunk] = packed;
+  }
+  group_sync(g);
+}
+
+template <int kPhases>
+__device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombineArgs& a) {
+  __shared__ GroupShared shared[kGroupsPerBlock];
+  const GroupPosition g = group_position();
+  GroupShared& sh = shared[g.index];
+  const uint64_t epoch = a.region.control[0] + 1;
+  if (kPhases & kLowLatencySend) {
+    const int local_experts = a.num_experts / a.region.num_ranks;
+    for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
+  }
+  if (kPhases & kLowLatencyRecv) {
+    for (int token = g.first; token < a.num_tokens; token += g.stride) combine_recv_token(a, sh, g, token, epoch);
+    finish_use(a.region);
+  }
+}
+
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine(const LowLatencyCombineArgs a) {
+  low_latency_combine_body<kLowLatencySend | kLowLatencyRecv>(a);
+}
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_send(const LowLatencyCombineArgs a) {
+  low_latency_combine_body<kLowLatencySend>(a);
+}
+__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_recv(const LowLatencyCombineArgs a) {
+  low_latency_combine_body<kLowLatencyRecv>(a);
+}
+
+// The kernel for `phases` (send, receive or both).
+template <typename Args>
+using KernelOf = void (*)(const Args);
+
+KernelOf<LowLatencyDispatchArgs> dispatch_kernel(int phases) {
+  if (phases == kLowLatencySend) return low_latency_dispatch_send;
+  return phases == kLowLatencyRecv ? low_latency_dispatch_recv : low_latency_dispatch;
+}
+
+KernelOf<LowLatencyCombineArgs> combine_kernel(int phases) {
+  if (phases == kLowLatencySend) return low_latency_combine_send;
+  return phases == kLowLatencyRecv ? low_latency_combine_recv : low_latency_combine;
+}
+
+// ------------------------------------------------------------------------------ launchers
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument("low-latency kernel: " + message);
+}
+
+void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens, int hidden, int num_topk,
+                  int num_experts, int phases, int num_sms) {
+  require(r.num_ranks >= 1 && r.num_ranks <= kLowLatencyMaxRanks,
+          "num_ranks must be in [1, " + std::to_string(kLowLatencyMaxRanks) + "], got " + std::to_string(r.num_ranks));
+  require(r.rank >= 0 && r.rank < r.num_ranks, "rank out of range");
+  require(r.peer_bases != nullptr && r.control != nullptr && r.status != nullptr, "region pointers must be set");
+  require(r.timeout_ns > 0, "timeout_ns must be positive");
+  require(num_max_tokens >= 1, "num_max_tokens must be positive");
+  require(num_tokens >= 0 && num_tokens <= num_max_tokens, "num_tokens must be in [0, num_max_tokens]");
+  require(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8");
+  require(num_topk >= 1 && num_topk <= kLowLatencyMaxTopk,
+          "num_topk must be in [1, " + std::to_string(kLowLatencyMaxTopk) + "]");
+  require(num_experts > 0 && num_experts % r.num_ranks == 0, "num_experts must be a positive multiple of num_ranks");
+  require(phases >= 1 && phases <= (kLowLatencySend | kLowLatencyRecv), "phases must be send, recv or both");
+  require(num_sms >= 1, "num_sms must be positive");
+}
+
+int grid_size(int units, int num_sms) {
+  const int blocks = (std::max(units, 1) + kGroupsPerBlock - 1) / kGroupsPerBlock;
+  return std::min(blocks, num_sms);
+}
+
+}  // namespace kernels
+
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t stream) {
+  using namespace kernels;
+  check_common(a.region, a.num_tokens, a.num_max_tokens, a.hidden, a.num_topk, a.num_experts, a.phases, a.num_sms);
+  require(!a.use_fp8 || a.hidden % kChannels == 0, "fp8 needs hidden % 128 == 0");
+  require(!a.use_ue8m0 || (a.use_fp8 && a.round_scale && a.hidden % (4 * kChannels) == 0),
+          "use_ue8m0 needs use_fp8, round_scale and hidden % 512 == 0");
+  require(a.num_tokens == 0 || (a.x != nullptr && a.topk_idx != nullptr), "x and topk_idx must be set");
+  if (a.phases & kLowLatencyRecv) {
+    require(a.recv_x != nullptr && a.recv_count != nullptr && a.src_info != nullptr && a.layout_range != nullptr,
+            "receive outputs must be set");
+    require(!a.use_fp8 || a.recv_scales != nullptr, "recv_scales must be set for fp8");
+  }
+  const int local_experts = a.num_experts / a.region.num_ranks;
+  const int units = (a.phases & kLowLatencySend) ? std::max(a.num_tokens, a.num_experts) : local_experts;
+  const int64_t staging = a.use_fp8 ? kGroupsPerBlock * staging_bytes(a.hidden) : 0;
+  require(staging + static_cast<int64_t>(sizeof(GroupShared)) * kGroupsPerBlock <= kMaxSharedBytes,
+          "hidden " + std::to_string(a.hidden) + " is too large for the fp8 staging in shared memory");
+  const auto kernel = dispatch_kernel(a.phases);
+  UCCL_EP_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staging)));
+  kernel<<<grid_size(units, a.num_sms), kBlockThreads, staging, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stream) {
+  using namespace kernels;
+  check_common(a.region, a.num_tokens, a.num_max_tokens, a.hidden, a.num_topk, a.num_experts, a.phases, a.num_sms);
+  require(!a.use_logfmt || a.hidden % kChannels == 0, "use_logfmt needs hidden % 128 == 0");
+  if (a.phases & kLowLatencySend) {
+    require(a.x != nullptr && a.src_info != nullptr && a.layout_range != nullptr, "x and the handle must be set");
+  }
+  if (a.phases & kLowLatencyRecv) {
+    require(a.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr && a.out != nullptr),
+            "topk_idx, topk_weights and out must be set");
+  }
+  const int local_experts = a.num_experts / a.region.num_ranks;
+  const int units = std::max((a.phases & kLowLatencySend) ? local_experts : 0,
+                             (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
+  combine_kernel(a.phases)<<<grid_size(units, a.num_sms), kBlockThreads, 0, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+}  // namespace uccl_ep

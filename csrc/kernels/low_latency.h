@@ -1,0 +1,123 @@
+// Low-latency dispatch and combine between GPUs that map each other's buffer (CUDA IPC over
+// NVLink): every rank's kernel stores straight into its peers' receive areas.
+//
+// Protocol, per half of the double-buffered region (see uccl_ep_plugin.dispatch_config.
+// LowLatencyLayout for the byte layout, which the Python side passes in as offsets):
+//  * Every use of a half has an epoch: the number of earlier uses plus one, kept on the
+//    device (LowLatencyRegion::control), so CUDA-graph replays advance it too. All ranks use
+//    their halves in the same order, so their epochs agree.
+//  * A sender writes its rows, then one 64-bit flag per (receiver, expert) holding
+//    (epoch << 32) | rows with a system-scope release store. A receiver waits until the
+//    flag's epoch is the current one, so flags never need zeroing between uses, and a flag
+//    from a peer that ran ahead is not mistaken for the current one.
+//  * Dispatch rows of one (expert, source) are numbered by (token, top-k slot), so the
+//    packed output is the same on every run and equals the reference engine's.
+// Waits give up after timeout_ns: the first failure is written to a status block in mapped
+// host memory (the Python side raises it), or, with a mask array (enable_shrink), the silent
+// rank is masked and treated as sending nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "common/portability.h"
+
+namespace uccl_ep {
+
+constexpr int kLowLatencyMaxTopk = 32;
+constexpr int kLowLatencyMaxRanks = 256;
+constexpr int kLowLatencyChannelsPerScale = 128;
+
+// First failure of a low-latency kernel, in mapped host memory (written once: code goes
+// from 0 to non-zero with an atomic compare-and-swap).
+struct LowLatencyStatus {
+  int32_t code;    // LowLatencyError
+  int32_t phase;   // LowLatencyPhase
+  int32_t peer;    // the rank waited for
+  int32_t detail;  // expert (dispatch: local, combine: global) or token
+};
+
+enum LowLatencyError : int32_t {
+  kLowLatencyOk = 0,
+  kLowLatencyTimeout = 1,       // a peer's flag did not arrive in time
+  kLowLatencyTooManyRows = 2,   // an expert got more than num_max_tokens rows from one rank
+};
+
+enum LowLatencyPhase : int32_t {
+  kLowLatencyDispatchRecv = 1,
+  kLowLatencyCombineRecv = 2,
+  kLowLatencyDispatchSend = 3,
+};
+
+// What a kernel launch does: the sends, the receives, or both (one kernel, no hook).
+enum LowLatencyPhases : int32_t { kLowLatencySend = 1, kLowLatencyRecv = 2 };
+
+// One half of the region, as this rank sees it.
+struct LowLatencyRegion {
+  const uint64_t* peer_bases;  // device [num_ranks]: base of each rank's buffer in this process
+  int64_t signal_offset;       // byte offsets of this half's areas inside every rank's buffer
+  int64_t recv_offset;
+  uint64_t* control;           // device [2]: completed uses of this half, blocks done in this use
+  uint8_t* masked;             // device bool [num_ranks], or null without enable_shrink
+  LowLatencyStatus* status;    // mapped host memory
+  int64_t timeout_ns;
+  int32_t rank;
+  int32_t num_ranks;
+};
+
+struct LowLatencyDispatchArgs {
+  LowLatencyRegion region;
+  const void* x;               // bf16 [num_tokens, hidden]
+  const int64_t* topk_idx;     // [num_tokens, num_topk], -1 = none
+  int32_t num_tokens;
+  int32_t num_max_tokens;      // T: rows one rank may send to one expert
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t num_experts;
+  bool use_fp8;
+  bool round_scale;            // power-of-two scales
+  bool use_ue8m0;              // scales packed as exponent bytes, 4 per int32
+  void* recv_x;                // [El, R*T, hidden] fp8 or bf16
+  void* recv_scales;           // base of the column-major [El, R*T, S] scales (float, or int32 ue8m0)
+  int32_t* recv_count;         // [El]
+  int32_t* src_info;           // [El, R*T]
+  int64_t* layout_range;       // [El, R]: begin << 32 | count
+  int32_t* cumulative_recv_stats;  // [El] or null
+  int64_t* wait_cost_stats;        // [R] or null: nanoseconds waited per source
+  int32_t phases;              // LowLatencyPhases
+  int32_t num_sms;             // most thread blocks to use
+};
+
+struct LowLatencyCombineArgs {
+  LowLatencyRegion region;
+  const void* x;               // bf16 [El, R*T, hidden], contiguous
+  const int64_t* topk_idx;     // [num_tokens, num_topk]
+  const float* topk_weights;   // [num_tokens, num_topk]
+  const int32_t* src_info;     // from the dispatch
+  const int64_t* layout_range;
+  int32_t num_tokens;
+  int32_t num_max_tokens;
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t num_experts;
+  bool use_logfmt;
+  void* out;                   // bf16 [num_tokens, hidden]
+  int64_t* wait_cost_stats;    // [R] or null
+  int32_t phases;
+  int32_t num_sms;
+};
+
+// Bytes of one dispatch message (16-byte header, then the row, then fp8 scales) and of one
+// combine message (the bf16 row, then a LogFMT header per 128 channels). They must match
+// LowLatencyLayout in Python, which checks them against these at start.
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_dispatch_msg_bytes(int64_t hidden) { return 16 + 2 * hidden; }
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_msg_bytes(int64_t hidden) {
+  const int64_t groups = (hidden + kLowLatencyChannelsPerScale - 1) / kLowLatencyChannelsPerScale;
+  return (2 * hidden + 8 * groups + 15) / 16 * 16;
+}
+
+// Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument
+// before any launch, GpuError if the launch fails.
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, gpuStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, gpuStream_t stream);
+
+}  // namespace uccl_ep

@@ -1,0 +1,33 @@
+// Per-Buffer state of the low-latency kernels that stays on this rank: each half's control
+// words on the device and the failure status in mapped host memory (readable without a sync).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/low_latency.h"
+
+namespace uccl_ep {
+
+class LowLatencyState {
+ public:
+  static constexpr int kControlWords = 4;  // per half: uses, blocks done, aborted, spare
+
+  explicit LowLatencyState(int device);
+  ~LowLatencyState();
+  LowLatencyState(const LowLatencyState&) = delete;
+  LowLatencyState& operator=(const LowLatencyState&) = delete;
+
+  std::uintptr_t control(int half) const;    // device uint64 [kControlWords]
+  std::uintptr_t status_device() const;      // LowLatencyStatus*, as kernels see it
+  LowLatencyStatus status() const;           // read from the host, no sync
+  void reset();                              // zero both halves and the status (synchronises)
+  void release();
+
+ private:
+  int device_;
+  uint64_t* control_ = nullptr;
+  LowLatencyStatus* status_host_ = nullptr;
+  LowLatencyStatus* status_device_ = nullptr;
+};
+
+}  // namespace uccl_ep

@@ -1,0 +1,100 @@
+#include "nvlink/peer_memory.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace uccl_ep {
+namespace {
+
+// The runtime of this extension keeps its own current device: make it the buffer's.
+void use_device(int device) { UCCL_EP_GPU_CHECK(cudaSetDevice(device)); }
+
+}  // namespace
+
+PeerMemory::PeerMemory(int64_t num_bytes, int device) : num_bytes_(num_bytes), device_(device) {
+  if (num_bytes <= 0) throw std::invalid_argument("PeerMemory: num_bytes must be positive");
+  use_device(device);
+  UCCL_EP_GPU_CHECK(cudaMalloc(&base_, static_cast<size_t>(num_bytes)));
+  // Zeroed before any peer can see it: a flag left from an earlier allocation must not
+  // look like a current one.
+  UCCL_EP_GPU_CHECK(cudaMemset(base_, 0, static_cast<size_t>(num_bytes)));
+  UCCL_EP_GPU_CHECK(cudaDeviceSynchronize());
+}
+
+PeerMemory::~PeerMemory() {
+  try {
+    release();
+  } catch (...) {
+    // Destructors must not throw; release() already freed what it could.
+  }
+}
+
+std::string PeerMemory::ipc_handle() const {
+  if (base_ == nullptr) throw std::runtime_error("PeerMemory: the buffer was released");
+  cudaIpcMemHandle_t handle;
+  UCCL_EP_GPU_CHECK(cudaIpcGetMemHandle(&handle, base_));
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+std::string PeerMemory::pci_bus_id() const {
+  char id[64] = {0};
+  UCCL_EP_GPU_CHECK(cudaDeviceGetPCIBusId(id, sizeof(id), device_));
+  return std::string(id);
+}
+
+void PeerMemory::open_peers(const std::vector<std::string>& handles, int rank) {
+  if (base_ == nullptr) throw std::runtime_error("PeerMemory: the buffer was released");
+  if (!opened_.empty()) throw std::runtime_error("PeerMemory: open_peers was already called");
+  if (rank < 0 || rank >= static_cast<int>(handles.size())) {
+    throw std::invalid_argument("PeerMemory.open_peers: rank out of range of handles");
+  }
+  use_device(device_);
+  std::vector<uint64_t> bases(handles.size());
+  opened_.assign(handles.size(), nullptr);
+  try {
+    for (size_t peer = 0; peer < handles.size(); ++peer) {
+      if (static_cast<int>(peer) == rank) {
+        bases[peer] = reinterpret_cast<uint64_t>(base_);
+        continue;
+      }
+      if (handles[peer].size() != sizeof(cudaIpcMemHandle_t)) {
+        throw std::invalid_argument("PeerMemory.open_peers: handle of rank " + std::to_string(peer) + " has " +
+                                    std::to_string(handles[peer].size()) + " bytes, expected " +
+                                    std::to_string(sizeof(cudaIpcMemHandle_t)));
+      }
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, handles[peer].data(), sizeof(handle));
+      UCCL_EP_GPU_CHECK(cudaIpcOpenMemHandle(&opened_[peer], handle, cudaIpcMemLazyEnablePeerAccess));
+      bases[peer] = reinterpret_cast<uint64_t>(opened_[peer]);
+    }
+    UCCL_EP_GPU_CHECK(cudaMalloc(&peer_bases_device_, bases.size() * sizeof(uint64_t)));
+    UCCL_EP_GPU_CHECK(cudaMemcpy(peer_bases_device_, bases.data(), bases.size() * sizeof(uint64_t),
+                                 cudaMemcpyHostToDevice));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void PeerMemory::release() {
+  if (base_ == nullptr && opened_.empty()) return;
+  use_device(device_);
+  // Kernels that still use the mappings must be done before they go.
+  cudaError_t first = cudaDeviceSynchronize();
+  for (void* mapping : opened_) {
+    if (mapping == nullptr) continue;
+    const cudaError_t status = cudaIpcCloseMemHandle(mapping);
+    if (first == cudaSuccess) first = status;
+  }
+  opened_.clear();
+  if (peer_bases_device_ != nullptr) cudaFree(peer_bases_device_);
+  peer_bases_device_ = nullptr;
+  if (base_ != nullptr) {
+    const cudaError_t status = cudaFree(base_);
+    if (first == cudaSuccess) first = status;
+  }
+  base_ = nullptr;
+  UCCL_EP_GPU_CHECK(first);
+}
+
+}  // namespace uccl_ep

@@ -1,0 +1,116 @@
+// Python bindings of the NVLink low-latency path: PeerMemory (CUDA IPC buffers),
+// LowLatencyState and the two kernel launchers. Pointers and streams are plain integers.
+#if defined(UCCL_EP_WITH_CUDA)
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "kernels/low_latency.h"
+#include "kernels/low_latency_state.h"
+#include "nvlink/peer_memory.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t recv_offset,
+                                      std::uintptr_t control, std::uintptr_t masked, std::uintptr_t status,
+                                      int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
+  return uccl_ep::LowLatencyRegion{ptr<const uint64_t>(peer_bases), signal_offset, recv_offset,
+                                   ptr<uint64_t>(control), ptr<uint8_t>(masked),
+                                   ptr<uccl_ep::LowLatencyStatus>(status), timeout_ns, rank, num_ranks};
+}
+
+void dispatch(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens,
+              int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
+              bool round_scale, bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales,
+              std::uintptr_t recv_count, std::uintptr_t src_info, std::uintptr_t layout_range,
+              std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
+              std::uintptr_t stream) {
+  const uccl_ep::LowLatencyDispatchArgs args{
+      region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
+      num_max_tokens,  hidden,                    num_topk,                     num_experts,
+      use_fp8,         round_scale,               use_ue8m0,                    ptr<void>(recv_x),
+      ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
+      ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
+  py::gil_scoped_release no_gil;
+  uccl_ep::launch_low_latency_dispatch(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+}
+
+void combine(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx,
+             std::uintptr_t topk_weights, std::uintptr_t src_info, std::uintptr_t layout_range, int32_t num_tokens,
+             int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt,
+             std::uintptr_t out, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
+             std::uintptr_t stream) {
+  const uccl_ep::LowLatencyCombineArgs args{
+      region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+      ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), num_tokens, num_max_tokens,
+      hidden,         num_topk,               num_experts,                  use_logfmt,
+      ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
+  py::gil_scoped_release no_gil;
+  uccl_ep::launch_low_latency_combine(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+}
+
+}  // namespace
+
+void bind_low_latency(py::module_& m) {
+  using uccl_ep::LowLatencyState;
+  using uccl_ep::PeerMemory;
+
+  py::class_<PeerMemory>(m, "PeerMemory",
+                         "Zeroed device memory that the other ranks of this host map with CUDA IPC.")
+      .def(py::init<int64_t, int>(), py::arg("num_bytes"), py::arg("device"))
+      .def("ipc_handle", [](const PeerMemory& self) { return py::bytes(self.ipc_handle()); })
+      .def("open_peers", &PeerMemory::open_peers, py::arg("handles"), py::arg("rank"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Map every other rank's buffer (handles[rank] is this buffer's own handle).")
+      .def("release", &PeerMemory::release, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("local_base", &PeerMemory::local_base)
+      .def_property_readonly("peer_bases", &PeerMemory::peer_bases)
+      .def_property_readonly("num_bytes", &PeerMemory::num_bytes)
+      .def_property_readonly("pci_bus_id", &PeerMemory::pci_bus_id);
+
+  py::class_<LowLatencyState>(m, "LowLatencyState",
+                              "Control words of the two halves (device) and the failure status (mapped host memory).")
+      .def(py::init<int>(), py::arg("device"))
+      .def("control", &LowLatencyState::control, py::arg("half"))
+      .def_property_readonly("status_device", &LowLatencyState::status_device)
+      .def("status",
+           [](const LowLatencyState& self) {
+             const uccl_ep::LowLatencyStatus s = self.status();
+             return py::make_tuple(s.code, s.phase, s.peer, s.detail);
+           },
+           "(code, phase, peer, detail) of the first failure; code 0 = none. Reads host memory, no sync.")
+      .def("reset", &LowLatencyState::reset, py::call_guard<py::gil_scoped_release>())
+      .def("release", &LowLatencyState::release, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<uccl_ep::LowLatencyRegion>(m, "LowLatencyRegion", "One half of the low-latency region, seen from here.")
+      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("recv_offset"),
+           py::arg("control"), py::arg("masked"), py::arg("status"), py::arg("timeout_ns"), py::arg("rank"),
+           py::arg("num_ranks"));
+
+  m.attr("LOW_LATENCY_MAX_TOPK") = uccl_ep::kLowLatencyMaxTopk;
+  m.attr("LOW_LATENCY_MAX_RANKS") = uccl_ep::kLowLatencyMaxRanks;
+  m.attr("LOW_LATENCY_SEND") = static_cast<int>(uccl_ep::kLowLatencySend);
+  m.attr("LOW_LATENCY_RECV") = static_cast<int>(uccl_ep::kLowLatencyRecv);
+  m.def("low_latency_dispatch_msg_bytes", &uccl_ep::low_latency_dispatch_msg_bytes, py::arg("hidden"));
+  m.def("low_latency_combine_msg_bytes", &uccl_ep::low_latency_combine_msg_bytes, py::arg("hidden"));
+  m.def("low_latency_dispatch", &dispatch, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
+        py::arg("num_tokens"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"),
+        py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"),
+        py::arg("recv_scales"), py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"),
+        py::arg("cumulative_recv_stats"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
+        py::arg("stream"), "Enqueue the low-latency dispatch kernel (send, receive or both) on `stream`.");
+  m.def("low_latency_combine", &combine, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
+        py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"), py::arg("num_tokens"),
+        py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
+        py::arg("use_logfmt"), py::arg("out"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
+        py::arg("stream"), "Enqueue the low-latency combine kernel (send, receive or both) on `stream`.");
+}
+#endif  // UCCL_EP_WITH_CUDA

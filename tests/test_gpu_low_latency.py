@@ -1,0 +1,80 @@
+"""Native low-latency dispatch/combine (NVLink, CUDA IPC) against the reference engine on 2 GPUs (issue 5).
+
+One NCCL group of 2 ranks runs every case (H 2048..8192, T 1..256 with N < T and N = 0 on one rank,
+top-k 1..11, 16..288 experts, -1 entries in topk_idx; bf16, fp8 with and without round_scale, UE8M0;
+plain, out=, LogFMT and zero-copy combine; hooks, async events, stats, both buffer halves, cleaning,
+masking and CUDA-graph replay): each rank feeds the same fresh random inputs to a native Buffer and a
+reference Buffer and compares the outputs (tests/gpu_low_latency_cases.py). Every section is its own
+pytest item; run with ``-s`` to see the fp8 byte statistics. Two more groups check a peer that never
+calls: a CommTimeoutError without enable_shrink, automatic masking with it.
+
+``UCCL_EP_TEST_CANDIDATE=reference`` runs the same comparison reference-vs-reference on the GPUs (to
+tell harness problems from kernel problems; the graph and missing-peer tests then skip).
+
+The CPU test at the end runs the harness reference-vs-reference on gloo ranks, clean and with
+each output corrupted on purpose, and checks that exactly the corruptions are reported.
+"""
+
+import os
+
+import pytest
+import torch
+
+from tests import gpu_low_latency_cases as ll
+from tests.reference_checks import SectionCache, SectionResults, assert_section
+
+CANDIDATE = os.environ.get("UCCL_EP_TEST_CANDIDATE", "native")
+MISSING_PEER_TIMEOUT_S = 3.0
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA GPUs")
+needs_native = pytest.mark.skipif(CANDIDATE != "native", reason="checks the native engine's own behaviour")
+
+_GPU = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
+                    mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES if CANDIDATE == "native" else ())
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("section", ll.SECTIONS)
+def test_low_latency_matches_reference(section):
+    assert_section(_GPU.get(2), section)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@needs_native
+@pytest.mark.parametrize("enable_shrink", [False, True], ids=["raises", "masks"])
+def test_missing_peer(enable_shrink):
+    """Rank 1 never calls low_latency_dispatch: rank 0 raises CommTimeoutError (naming rank 0, the operation
+    and rank 1) within timeout + 5 s, or with enable_shrink masks rank 1 and carries on."""
+    results = SectionCache(ll.missing_peer_body, backend="nccl", deadline_s=90.0, candidate=CANDIDATE,
+                           enable_shrink=enable_shrink, timeout_s=MISSING_PEER_TIMEOUT_S).get(2)
+    assert_section(results, "missing_peer_masked" if enable_shrink else "missing_peer_raises")
+
+
+# ---------------------------------------------------------------------------------------- the harness, on CPU
+_SELF_CHECK = SectionCache(ll.comparison_body, deadline_s=120.0, candidate="reference", cases=ll.SELF_CHECK_CASES,
+                           mask_cases=ll.SELF_CHECK_MASK_CASES, graph_cases=(), tampers=tuple(ll.TAMPER_DETECTED_BY))
+
+
+def _failed_ranks(results: SectionResults, section: str):
+    return [rank for rank, record in results.per_rank.items() if record.get(section)]
+
+
+@pytest.mark.parametrize("tamper", list(ll.TAMPER_DETECTED_BY), ids=lambda t: t or "untampered")
+def test_harness_reports_exactly_the_corrupted_outputs(tamper):
+    """Reference against reference: untampered (and with tolerated changes: one fp8 step, garbage past
+    recv_count) every section passes; each corruption makes the sections that compare it fail."""
+    results = _SELF_CHECK.get(2)
+    assert results.crash is None, results.crash
+    prefix = "" if tamper is None else f"{tamper}/"
+    detected_by = ll.TAMPER_DETECTED_BY[tamper]
+    for section in ll.SECTIONS:
+        name = prefix + section
+        for rank in range(2):
+            assert name in results.per_rank.get(rank, {}), f"rank {rank} never ran {name}"
+        if section in detected_by:
+            assert _failed_ranks(results, name), f"{name}: the corruption went unnoticed"
+        elif tamper is None or not detected_by:
+            assert_section(results, name)

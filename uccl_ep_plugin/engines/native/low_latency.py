@@ -1,0 +1,164 @@
+"""Native low-latency dispatch and combine: kernels that store straight into the peers'
+IPC-mapped buffers (csrc/kernels/low_latency.cu describes the protocol).
+
+No call syncs the host, so a dispatch+combine can be captured in a CUDA graph. A kernel that
+waits too long for a peer records the failure in host-mapped memory and exits; the next
+low-latency call (or hook) raises it as CommTimeoutError. With enable_shrink the silent peer
+is masked instead.
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from ...dispatch_config import LowLatencyLayout
+from ..reference.collectives import CommTimeoutError
+from ..reference.low_latency import LowLatencyDispatchResult
+from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
+
+_PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
+                3: "low_latency_dispatch (send)"}
+_TIMEOUT, _TOO_MANY_ROWS = 1, 2
+
+
+def _ptr(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class NativeLowLatency:
+    def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self._C = extension
+        self.peer_buffer = peer_buffer
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device = device
+        self.timeout_s = timeout_s
+        self.state = extension.LowLatencyState(device.index)
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    # ------------------------------------------------------------------ state and errors
+    def check(self) -> None:
+        """Raise the first failure a kernel recorded (reads host memory; no sync)."""
+        code, phase, peer, detail = self.state.status()
+        if code == 0:
+            return
+        where = _PHASE_NAMES.get(phase, f"phase {phase}")
+        if code == _TIMEOUT:
+            subject = "expert" if phase == 2 else "local expert"
+            raise CommTimeoutError(
+                f"rank {self.rank}: {where} timed out after {self.timeout_s:g} s waiting for rank {peer} "
+                f"({subject} {detail}); the low-latency buffers are now stale: call clean_low_latency_buffer on "
+                "every rank before using them again")
+        if code == _TOO_MANY_ROWS:
+            raise ValueError(
+                f"rank {self.rank}: low_latency_dispatch: topk_idx names expert {detail} more often than "
+                "num_max_dispatch_tokens_per_rank allows (an expert repeated within a token?)")
+        raise RuntimeError(f"rank {self.rank}: low-latency kernel failed with code {code} in {where}")
+
+    def clean(self) -> None:
+        """Zero this rank's flags and control words (collective: the Buffer barriers around it)."""
+        self.peer_buffer.tensor.zero_()
+        self.state.reset()
+
+    def destroy(self) -> None:
+        if self.state is not None:
+            self.state.release()
+            self.state = None
+        if self.peer_buffer is not None:
+            self.peer_buffer.release()
+            self.peer_buffer = None
+
+    def _region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
+        return self._C.LowLatencyRegion(
+            peer_bases=self.peer_buffer.peer_bases, signal_offset=layout.signal_offset(buffer_idx),
+            recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
+            masked=_ptr(masked_ranks), status=self.state.status_device,
+            timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks)
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _launcher(self, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        """Send and receive in one kernel, or send now and return the hook that receives."""
+        send, recv = self._C.LOW_LATENCY_SEND, self._C.LOW_LATENCY_RECV
+        if not return_recv_hook:
+            launch(send | recv)
+            return None
+        launch(send)
+        received = []
+
+        def hook() -> None:   # later calls do nothing, as with the reference engine
+            if not received:
+                self.check()
+                received.append(True)
+                launch(recv)
+        return hook
+
+    # ------------------------------------------------------------------ operations
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int, *,
+                             use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked_ranks: Optional[torch.Tensor],
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor],
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor], return_recv_hook: bool,
+                             buffer_idx: int) -> LowLatencyDispatchResult:
+        self.check()
+        hidden = x.size(1)
+        layout = LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        local_experts = num_experts // self.num_ranks
+        slots = self.num_ranks * num_max_tokens
+        options = dict(device=self.device)
+        recv_x = torch.empty((local_experts, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                             **options)
+        recv_x_scales = None
+        if use_fp8:
+            num_scales = hidden // CHANNELS_PER_SCALE
+            if use_ue8m0:
+                num_scales //= SCALES_PER_UE8M0_WORD
+            recv_x_scales = torch.empty((local_experts, num_scales, slots),
+                                        dtype=torch.int32 if use_ue8m0 else torch.float32, **options).transpose(1, 2)
+        recv_count = torch.empty(local_experts, dtype=torch.int32, **options)
+        src_info = torch.empty((local_experts, slots), dtype=torch.int32, **options)
+        layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, **options)
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        region = self._region(layout, buffer_idx, masked_ranks)
+
+        def launch(phases: int) -> None:
+            self._C.low_latency_dispatch(
+                region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=x.size(0),
+                num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
+                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, recv_x=recv_x.data_ptr(),
+                recv_scales=_ptr(recv_x_scales), recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(),
+                layout_range=layout_range.data_ptr(), cumulative_recv_stats=_ptr(cumulative_local_expert_recv_stats),
+                wait_cost_stats=_ptr(dispatch_wait_recv_cost_stats), phases=phases, num_sms=self.num_sms,
+                stream=self._stream())
+
+        hook = self._launcher(launch, return_recv_hook)
+        return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            layout_range: torch.Tensor, *, src_info: torch.Tensor, num_max_tokens: int,
+                            num_experts: int, use_logfmt: bool, masked_ranks: Optional[torch.Tensor],
+                            out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor],
+                            return_recv_hook: bool, buffer_idx: int):
+        self.check()
+        hidden = x.size(2)
+        layout = LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        num_tokens = topk_idx.size(0)
+        combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
+                                                           device=self.device)
+        result = combined if combined.is_contiguous() else torch.empty_like(combined, memory_format=torch.contiguous_format)
+        x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        region = self._region(layout, buffer_idx, masked_ranks)
+
+        def launch(phases: int) -> None:
+            self._C.low_latency_combine(
+                region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
+                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(), num_tokens=num_tokens,
+                num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
+                use_logfmt=use_logfmt, out=result.data_ptr(), wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
+                phases=phases, num_sms=self.num_sms, stream=self._stream())
+            if result is not combined and phases & self._C.LOW_LATENCY_RECV:
+                combined.copy_(result)
+
+        hook = self._launcher(launch, return_recv_hook)
+        return combined, hook
