@@ -145,9 +145,17 @@ class LowLatencyLayout:
         return _align_up(2 * self.hidden + 8 * num_groups, 16)
 
     @property
+    def _release_start(self) -> int:
+        # After the flags: one 32-bit "rows sent" counter per expert (this rank's own), then 8 aligned.
+        return _align_up(12 * self.num_experts, 8)
+
+    @property
     def signal_bytes(self) -> int:
-        # Then, used by this rank alone, one 32-bit "rows sent" counter per expert.
-        return _align_up(12 * self.num_experts, BUFFER_ALIGNMENT_BYTES)
+        # Then, per rank, how many uses of this half it has finished reading.
+        return _align_up(self._release_start + 8 * self.num_ranks, BUFFER_ALIGNMENT_BYTES)
+
+    def release_offset(self, buffer_idx: int) -> int:
+        return self.signal_offset(buffer_idx) + self._release_start
 
     def recv_offset(self, buffer_idx: int) -> int:
         return self.send_offset(buffer_idx) + self.send_bytes

@@ -1,7 +1,8 @@
 // Low-latency dispatch and combine over mapped peer memory (see low_latency.h).
 //
 // A block is kGroupsPerBlock independent warp groups; each group takes whole units of work
-// in turn (unit u goes to group u mod the number of groups) and syncs only its own warps:
+// in turn (unit u goes to block u mod the grid, the block's first group first) and syncs only
+// its own warps:
 //   dispatch send: one unit per token. The group casts the row once into shared memory (fp8
 //     with its scales; bf16 rows are sent from x as they are), counts for each of the token's
 //     experts the entries before it that chose the same expert (its slot: rows of one expert
@@ -79,7 +80,7 @@ __device__ __forceinline__ GroupPosition group_position() {
   g.thread = threadIdx.x % kGroupThreads;
   g.warp = g.thread / kWarpSize;
   g.lane = threadIdx.x % kWarpSize;
-  g.first = blockIdx.x * kGroupsPerBlock + g.index;
+  g.first = g.index * gridDim.x + blockIdx.x;  // one group per SM first, then the blocks' second groups
   g.stride = gridDim.x * kGroupsPerBlock;
   return g;
 }
@@ -115,41 +116,73 @@ __device__ void report(const LowLatencyRegion& r, int32_t code, int32_t phase, i
   }
 }
 
-// Waits for `flag` to carry `epoch`; returns its row count, or -1 if `peer` is masked or
-// timed out (then masked with enable_shrink, else reported).
-__device__ int wait_flag(const LowLatencyRegion& r, const uint64_t* flag, uint64_t epoch, int peer, int32_t phase,
-                         int32_t detail, int64_t* wait_cost_stats) {
-  if (is_masked(r, peer)) return -1;
+// Waits until `ready(word)` holds for the word at `addr`, which `peer` writes. Returns false if
+// `peer` is masked or went silent (then it is masked with enable_shrink, else reported).
+template <typename Ready>
+__device__ bool wait_for(const LowLatencyRegion& r, const uint64_t* addr, Ready ready, int peer, int32_t phase,
+                         int32_t detail, int64_t* wait_cost_stats, uint64_t& value) {
+  if (is_masked(r, peer)) return false;
   const uint64_t start = device_time_ns();
-  uint64_t value = load_acquire_system(flag);
-  while ((value >> 32) != epoch) {
-    if (is_masked(r, peer) || aborted(r)) return -1;
+  value = load_acquire_system(addr);
+  while (!ready(value)) {
+    if (is_masked(r, peer) || aborted(r)) return false;
     if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
       if (r.masked != nullptr) {
         *reinterpret_cast<volatile uint8_t*>(r.masked + peer) = 1;
       } else {
         report(r, kLowLatencyTimeout, phase, peer, detail);
       }
-      return -1;
+      return false;
     }
-    value = load_acquire_system(flag);
+    value = load_acquire_system(addr);
   }
   if (wait_cost_stats != nullptr) {
     atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + peer),
               static_cast<unsigned long long>(device_time_ns() - start));
   }
-  return static_cast<int>(value & 0xFFFFFFFFu);
+  return true;
 }
 
-// The use of a half ends when the last block of its receiving launch finishes.
+// The row count of a flag once it carries `epoch`, or -1 (masked or silent peer).
+__device__ int wait_flag(const LowLatencyRegion& r, const uint64_t* flag, uint64_t epoch, int peer, int32_t phase,
+                         int32_t detail, int64_t* wait_cost_stats) {
+  uint64_t value;
+  const bool arrived = wait_for(r, flag, [epoch](uint64_t word) { return (word >> 32) == epoch; }, peer, phase,
+                                detail, wait_cost_stats, value);
+  return arrived ? static_cast<int>(value & 0xFFFFFFFFu) : -1;
+}
+
+// Where `rank`'s buffer holds the count of uses of this half that `reader` has finished reading.
+__device__ __forceinline__ uint64_t* release_count_at(const LowLatencyRegion& r, int rank, int reader) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.release_offset) + reader;
+}
+
+// Before a group stores into its peers' halves for use `epoch`, each peer must have finished reading
+// the previous use of this half (a graph replaying one call uses the same half back to back).
+__device__ void wait_until_released(const LowLatencyRegion& r, const GroupPosition& g, uint64_t epoch, int32_t phase) {
+  for (int peer = g.thread; peer < r.num_ranks; peer += kGroupThreads) {
+    uint64_t value;
+    wait_for(r, release_count_at(r, r.rank, peer), [epoch](uint64_t uses) { return uses + 1 >= epoch; }, peer,
+             phase, -1, nullptr, value);
+  }
+  group_sync(g);
+}
+
+// The use of a half ends when the last block of its receiving launch finishes: it counts the use and
+// tells every peer that this rank has read it.
 __device__ void finish_use(const LowLatencyRegion& r) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const auto done = atomicAdd(reinterpret_cast<unsigned long long*>(r.control + 1), 1ull);
     if (done == gridDim.x - 1) {
+      __threadfence();
+      const uint64_t uses = r.control[0] + 1;
       r.control[1] = 0;
-      r.control[0] += 1;
+      r.control[0] = uses;
+      // Masked peers too, so a peer unmasked later finds the count current (an IPC mapping keeps a
+      // dead peer's memory valid).
+      for (int peer = 0; peer < r.num_ranks; ++peer) store_release_system(release_count_at(r, peer, r.rank), uses);
     }
   }
 }
@@ -412,6 +445,7 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
   uint8_t* message = reinterpret_cast<uint8_t*>(staging) + (a.use_fp8 ? g.index * staging_bytes(a.hidden) : 0);
   const uint64_t epoch = a.region.control[0] + 1;
   if (kPhases & kLowLatencySend) {
+    wait_until_released(a.region, g, epoch, kLowLatencyDispatchSend);
     // The per-expert sent counters follow the flags in this rank's signal area.
     auto* sent_counters = reinterpret_cast<int32_t*>(flag_at(a.region, a.region.rank, a.num_experts));
     for (int token = g.first; token < a.num_tokens; token += g.stride) {
@@ -637,6 +671,7 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   GroupShared& sh = shared[g.index];
   const uint64_t epoch = a.region.control[0] + 1;
   if (kPhases & kLowLatencySend) {
+    wait_until_released(a.region, g, epoch, kLowLatencyCombineSend);
     const int local_experts = a.num_experts / a.region.num_ranks;
     for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
   }
@@ -692,10 +727,8 @@ void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens,
   require(num_sms >= 1, "num_sms must be positive");
 }
 
-int grid_size(int units, int num_sms) {
-  const int blocks = (std::max(units, 1) + kGroupsPerBlock - 1) / kGroupsPerBlock;
-  return std::min(blocks, num_sms);
-}
+// One block per unit up to the SM count: units spread over every SM before any SM takes two.
+int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_sms); }
 
 }  // namespace kernels
 

@@ -10,6 +10,9 @@
 //    (epoch << 32) | rows with a system-scope release store. A receiver waits until the
 //    flag's epoch is the current one, so flags never need zeroing between uses, and a flag
 //    from a peer that ran ahead is not mistaken for the current one.
+//  * A rank that has read a use of a half tells every peer (a per-reader count of finished uses), and
+//    a sender waits for it before storing into that half again, so a half reused back to back (one
+//    call captured in a graph and replayed) never overwrites rows that are still being read.
 //  * Dispatch rows of one (expert, source) are numbered by (token, top-k slot), so the
 //    packed output is the same on every run and equals the reference engine's.
 // Waits give up after timeout_ns: the first failure is written to a status block in mapped
@@ -46,6 +49,7 @@ enum LowLatencyPhase : int32_t {
   kLowLatencyDispatchRecv = 1,
   kLowLatencyCombineRecv = 2,
   kLowLatencyDispatchSend = 3,
+  kLowLatencyCombineSend = 4,
 };
 
 // What a kernel launch does: the sends, the receives, or both (one kernel, no hook).
@@ -55,6 +59,7 @@ enum LowLatencyPhases : int32_t { kLowLatencySend = 1, kLowLatencyRecv = 2 };
 struct LowLatencyRegion {
   const uint64_t* peer_bases;  // device [num_ranks]: base of each rank's buffer in this process
   int64_t signal_offset;       // byte offsets of this half's areas inside every rank's buffer
+  int64_t release_offset;      // uint64 [num_ranks]: uses of this half each rank has finished reading
   int64_t recv_offset;
   uint64_t* control;           // device [2]: completed uses of this half, blocks done in this use
   uint8_t* masked;             // device bool [num_ranks], or null without enable_shrink

@@ -19,10 +19,10 @@ T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t recv_offset,
-                                      std::uintptr_t control, std::uintptr_t masked, std::uintptr_t status,
-                                      int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
-  return uccl_ep::LowLatencyRegion{ptr<const uint64_t>(peer_bases), signal_offset, recv_offset,
+uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t release_offset,
+                                      int64_t recv_offset, std::uintptr_t control, std::uintptr_t masked,
+                                      std::uintptr_t status, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
+  return uccl_ep::LowLatencyRegion{ptr<const uint64_t>(peer_bases), signal_offset, release_offset, recv_offset,
                                    ptr<uint64_t>(control), ptr<uint8_t>(masked),
                                    ptr<uccl_ep::LowLatencyStatus>(status), timeout_ns, rank, num_ranks};
 }
@@ -91,7 +91,8 @@ void bind_low_latency(py::module_& m) {
       .def("release", &LowLatencyState::release, py::call_guard<py::gil_scoped_release>());
 
   py::class_<uccl_ep::LowLatencyRegion>(m, "LowLatencyRegion", "One half of the low-latency region, seen from here.")
-      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("recv_offset"),
+      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("release_offset"),
+           py::arg("recv_offset"),
            py::arg("control"), py::arg("masked"), py::arg("status"), py::arg("timeout_ns"), py::arg("rank"),
            py::arg("num_ranks"));
 

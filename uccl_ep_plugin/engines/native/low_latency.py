@@ -17,7 +17,8 @@ from ..reference.low_latency import LowLatencyDispatchResult
 from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
-                3: "low_latency_dispatch (send)"}
+                3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)"}
+_SEND_PHASES = (3, 4)
 _TIMEOUT, _TOO_MANY_ROWS = 1, 2
 
 
@@ -45,11 +46,15 @@ class NativeLowLatency:
             return
         where = _PHASE_NAMES.get(phase, f"phase {phase}")
         if code == _TIMEOUT:
-            subject = "expert" if phase == 2 else "local expert"
+            if phase in _SEND_PHASES:
+                what = ("to finish reading this buffer half (is it more than two low-latency calls behind: "
+                        "at most two results may be alive?)")
+            else:
+                what = f"({'expert' if phase == 2 else 'local expert'} {detail})"
             raise CommTimeoutError(
-                f"rank {self.rank}: {where} timed out after {self.timeout_s:g} s waiting for rank {peer} "
-                f"({subject} {detail}); the low-latency buffers are now stale: call clean_low_latency_buffer on "
-                "every rank before using them again")
+                f"rank {self.rank}: {where} timed out after {self.timeout_s:g} s waiting for rank {peer} {what}; "
+                "the low-latency buffers are now stale: call clean_low_latency_buffer on every rank before using "
+                "them again")
         if code == _TOO_MANY_ROWS:
             raise ValueError(
                 f"rank {self.rank}: low_latency_dispatch: topk_idx names expert {detail} more often than "
@@ -72,7 +77,7 @@ class NativeLowLatency:
     def _region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
         return self._C.LowLatencyRegion(
             peer_bases=self.peer_buffer.peer_bases, signal_offset=layout.signal_offset(buffer_idx),
-            recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
+            release_offset=layout.release_offset(buffer_idx), recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
             masked=_ptr(masked_ranks), status=self.state.status_device,
             timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks)
 
