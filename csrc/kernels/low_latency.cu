@@ -14,8 +14,8 @@
 //     sources out in rank order, and copies the rows into the packed outputs.
 //   combine send: one unit per local expert: each received row goes back to its source
 //     rank's slot (expert, token), then one flag per source.
-//   combine recv: one unit per token: wait for the flags of its experts, then sum the
-//     weighted rows in float32.
+//   combine recv: one unit per token (or per slice of its channels when there are more groups
+//     than tokens): wait for the flags of its experts, then sum the weighted rows in float32.
 // Sending and receiving are one launch unless the caller asked for a hook; a group only
 // starts receiving after all its sends, so a grid no larger than the SM count cannot
 // deadlock on itself.
@@ -181,8 +181,9 @@ __device__ void finish_use(const LowLatencyRegion& r) {
       r.control[1] = 0;
       r.control[0] = uses;
       // Masked peers too, so a peer unmasked later finds the count current (an IPC mapping keeps a
-      // dead peer's memory valid).
-      for (int peer = 0; peer < r.num_ranks; ++peer) store_release_system(release_count_at(r, peer, r.rank), uses);
+      // dead peer's memory valid). One system fence releases all of them.
+      __threadfence_system();
+      for (int peer = 0; peer < r.num_ranks; ++peer) store_relaxed_system(release_count_at(r, peer, r.rank), uses);
     }
   }
 }
@@ -605,8 +606,10 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   group_sync(g);
 }
 
+// Sums one token's rows; with several slices per token, this group does every slices-th chunk
+// of 8 channels starting at `slice` (the first slice alone counts the wait in the stats).
 __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int token,
-                                   uint64_t epoch) {
+                                   int slice, int slices, uint64_t epoch) {
   const LowLatencyRegion& r = a.region;
   const int local_experts = a.num_experts / r.num_ranks;
   if (g.thread < a.num_topk) {
@@ -615,7 +618,8 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
     int expert = chosen >= 0 && chosen < a.num_experts ? static_cast<int>(chosen) : -1;  // others: no expert
     if (expert >= 0) {
       const int owner = expert / local_experts;
-      if (wait_flag(r, flag_at(r, r.rank, expert), epoch, owner, kLowLatencyCombineRecv, expert, a.wait_cost_stats) < 0) {
+      if (wait_flag(r, flag_at(r, r.rank, expert), epoch, owner, kLowLatencyCombineRecv, expert,
+                    slice == 0 ? a.wait_cost_stats : nullptr) < 0) {
         expert = -1;
       }
     }
@@ -626,7 +630,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
   const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
   const uint8_t* area = rank_base(r, r.rank) + r.recv_offset;
   auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
-  for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) {
+  for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
     float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     // kCopyBatch experts' rows in flight at once; the sum keeps top-k order.
     for (int k0 = 0; k0 < a.num_topk; k0 += kCopyBatch) {
@@ -676,7 +680,12 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
     for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
   }
   if (kPhases & kLowLatencyRecv) {
-    for (int token = g.first; token < a.num_tokens; token += g.stride) combine_recv_token(a, sh, g, token, epoch);
+    // Few tokens: split each token's channels over several groups, so every SM has work.
+    const int chunk_rounds = (a.hidden / 8 + kGroupThreads - 1) / kGroupThreads;
+    const int slices = max(1, min(g.stride / max(a.num_tokens, 1), chunk_rounds));
+    for (int unit = g.first; unit < a.num_tokens * slices; unit += g.stride) {
+      combine_recv_token(a, sh, g, unit / slices, unit % slices, slices, epoch);
+    }
     finish_use(a.region);
   }
 }
