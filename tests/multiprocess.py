@@ -13,9 +13,12 @@ from uccl_ep_plugin.local_port import free_local_port
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, kwargs: Dict[str, Any],
             errors) -> None:
+    import torch
+    # The spawned ranks share the machine's cores: one intra-op thread each (the environment variable is
+    # read too late, torch is already imported by then).
     os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     if backend == "nccl":
-        import torch
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
