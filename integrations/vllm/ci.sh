@@ -37,39 +37,16 @@ VLLM_DEPS=(
 )
 TEST_DEPS=(pytest pyyaml numpy)
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
-CACHE="${UCCL_EP_CI_CACHE:-$HOME/.cache/uccl-ep-ci}"
-VENV="$CACHE/vllm-$VLLM_VERSION"
-WHEELS="${UCCL_EP_WHEELS:-/tmp/wheels}"
-PYTHON="${PYTHON:-python3}"
-START=$SECONDS
-
-step() { printf '[vllm-ci %4ds] %s\n' "$((SECONDS - START))" "$*"; }
-# pip lists every vLLM requirement left out on purpose (--no-deps): count them instead of printing them.
-quiet_resolver() {
-  local log; log="$(mktemp)"
-  if ! "$@" > "$log" 2>&1; then cat "$log"; rm -f "$log"; return 1; fi
-  grep -v -e "^vllm $VLLM_VERSION requires " -e "dependency resolver does not currently" \
-          -e "^WARNING: Location .* is ignored" "$log" || true
-  local skipped; skipped="$(grep -c "^vllm $VLLM_VERSION requires " "$log" || true)"
-  [[ "$skipped" == 0 ]] || echo "  (pip: $skipped requirements of vllm left unmet on purpose, see VLLM_DEPS)"
-  rm -f "$log"
-}
-
+CI_NAME=vllm-ci ENGINE_DIST=vllm ENGINE_VERSION=$VLLM_VERSION
+VENV="${UCCL_EP_CI_CACHE:-$HOME/.cache/uccl-ep-ci}/vllm-$VLLM_VERSION"
 STAMP="$(printf '%s\n' "$VLLM_VERSION" "$TORCH_PIN" "${VLLM_DEPS[@]}" "${TEST_DEPS[@]}" | sha256sum | cut -c1-16)"
-if [[ -x "$VENV/bin/python" && "$(cat "$VENV/.uccl-ci-stamp" 2>/dev/null)" == "$STAMP" ]]; then
+WHEELS="${UCCL_EP_WHEELS:-/tmp/wheels}"
+source "$(dirname "${BASH_SOURCE[0]}")/ci_lib.sh"
+
+if venv_is_current; then
   step "reusing $VENV"
 else
-  step "creating $VENV"
-  rm -rf "$VENV"
-  mkdir -p "$CACHE"
-  "$PYTHON" -m venv "$VENV"
-  PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-  CONSTRAINTS="$VENV/ci-constraints.txt"
-  echo "$TORCH_PIN" > "$CONSTRAINTS"      # nothing below may replace this torch
-  step "installing $TORCH_PIN (CPU build) and test tools"
-  quiet_resolver "${PIP[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}"
+  create_venv "$TORCH_PIN" "${TEST_DEPS[@]}"
   step "installing vllm==$VLLM_VERSION --no-deps"
   if compgen -G "$WHEELS/vllm-$VLLM_VERSION-*.whl" > /dev/null; then
     quiet_resolver "${PIP[@]}" --no-deps --no-index --find-links "$WHEELS" "vllm==$VLLM_VERSION"
@@ -78,23 +55,8 @@ else
   fi
   step "installing vLLM's dependencies for the tested path (${#VLLM_DEPS[@]} packages)"
   quiet_resolver "${PIP[@]}" -c "$CONSTRAINTS" "${VLLM_DEPS[@]}"
-  echo "$STAMP" > "$VENV/.uccl-ci-stamp"
+  mark_venv_current
 fi
 
-step "installing uccl-ep-plugin from $REPO"
-quiet_resolver "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$REPO"
-# From the tests folder, so the repository's own uccl_ep_plugin/ (without integrations/) is not imported.
-(cd "$HERE/tests" && "$VENV/bin/python" - <<'PY'
-import torch, vllm, uccl_ep_plugin.integrations.vllm as plugin
-print(f"  torch {torch.__version__}, vllm {vllm.__version__}, plugin {plugin.__file__}")
-PY
-)
-
-step "running integrations/vllm/tests"
-cd "$HERE/tests"      # its pytest.ini keeps the repository root (and its uccl_ep_plugin/) off sys.path
-set +e
-"$VENV/bin/python" -m pytest -q -W ignore::DeprecationWarning "$@"
-STATUS=$?
-set -e
-step "done (exit $STATUS)"
-exit $STATUS
+install_plugin "$HERE/tests"
+run_tests_and_exit "$HERE/tests" "$@"

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from uccl_ep_plugin.buffer import DEVICE_ENV
 
-from . import engine_report
+from . import engine_report, traffic_export
 from .backends import UCCL_HIGH_THROUGHPUT, UCCL_LOW_LATENCY
 from .deep_ep_names import rebind
 
@@ -39,7 +39,7 @@ def _with_uccl_buffer(vllm_get_handle, backend):
     handle_with_uccl = rebind(vllm_get_handle)
 
     def get_handle(self, kwargs):
-        with buffer_device_follows_vllm():
+        with buffer_device_follows_vllm(), traffic_export.counters_for_new_buffers():
             buffer = handle_with_uccl(self, kwargs)
         engine_report.report(buffer, backend)
         return buffer

@@ -50,13 +50,34 @@ def test_parallel_config_rejects_unknown_backend():
         ParallelConfig(all2all_backend="uccl_bogus")
 
 
-@pytest.mark.parametrize("backend", UCCL_BACKENDS)
-def test_cuda_graphs_off_while_reference_engine_serves(backend):
+def cudagraph_mode_for(backend):
     from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 
     config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE)
     config.set_splitting_ops_for_v1(all2all_backend=backend, data_parallel_size=2)
-    assert config.cudagraph_mode == CUDAGraphMode.NONE
+    return config.cudagraph_mode
+
+
+@pytest.mark.parametrize("backend", UCCL_BACKENDS)
+def test_cuda_graphs_off_while_reference_engine_serves(backend, monkeypatch):
+    from uccl_ep_plugin import engines
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.setenv(engines.ENGINE_ENV, "reference")
+    assert cudagraph_mode_for(backend) == CUDAGraphMode.NONE
+
+
+@pytest.mark.parametrize("backend", UCCL_BACKENDS)
+def test_cuda_graphs_kept_only_where_native_engine_serves_every_operation(backend, monkeypatch):
+    import torch
+    from uccl_ep_plugin import engines
+    from uccl_ep_plugin.integrations.vllm.capture import OPERATIONS
+    from vllm.config.compilation import CUDAGraphMode
+
+    monkeypatch.setenv(engines.ENGINE_ENV, "auto")
+    choice = engines.choose("auto", torch.device("cuda"))
+    all_native = all(choice.by_operation[operation] == "native" for operation in OPERATIONS[backend])
+    assert cudagraph_mode_for(backend) == (CUDAGraphMode.PIECEWISE if all_native else CUDAGraphMode.NONE)
 
 
 def test_other_backends_untouched():

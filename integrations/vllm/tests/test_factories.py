@@ -34,6 +34,8 @@ def test_no_global_deep_ep_module():
     had_deep_ep = "deep_ep" in sys.modules          # a real DeepEP, if this environment has one
     names = prepare_finalize.bound_names()
     assert ("deep_ep" in sys.modules) == had_deep_ep
-    module = sys.modules[names["DeepEPHTPrepareAndFinalize"].__mro__[1].__module__]
+    uccl_class = names["DeepEPHTPrepareAndFinalize"]
+    vllm_class = next(k for k in uccl_class.__mro__ if k.__name__ == "DeepEPHTPrepareAndFinalize")
+    module = sys.modules[vllm_class.__module__]
     assert module.__name__.startswith("uccl_ep_plugin.integrations.vllm.bound.")
     assert module.deep_ep.__name__ == "uccl_ep_plugin"

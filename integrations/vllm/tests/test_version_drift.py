@@ -55,7 +55,8 @@ def test_unsupported_version_names_supported_ones(fresh, monkeypatch):
     monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(VllmPatchError) as error:
         plugin.register()
-    assert "vLLM 0.99.0 is not supported" in str(error.value) and "0.33.0" in str(error.value)
+    assert "vLLM 0.99.0 on the cpu platform is not supported" in str(error.value)
+    assert "0.32.0 (cpu), 0.33.0 (any platform)" in str(error.value)
 
 
 def test_release_parsing():

@@ -10,7 +10,7 @@ import torch
 
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
-from .peers import map_peer_buffer
+from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
 
 # operation -> build feature it needs
 IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",
@@ -30,6 +30,8 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     feature = IMPLEMENTED.get(operation)
     if feature is None:
         return "no native kernel yet"
+    if operation in LOW_LATENCY_OPERATIONS and force_proxy():
+        return f"{FORCE_PROXY_ENV}=1 treats every peer as remote, and the proxy path is not built yet"
     try:
         extension = _load_extension()
     except ImportError as error:

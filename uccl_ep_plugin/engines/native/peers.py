@@ -59,8 +59,6 @@ class PeerBuffer:
 def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int
                     ) -> Tuple[Optional[PeerBuffer], Optional[str]]:
     """``(buffer, None)`` when every rank mapped every other's buffer, else ``(None, reason)``."""
-    if force_proxy():
-        return None, f"{FORCE_PROXY_ENV}=1 treats every peer as remote, and the proxy path is not built yet"
     hosts = _all_gather(group, _host_id())
     other_hosts = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
     if other_hosts:

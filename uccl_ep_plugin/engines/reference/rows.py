@@ -32,7 +32,10 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tens
     num_rows = rows.size(0)
     for dtype, shape in specs:
         width = _row_numel(shape) * torch.empty((), dtype=dtype).element_size()
-        chunk = rows[:, offset:offset + width].contiguous()
+        # A fresh buffer, not .contiguous(): a one-row slice counts as contiguous and keeps its row stride
+        # and offset, which view() to a wider dtype rejects unless they happen to be multiples of its size.
+        chunk = torch.empty((num_rows, width), dtype=torch.uint8, device=rows.device)
+        chunk.copy_(rows[:, offset:offset + width])
         out.append(chunk.view(dtype).reshape((num_rows,) + tuple(shape)))
         offset += width
     return out
