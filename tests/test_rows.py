@@ -21,3 +21,12 @@ def test_round_trip_with_odd_widths(num_rows, hidden):
         back = unpack_rows(sliced, [row_spec(t) for t in tensors])
         for original, got in zip(tensors, back):
             assert got.dtype == original.dtype and torch.equal(got, original[start:])
+
+
+def test_empty_tensors_with_any_strides_pack():
+    """Zero rows (a rank that received nothing), with the zero strides an expand() leaves."""
+    expanded = torch.zeros((0, 1)).expand(0, 5)
+    packed = pack_rows([expanded, torch.empty((0, 3), dtype=torch.int64)], 0, torch.device("cpu"))
+    assert packed.shape == (0, 5 * 4 + 3 * 8)
+    weights, ids = unpack_rows(packed, [(torch.float32, (5,)), (torch.int64, (3,))])
+    assert weights.shape == (0, 5) and ids.shape == (0, 3) and weights.stride(-1) == 1

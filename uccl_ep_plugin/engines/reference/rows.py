@@ -9,10 +9,17 @@ RowSpec = Tuple[torch.dtype, Tuple[int, ...]]
 
 def pack_rows(tensors: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> torch.Tensor:
     """Concatenate the bytes of each row of every tensor (all with ``num_rows`` rows)."""
-    parts = [t.contiguous().reshape(num_rows, _row_numel(t.shape[1:])).view(torch.uint8) for t in tensors]
+    parts = [_byte_rows(t, num_rows) for t in tensors]
     if not parts:
         return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
     return torch.cat(parts, dim=1)
+
+
+def _byte_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    width = _row_numel(tensor.shape[1:]) * tensor.element_size()
+    if tensor.numel() == 0:   # any strides: view() to bytes would reject some of them
+        return torch.empty((num_rows, width), dtype=torch.uint8, device=tensor.device)
+    return tensor.contiguous().reshape(num_rows, -1).view(torch.uint8)
 
 
 def _row_numel(shape: Sequence[int]) -> int:
@@ -34,9 +41,10 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tens
         width = _row_numel(shape) * torch.empty((), dtype=dtype).element_size()
         # A fresh buffer, not .contiguous(): a one-row slice counts as contiguous and keeps its row stride
         # and offset, which view() to a wider dtype rejects unless they happen to be multiples of its size.
-        chunk = torch.empty((num_rows, width), dtype=torch.uint8, device=rows.device)
-        chunk.copy_(rows[:, offset:offset + width])
-        out.append(chunk.view(dtype).reshape((num_rows,) + tuple(shape)))
+        values = torch.empty((num_rows,) + tuple(shape), dtype=dtype, device=rows.device)
+        if values.numel() > 0:
+            values.view(num_rows, -1).view(torch.uint8).copy_(rows[:, offset:offset + width])
+        out.append(values)
         offset += width
     return out
 
