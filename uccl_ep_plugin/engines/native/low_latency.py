@@ -149,9 +149,9 @@ class NativeLowLatency:
         hidden = x.size(2)
         layout = LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
         num_tokens = topk_idx.size(0)
+        # The Buffer checked that out (if given) is contiguous bf16 [num_tokens, hidden].
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
-        result = combined if combined.is_contiguous() else torch.empty_like(combined, memory_format=torch.contiguous_format)
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         region = self._region(layout, buffer_idx, masked_ranks)
 
@@ -160,10 +160,8 @@ class NativeLowLatency:
                 region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
                 src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(), num_tokens=num_tokens,
                 num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
-                use_logfmt=use_logfmt, out=result.data_ptr(), wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
+                use_logfmt=use_logfmt, out=combined.data_ptr(), wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
                 phases=phases, num_sms=self.num_sms, stream=self._stream())
-            if result is not combined and phases & self._C.LOW_LATENCY_RECV:
-                combined.copy_(result)
 
         hook = self._launcher(launch, return_recv_hook)
         return combined, hook
