@@ -11,8 +11,6 @@ Tests that need the extension are skipped when it is not built, unless
 The test marked ``gpu`` also needs a CUDA GPU visible to torch and a CUDA build.
 """
 
-import importlib
-import importlib.util
 import itertools
 import os
 import shutil

@@ -443,7 +443,7 @@ def _mask_checks(rec, rank, num_ranks, group):
     spec = _case(0, num_ranks)
     inputs = [_inputs(spec, s) for s in range(num_ranks)]
     mine = inputs[rank]
-    t_max, hidden, e_total, el = spec["T"], spec["hidden"], spec["num_experts"], spec["local_experts"]
+    t_max, hidden, e_total = spec["T"], spec["hidden"], spec["num_experts"]
     size = Buffer.get_low_latency_rdma_size_hint(t_max, hidden, num_ranks, e_total)
     with rec.section("mask"):
         plain = Buffer(group, 0, size, low_latency_mode=True)

@@ -1,7 +1,6 @@
 """Tests of the platform config files, their validation, detection and layering."""
 
 import json
-import os
 
 import pytest
 

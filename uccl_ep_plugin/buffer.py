@@ -20,7 +20,7 @@ from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .streams import StreamScope
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
-from .validation import (FP8_DTYPE, TOPK_IDX_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
+from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
 
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"

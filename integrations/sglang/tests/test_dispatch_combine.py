@@ -76,8 +76,6 @@ def _experts_normal(output, rank, num_local):
 
 def _experts_low_latency(output, rank, num_local):
     """Stand-in 4 on a low-latency dispatch: rows of local expert e times (global e + 1)."""
-    import torch
-
     hidden = output.hidden_states.float().clone()
     for e in range(num_local):
         count = int(output.masked_m[e])

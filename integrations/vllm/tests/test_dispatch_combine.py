@@ -3,7 +3,6 @@
 2 spawned ranks over gloo on CPU, reference engine; stand-ins are listed in _ranks.py.
 """
 
-import pytest
 
 import _scenarios
 from _ranks import run_ranks

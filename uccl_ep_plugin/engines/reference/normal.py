@@ -121,7 +121,7 @@ def dispatch(comm: GroupComm, x: torch.Tensor, x_scales: Optional[torch.Tensor],
 def combine(comm: GroupComm, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
             biases: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Sum every token's copies (no weights applied) back on its source rank, then add the biases."""
-    rank, num_ranks, device = comm.rank, comm.num_ranks, comm.device
+    rank, device = comm.rank, comm.device
     rank_prefix_matrix, _, _, _, is_token_in_rank, _ = handle
     counts = rank_matrix(rank_prefix_matrix.cpu())
     send_counts = counts[:, rank].tolist()
