@@ -295,7 +295,7 @@ class Buffer:
         """
         engine = self._engine_for("get_dispatch_layout")
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx(topk_idx, num_experts, check_values=engine is not self._native)
+        self._check_topk_idx(engine, topk_idx, num_experts)
         check_same_device(self.device, topk_idx=topk_idx)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
@@ -348,8 +348,7 @@ class Buffer:
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError("topk_idx and topk_weights must be given together")
             if topk_idx is not None:
-                check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens,
-                               check_values=engine is not self._native)
+                self._check_topk_idx(engine, topk_idx, num_experts, num_tokens)
                 check_topk_weights(topk_weights, topk_idx)
             elif num_worst_tokens > 0:
                 raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
@@ -463,7 +462,7 @@ class Buffer:
             raise ValueError("use_ue8m0=True requires use_fp8=True")
         check_hidden("x", x.size(1), x.element_size(), multiple_of=512 if use_ue8m0 else 128 if use_fp8 else 1)
         check_num_experts(num_experts, self.group_size)
-        check_topk_idx(topk_idx, num_experts, num_tokens=x.size(0), check_values=engine is not self._native)
+        self._check_topk_idx(engine, topk_idx, num_experts, x.size(0))
         local_experts = num_experts // self.group_size
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, (torch.int32,),
@@ -513,7 +512,7 @@ class Buffer:
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
         local_experts, slots = src_info.shape
         check_tensor("x", x, (torch.bfloat16,), shape=(local_experts, slots, hidden))
-        check_topk_idx(topk_idx, num_experts, check_values=engine is not self._native)
+        self._check_topk_idx(engine, topk_idx, num_experts)
         if topk_idx.size(0) > num_tokens_limit:
             raise ValueError(f"topk_idx has {topk_idx.size(0)} tokens, more than num_max_dispatch_tokens_per_rank="
                              f"{num_tokens_limit}")
@@ -612,6 +611,12 @@ class Buffer:
         check_hidden("x", x.size(1), x.element_size())
         check_same_device(self.device, x=x)
         return x, None
+
+    def _check_topk_idx(self, engine, topk_idx: torch.Tensor, num_experts: int,
+                        num_tokens: Optional[int] = None) -> None:
+        # The native kernels never sync the host, so they skip the value check (it reads the GPU tensor
+        # back) and treat out-of-range entries as -1; the reference engine syncs anyway.
+        check_topk_idx(topk_idx, num_experts, num_tokens=num_tokens, check_values=engine is not self._native)
 
     def _check_config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
         if config is None:
