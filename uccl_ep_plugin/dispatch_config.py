@@ -167,8 +167,11 @@ class LowLatencyLayout:
 
     @property
     def recv_bytes(self) -> int:
-        t, e = self.num_max_dispatch_tokens_per_rank, self.num_experts
-        return _align_up(e * t * max(self.dispatch_msg_bytes, self.combine_msg_bytes), BUFFER_ALIGNMENT_BYTES)
+        # Dispatch: a message per (source rank, token) and a 4-byte row index per (expert, source, row);
+        # combine: a message per (expert, token).
+        t, e, r = self.num_max_dispatch_tokens_per_rank, self.num_experts, self.num_ranks
+        dispatch = r * t * self.dispatch_msg_bytes + 4 * e * t
+        return _align_up(max(dispatch, e * t * self.combine_msg_bytes), BUFFER_ALIGNMENT_BYTES)
 
     @property
     def half_bytes(self) -> int:

@@ -6,12 +6,14 @@
 //   dispatch send: one unit per token. The group casts the row once into shared memory (fp8
 //     with its scales; bf16 rows are sent from x as they are), counts for each of the token's
 //     experts the entries before it that chose the same expert (its slot: rows of one expert
-//     are numbered in (token, top-k slot) order) and the expert's total, then one warp per
-//     top-k slot stores the message into the expert's rank. The last sender of an expert (a
-//     per-expert counter in this rank's signal area) publishes the count with the epoch;
-//     experts nobody chose get a zero count from the group that owns them.
+//     are numbered in (token, top-k slot) order) and the expert's total, then stores the
+//     message once into each destination rank's slot for (this rank, token), and per top-k slot
+//     an index entry (expert, slot) -> token. The last sender of an expert (a per-expert
+//     counter in this rank's signal area) publishes the count with the epoch; experts nobody
+//     chose get a zero count from the group that owns them.
 //   dispatch recv: one unit per local expert. It waits for every source's flag, lays the
-//     sources out in rank order, and copies the rows into the packed outputs.
+//     sources out in rank order, and copies each row's message (found through the index) into
+//     the packed outputs.
 //   combine send: one unit per local expert: each received row goes back to its source
 //     rank's slot (expert, token), then one flag per source.
 //   combine recv: one unit per token (or per slice of its channels when there are more groups
@@ -237,6 +239,21 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
   }
 }
 
+// Dispatch receive area of one rank: a message slot per (source rank, token), then an index per
+// (local expert, source rank, row) naming the token of each row.
+__device__ __forceinline__ uint8_t* dispatch_message_at(const LowLatencyDispatchArgs& a, int rank, int src, int token) {
+  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  return rank_base(a.region, rank) + a.region.recv_offset +
+         (static_cast<int64_t>(src) * a.num_max_tokens + token) * msg_bytes;
+}
+
+__device__ __forceinline__ int32_t* dispatch_index_at(const LowLatencyDispatchArgs& a, int rank, int local, int src,
+                                                      int row) {
+  const int64_t messages = low_latency_dispatch_messages_bytes(a.region.num_ranks, a.num_max_tokens, a.hidden);
+  auto* index = reinterpret_cast<int32_t*>(rank_base(a.region, rank) + a.region.recv_offset + messages);
+  return index + (static_cast<int64_t>(local) * a.region.num_ranks + src) * a.num_max_tokens + row;
+}
+
 // The group casts token `token`'s row into `message` (shared): header, fp8 row, scales.
 // 16 channels per thread, 8 threads per scale group.
 __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, uint8_t* message,
@@ -306,18 +323,18 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
     }
   }
   group_sync(g);
-  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  // One message per destination rank (written by the warp of the first top-k slot naming it): the
+  // rank's experts all read the row from its token slot, so it crosses NVLink once, not per expert.
   for (int k = g.warp; k < a.num_topk; k += kWarpsPerGroup) {
     const int expert = sh.experts[k];
     if (expert < 0) continue;
-    const int dst = expert / local_experts, local = expert % local_experts;
-    const int slot = sh.before[k];
-    if (slot >= a.num_max_tokens) {
-      if (g.lane == 0) report(r, kLowLatencyTooManyRows, kLowLatencyDispatchSend, dst, expert);
-      continue;
+    const int dst = expert / local_experts;
+    bool first = true;
+    for (int earlier = 0; earlier < k; ++earlier) {
+      first &= sh.experts[earlier] < 0 || sh.experts[earlier] / local_experts != dst;
     }
-    uint8_t* out = rank_base(r, dst) + r.recv_offset +
-                   ((static_cast<int64_t>(local) * r.num_ranks + r.rank) * a.num_max_tokens + slot) * msg_bytes;
+    if (!first) continue;
+    uint8_t* out = dispatch_message_at(a, dst, r.rank, token);
     if (a.use_fp8) {
       warp_copy<false>(out, message, staging_bytes(a.hidden), g.lane);
     } else {
@@ -325,17 +342,29 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
       warp_copy<false>(out + 16, reinterpret_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.hidden * 2,
                        2LL * a.hidden, g.lane);
     }
-    __syncwarp();
-    if (g.lane == 0) {
-      // Release this warp's stores; the last of the expert's senders acquires them all and publishes.
+  }
+  group_sync(g);  // every message is stored before an index entry announces it
+  // One thread per top-k slot: the index entry (slot -> token) in the expert's rank, then the count.
+  if (g.thread < a.num_topk) {
+    const int k = g.thread;
+    const int expert = sh.experts[k];
+    if (expert >= 0) {
+      const int dst = expert / local_experts, local = expert % local_experts;
+      const int slot = sh.before[k];
+      if (slot < a.num_max_tokens) {
+        *dispatch_index_at(a, dst, local, r.rank, slot) = token;
+      } else {
+        report(r, kLowLatencyTooManyRows, kLowLatencyDispatchSend, dst, expert);
+      }
+      // Release this thread's view (the group's messages, its entry); the expert's last sender
+      // acquires every sender's and publishes the count.
       __threadfence();
       const int done = atomicAdd(sent_counters + expert, 1) + 1;
-      const int rows = min(sh.chosen[k], a.num_max_tokens);
       if (done == sh.chosen[k]) {
         __threadfence();
         sent_counters[expert] = 0;
         store_release_system(flag_at(r, dst, static_cast<int64_t>(local) * r.num_ranks + r.rank),
-                             (epoch << 32) | static_cast<uint32_t>(rows));
+                             (epoch << 32) | static_cast<uint32_t>(min(sh.chosen[k], a.num_max_tokens)));
       }
     }
   }
@@ -403,16 +432,14 @@ __device__ void dispatch_recv_expert(const LowLatencyDispatchArgs& a, GroupShare
     a.recv_count[local] = total;
     if (a.cumulative_recv_stats != nullptr) a.cumulative_recv_stats[local] += total;
   }
-  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
   const int64_t row_bytes = a.use_fp8 ? a.hidden : 2LL * a.hidden;
   const int num_scales = a.hidden / kChannels;
-  const uint8_t* area = rank_base(r, r.rank) + r.recv_offset;
   for (int row = g.warp; row < total; row += kWarpsPerGroup) {
     const int src = source_of_row(sh, row, r.num_ranks);
-    const int slot = row - sh.begins[src];
-    const uint8_t* msg = area + ((static_cast<int64_t>(local) * r.num_ranks + src) * a.num_max_tokens + slot) * msg_bytes;
+    const int token = __ldcg(dispatch_index_at(a, r.rank, local, src, row - sh.begins[src]));
+    const uint8_t* msg = dispatch_message_at(a, r.rank, src, token);
     const int64_t out_row = local * slots_per_expert + row;
-    if (g.lane == 0) a.src_info[out_row] = load_l2_16(msg).x;
+    if (g.lane == 0) a.src_info[out_row] = token;
     warp_copy<true>(reinterpret_cast<uint8_t*>(a.recv_x) + out_row * row_bytes, msg + 16, row_bytes, g.lane);
     if (!a.use_fp8) continue;
     const auto* scales = reinterpret_cast<const float*>(msg + 16 + a.hidden);

@@ -13,6 +13,8 @@
 //  * A rank that has read a use of a half tells every peer (a per-reader count of finished uses), and
 //    a sender waits for it before storing into that half again, so a half reused back to back (one
 //    call captured in a graph and replayed) never overwrites rows that are still being read.
+//  * A dispatched token crosses to each destination rank once, whatever the number of its experts
+//    there; an index per (expert, source, row) names the token each packed row copies.
 //  * Dispatch rows of one (expert, source) are numbered by (token, top-k slot), so the
 //    packed output is the same on every run and equals the reference engine's.
 // Waits give up after timeout_ns: the first failure is written to a status block in mapped
@@ -115,6 +117,12 @@ struct LowLatencyCombineArgs {
 // combine message (the bf16 row, then a LogFMT header per 128 channels). They must match
 // LowLatencyLayout in Python, which checks them against these at start.
 UCCL_EP_HOST_DEVICE inline int64_t low_latency_dispatch_msg_bytes(int64_t hidden) { return 16 + 2 * hidden; }
+// The dispatch message slots of one half's receive area (one per source rank and token), before
+// its row index.
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_dispatch_messages_bytes(int64_t num_ranks, int64_t num_max_tokens,
+                                                                       int64_t hidden) {
+  return num_ranks * num_max_tokens * low_latency_dispatch_msg_bytes(hidden);
+}
 UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_msg_bytes(int64_t hidden) {
   const int64_t groups = (hidden + kLowLatencyChannelsPerScale - 1) / kLowLatencyChannelsPerScale;
   return (2 * hidden + 8 * groups + 15) / 16 * 16;
