@@ -723,7 +723,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine(const Lo
 __global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_send(const LowLatencyCombineArgs a) {
   low_latency_combine_body<kLowLatencySend>(a);
 }
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_recv(const LowLatencyCombineArgs a) {
+// The receive alone waits only on other launches, so its blocks need not all be resident at once:
+// two per SM (64 registers a thread) put twice the loads in flight.
+constexpr int kCombineRecvBlocksPerSm = 2;
+__global__ void __launch_bounds__(kBlockThreads, kCombineRecvBlocksPerSm) low_latency_combine_recv(const LowLatencyCombineArgs a) {
   low_latency_combine_body<kLowLatencyRecv>(a);
 }
 
@@ -803,9 +806,15 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stre
             "topk_idx, topk_weights and out must be set");
   }
   const int local_experts = a.num_experts / a.region.num_ranks;
-  const int units = std::max((a.phases & kLowLatencySend) ? local_experts : 0,
-                             (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
-  combine_kernel(a.phases)<<<grid_size(units, a.num_sms), kBlockThreads, 0, stream>>>(a);
+  int units = std::max((a.phases & kLowLatencySend) ? local_experts : 0, (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
+  int max_blocks = a.num_sms;
+  if (a.phases == kLowLatencyRecv) {
+    // A block per kGroupsPerBlock slices of a token's channels (one round of chunks per group).
+    const int chunk_rounds = (a.hidden / 8 + kGroupThreads - 1) / kGroupThreads;
+    units = (a.num_tokens * chunk_rounds + kGroupsPerBlock - 1) / kGroupsPerBlock;
+    max_blocks = a.num_sms * kCombineRecvBlocksPerSm;
+  }
+  combine_kernel(a.phases)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
