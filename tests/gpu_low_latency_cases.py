@@ -549,6 +549,11 @@ def combine_sections(h: Harness, case: Case, inputs: Inputs, tag: str) -> None:
             got_d, want_d = h.dispatch_both(case, inputs, **options)
             got, want = h.combine_both(got_d, want_d, inputs)
             h.check_combine(got, want, f"{tag} combine after dispatch {options}")
+        # A handle rebuilt as a plain tuple has lost the native dispatch's record of row positions.
+        got_d, want_d = h.dispatch_both(case, inputs, use_fp8=False)
+        plain = got_d[:2] + (tuple(got_d[2]),) + got_d[3:]
+        got, want = h.combine_both(plain, want_d, inputs)
+        h.check_combine(got, want, f"{tag} combine with the handle as a plain tuple")
     with h.section("combine_out"):
         got_d, want_d = h.dispatch_both(case, inputs, use_fp8=False)
         expert_out = expert_outputs(want_d)

@@ -490,7 +490,9 @@ class Buffer:
         self._low_latency_buffer_idx ^= 1
         handle = LowLatencyHandle((result.src_info, result.layout_range, num_tokens_limit, x.size(1), num_experts),
                                   self._owner_id)
-        outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range)
+        handle.positions = result.positions
+        outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range,
+                   result.positions)
         event = scope.finish(outputs, (x, topk_idx) + outputs if async_finish else None)
         recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
         return recv_x, result.recv_count, handle, event, hook
@@ -533,12 +535,13 @@ class Buffer:
         with self._scope(None, async_finish, False, use_comm_stream=not return_recv_hook) as scope:
             combined, hook = engine.low_latency_combine(
                 x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
-                num_experts=num_experts, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
+                num_experts=num_experts, positions=getattr(handle, "positions", None), use_logfmt=use_logfmt,
+                masked_ranks=self._mask, out=out,
                 combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
                 buffer_idx=self._low_latency_buffer_idx)
         self._low_latency_buffer_idx ^= 1
-        event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined)
-                             if async_finish else None)
+        event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined,
+                                           getattr(handle, "positions", None)) if async_finish else None)
         return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:

@@ -167,11 +167,13 @@ class LowLatencyLayout:
 
     @property
     def recv_bytes(self) -> int:
-        # Dispatch: a message per (source rank, token) and a 4-byte row index per (expert, source, row);
-        # combine: a message per (expert, token).
+        # Dispatch: a message per (source rank, token) and a 4-byte row index per (source, expert, row).
+        # Combine: per source rank a block of the rows its experts return, at most min(top-k, local
+        # experts) per token; the top-k is not known here, so its largest value sizes the block.
         t, e, r = self.num_max_dispatch_tokens_per_rank, self.num_experts, self.num_ranks
         dispatch = r * t * self.dispatch_msg_bytes + 4 * e * t
-        return _align_up(max(dispatch, e * t * self.combine_msg_bytes), BUFFER_ALIGNMENT_BYTES)
+        combine = r * t * min(MAX_TOPK, e // r) * self.combine_msg_bytes
+        return _align_up(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
 
     @property
     def half_bytes(self) -> int:

@@ -35,7 +35,12 @@ class LowLatencyHandle(_TaggedHandle):
 
     - ``src_info[e, k]``: source token index of packed row ``k`` of local expert ``e`` (int32 ``[El, R*T]``).
     - ``layout_range[e, i]``: ``begin << 32 | count`` of the rows local expert ``e`` got from rank ``i`` (int64 ``[El, R]``).
+
+    ``positions`` (an attribute, not an item): the native engine's record of where each (token, top-k)
+    entry's combined row will land; None from the reference engine or on a handle rebuilt as a plain tuple.
     """
+
+    positions: Optional[Any] = None
 
 
 def owner_of(handle: Any) -> Optional[int]:

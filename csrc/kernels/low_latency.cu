@@ -15,9 +15,11 @@
 //     sources out in rank order, and copies each row's message (found through the index) into
 //     the packed outputs.
 //   combine send: one unit per local expert: each received row goes back to its source
-//     rank's slot (expert, token), then one flag per source.
+//     rank's block for this rank, after the rows of this rank's smaller experts, then one flag
+//     per source.
 //   combine recv: one unit per token (or per slice of its channels when there are more groups
-//     than tokens): wait for the flags of its experts, then sum the weighted rows in float32.
+//     than tokens): wait for the flags of its experts, then sum the weighted rows (found at the
+//     positions the dispatch recorded) in float32.
 // Sending and receiving are one launch unless the caller asked for a hook; a group only
 // starts receiving after all its sends, so a grid no larger than the SM count cannot
 // deadlock on itself.
@@ -49,14 +51,15 @@ constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on sm_90
 static_assert(kGroupThreads >= kLowLatencyMaxTopk, "a group waits for all of a token's experts at once");
 
 struct GroupShared {
-  int32_t warp_matches[kWarpsPerGroup];
-  int32_t tokens[kGroupThreads];           // tokens matched by one scan chunk, in order
   int32_t counts[kLowLatencyMaxRanks];     // rows per source rank
   int32_t begins[kLowLatencyMaxRanks];
   int32_t experts[kLowLatencyMaxTopk];     // a token's experts (-1: skip)
   int32_t before[kLowLatencyMaxTopk];      // entries before this one with the same expert
   int32_t chosen[kLowLatencyMaxTopk];      // entries with the same expert in all
+  int32_t smaller[kLowLatencyMaxTopk];     // entries choosing a smaller expert of the same rank
+  int32_t starts[kLowLatencyMaxRanks];     // combine send: this expert's first row in each source's block
   float weights[kLowLatencyMaxTopk];
+  int64_t messages[kLowLatencyMaxTopk];    // combine receive: each entry's row in this rank's area
   int32_t total;
   int32_t found;
 };
@@ -240,7 +243,8 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
 }
 
 // Dispatch receive area of one rank: a message slot per (source rank, token), then an index per
-// (local expert, source rank, row) naming the token of each row.
+// (source rank, local expert, row) naming the token of each row. What one source sends a rank (its
+// messages, its index entries, its count flags) is contiguous there: one write each through a proxy.
 __device__ __forceinline__ uint8_t* dispatch_message_at(const LowLatencyDispatchArgs& a, int rank, int src, int token) {
   const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
   return rank_base(a.region, rank) + a.region.recv_offset +
@@ -251,7 +255,13 @@ __device__ __forceinline__ int32_t* dispatch_index_at(const LowLatencyDispatchAr
                                                       int row) {
   const int64_t messages = low_latency_dispatch_messages_bytes(a.region.num_ranks, a.num_max_tokens, a.hidden);
   auto* index = reinterpret_cast<int32_t*>(rank_base(a.region, rank) + a.region.recv_offset + messages);
-  return index + (static_cast<int64_t>(local) * a.region.num_ranks + src) * a.num_max_tokens + row;
+  const int local_experts = a.num_experts / a.region.num_ranks;
+  return index + (static_cast<int64_t>(src) * local_experts + local) * a.num_max_tokens + row;
+}
+
+// The count flag of (source `src`, local expert `local`) in `rank`'s signal area.
+__device__ __forceinline__ uint64_t* dispatch_flag_at(const LowLatencyDispatchArgs& a, int rank, int src, int local) {
+  return flag_at(a.region, rank, static_cast<int64_t>(src) * (a.num_experts / a.region.num_ranks) + local);
 }
 
 // The group casts token `token`'s row into `message` (shared): header, fp8 row, scales.
@@ -292,6 +302,12 @@ __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, ui
   }
 }
 
+__device__ __forceinline__ int warp_sum(int value) {
+#pragma unroll
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) value += __shfl_xor_sync(0xffffffffu, value, mask);
+  return value;
+}
+
 // Expert of entry `entry`, or -1 for none, out of range, or on a masked rank.
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& a, int64_t entry, int local_experts) {
   const int64_t expert = a.topk_idx[entry];
@@ -304,22 +320,32 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
   const LowLatencyRegion& r = a.region;
   const int local_experts = a.num_experts / r.num_ranks;
   const int64_t first_entry = static_cast<int64_t>(token) * a.num_topk;
-  if (g.thread < a.num_topk) {
-    sh.experts[g.thread] = routed_expert(a, first_entry + g.thread, local_experts);
-    sh.before[g.thread] = 0;
-    sh.chosen[g.thread] = 0;
-  }
+  if (g.thread < a.num_topk) sh.experts[g.thread] = routed_expert(a, first_entry + g.thread, local_experts);
   group_sync(g);
   if (a.use_fp8) stage_fp8_message(a, token, message, g);
-  // Slots: entries of the same expert earlier in (token, slot) order.
+  // A warp per top-k slot counts over all entries: those of the same expert (earlier ones give the
+  // slot: rows of one expert are numbered in (token, slot) order), and, for the combine position,
+  // those choosing a smaller expert of the same rank.
   const int64_t entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
-  for (int64_t entry = g.thread; entry < entries; entry += kGroupThreads) {
-    const int64_t expert = a.topk_idx[entry];
-    if (expert < 0) continue;
-    for (int k = 0; k < a.num_topk; ++k) {
-      if (expert != sh.experts[k]) continue;
-      atomic_add_block_relaxed(&sh.chosen[k], 1);
-      if (entry < first_entry + k) atomic_add_block_relaxed(&sh.before[k], 1);
+  for (int k = g.warp; k < a.num_topk; k += kWarpsPerGroup) {
+    const int chosen = sh.experts[k];
+    if (chosen < 0) continue;
+    const int rank_first = chosen - chosen % local_experts;
+    const int64_t mine = first_entry + k;
+    int same = 0, earlier = 0, smaller = 0;
+    for (int64_t entry = g.lane; entry < entries; entry += kWarpSize) {
+      const int64_t expert = a.topk_idx[entry];
+      same += expert == chosen;
+      earlier += expert == chosen && entry < mine;
+      smaller += expert >= rank_first && expert < chosen;
+    }
+    same = warp_sum(same);
+    earlier = warp_sum(earlier);
+    smaller = warp_sum(smaller);
+    if (g.lane == 0) {
+      sh.chosen[k] = same;
+      sh.before[k] = earlier;
+      sh.smaller[k] = smaller;
     }
   }
   group_sync(g);
@@ -348,10 +374,14 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
   if (g.thread < a.num_topk) {
     const int k = g.thread;
     const int expert = sh.experts[k];
+    if (expert < 0) a.positions[first_entry + k] = -1;
     if (expert >= 0) {
       const int dst = expert / local_experts, local = expert % local_experts;
       const int slot = sh.before[k];
-      if (slot < a.num_max_tokens) {
+      const int position = sh.smaller[k] + slot;
+      a.positions[first_entry + k] = position;
+      if (slot < a.num_max_tokens &&
+          position < low_latency_combine_rows_per_source(a.num_max_tokens, a.num_topk, local_experts)) {
         *dispatch_index_at(a, dst, local, r.rank, slot) = token;
       } else {
         report(r, kLowLatencyTooManyRows, kLowLatencyDispatchSend, dst, expert);
@@ -363,7 +393,7 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
       if (done == sh.chosen[k]) {
         __threadfence();
         sent_counters[expert] = 0;
-        store_release_system(flag_at(r, dst, static_cast<int64_t>(local) * r.num_ranks + r.rank),
+        store_release_system(dispatch_flag_at(a, dst, r.rank, local),
                              (epoch << 32) | static_cast<uint32_t>(min(sh.chosen[k], a.num_max_tokens)));
       }
     }
@@ -386,7 +416,7 @@ __device__ void dispatch_send_empty_expert(const LowLatencyDispatchArgs& a, Grou
   if (found) sh.found = 1;
   group_sync(g);
   if (g.thread == 0 && sh.found == 0) {
-    store_release_system(flag_at(r, dst, static_cast<int64_t>(local) * r.num_ranks + r.rank), epoch << 32);
+    store_release_system(dispatch_flag_at(a, dst, r.rank, local), epoch << 32);
   }
   group_sync(g);
 }
@@ -422,7 +452,7 @@ __device__ void dispatch_recv_expert(const LowLatencyDispatchArgs& a, GroupShare
   const LowLatencyRegion& r = a.region;
   const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
   gather_counts(r, sh, g, epoch, kLowLatencyDispatchRecv, local, a.wait_cost_stats,
-                [&](int src) { return flag_at(r, r.rank, static_cast<int64_t>(local) * r.num_ranks + src); });
+                [&](int src) { return dispatch_flag_at(a, r.rank, src, local); });
   for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
     a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src] =
         (static_cast<int64_t>(sh.begins[src]) << 32) | sh.counts[src];
@@ -597,16 +627,30 @@ __device__ __forceinline__ void read_logfmt_chunk(const uint8_t* msg, int hidden
   }
 }
 
+// Row `position` of source `src`'s block in `rank`'s combine receive area.
+__device__ __forceinline__ uint8_t* combine_message_at(const LowLatencyCombineArgs& a, int rank, int src,
+                                                       int64_t position) {
+  const int64_t rows = low_latency_combine_rows_per_source(a.num_max_tokens, a.num_topk,
+                                                           a.num_experts / a.region.num_ranks);
+  return rank_base(a.region, rank) + a.region.recv_offset +
+         (src * rows + position) * low_latency_combine_msg_bytes(a.hidden);
+}
+
 __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int local,
                                     uint64_t epoch) {
   const LowLatencyRegion& r = a.region;
   const int local_experts = a.num_experts / r.num_ranks;
   const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
-  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
   for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
     const int64_t range = a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src];
     sh.begins[src] = static_cast<int32_t>(range >> 32);
     sh.counts[src] = static_cast<int32_t>(range & 0xFFFFFFFF);
+    sh.starts[src] = 0;
+  }
+  group_sync(g);
+  // In each source's block, this expert's rows follow those of the smaller local experts.
+  for (int64_t i = g.thread; i < static_cast<int64_t>(local) * r.num_ranks; i += kGroupThreads) {
+    atomic_add_block_relaxed(&sh.starts[i % r.num_ranks], static_cast<int32_t>(a.layout_range[i] & 0xFFFFFFFF));
   }
   group_sync(g);
   int total = 0;
@@ -615,8 +659,7 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   for (int row = g.warp; row < total; row += kWarpsPerGroup) {
     const int src = source_of_row(sh, row, r.num_ranks);
     if (is_masked(r, src)) continue;
-    const int token = a.src_info[local * slots_per_expert + row];
-    uint8_t* msg = rank_base(r, src) + r.recv_offset + (global_expert * a.num_max_tokens + token) * msg_bytes;
+    uint8_t* msg = combine_message_at(a, src, r.rank, sh.starts[src] + row - sh.begins[src]);
     const auto* in = reinterpret_cast<const uint8_t*>(a.x) + (local * slots_per_expert + row) * 2LL * a.hidden;
     if (a.use_logfmt) {
       send_logfmt_row(in, msg, a.hidden, g.lane);
@@ -649,13 +692,16 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
                     slice == 0 ? a.wait_cost_stats : nullptr) < 0) {
         expert = -1;
       }
+      // An entry the dispatch did not send (its rank was masked then) has no row.
+      const int position = a.positions[entry];
+      if (position < 0) expert = -1;
+      sh.messages[g.thread] = combine_message_at(a, r.rank, owner, max(position, 0)) - rank_base(r, r.rank);
     }
     sh.experts[g.thread] = expert;
     sh.weights[g.thread] = a.topk_weights[entry];
   }
   group_sync(g);
-  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
-  const uint8_t* area = rank_base(r, r.rank) + r.recv_offset;
+  const uint8_t* area = rank_base(r, r.rank);
   auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
   for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
     float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -667,7 +713,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
         const int k = k0 + u;
         const int expert = k < a.num_topk ? sh.experts[k] : -1;
         if (expert < 0 || a.use_logfmt) continue;
-        rows[u] = load_l2_16(area + (static_cast<int64_t>(expert) * a.num_max_tokens + token) * msg_bytes + chunk * 16);
+        rows[u] = load_l2_16(area + sh.messages[k] + chunk * 16);
       }
 #pragma unroll
       for (int u = 0; u < kCopyBatch; ++u) {
@@ -676,8 +722,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
         if (expert < 0) continue;
         float values[8];
         if (a.use_logfmt) {
-          read_logfmt_chunk(area + (static_cast<int64_t>(expert) * a.num_max_tokens + token) * msg_bytes, a.hidden,
-                            chunk, values);
+          read_logfmt_chunk(area + sh.messages[k], a.hidden, chunk, values);
         } else {
           bf16x8_to_float(rows[u], values);
         }

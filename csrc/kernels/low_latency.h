@@ -14,7 +14,7 @@
 //    a sender waits for it before storing into that half again, so a half reused back to back (one
 //    call captured in a graph and replayed) never overwrites rows that are still being read.
 //  * A dispatched token crosses to each destination rank once, whatever the number of its experts
-//    there; an index per (expert, source, row) names the token each packed row copies.
+//    there; an index per (source, expert, row) names the token each packed row copies.
 //  * Dispatch rows of one (expert, source) are numbered by (token, top-k slot), so the
 //    packed output is the same on every run and equals the reference engine's.
 // Waits give up after timeout_ns: the first failure is written to a status block in mapped
@@ -88,6 +88,7 @@ struct LowLatencyDispatchArgs {
   int32_t* recv_count;         // [El]
   int32_t* src_info;           // [El, R*T]
   int64_t* layout_range;       // [El, R]: begin << 32 | count
+  int32_t* positions;          // [num_tokens, num_topk]: where each entry's combined row lands (see below)
   int32_t* cumulative_recv_stats;  // [El] or null
   int64_t* wait_cost_stats;        // [R] or null: nanoseconds waited per source
   int32_t phases;              // LowLatencyPhases
@@ -101,6 +102,7 @@ struct LowLatencyCombineArgs {
   const float* topk_weights;   // [num_tokens, num_topk]
   const int32_t* src_info;     // from the dispatch
   const int64_t* layout_range;
+  const int32_t* positions;    // from the dispatch
   int32_t num_tokens;
   int32_t num_max_tokens;
   int32_t hidden;
@@ -122,6 +124,15 @@ UCCL_EP_HOST_DEVICE inline int64_t low_latency_dispatch_msg_bytes(int64_t hidden
 UCCL_EP_HOST_DEVICE inline int64_t low_latency_dispatch_messages_bytes(int64_t num_ranks, int64_t num_max_tokens,
                                                                        int64_t hidden) {
   return num_ranks * num_max_tokens * low_latency_dispatch_msg_bytes(hidden);
+}
+// Combine receive area: a block of rows per source rank, that rank's experts in order and each
+// expert's rows in dispatch slot order, so a source's rows are one contiguous run (what one write
+// through a proxy needs). An entry's place in its owner's block is its dispatch position:
+// entries of this rank choosing a smaller expert of the same owner, plus its slot. A block holds
+// num_max_tokens * min(num_topk, local experts) rows (each token sends a rank at most that many).
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_rows_per_source(int64_t num_max_tokens, int64_t num_topk,
+                                                                       int64_t local_experts) {
+  return num_max_tokens * (num_topk < local_experts ? num_topk : local_experts);
 }
 UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_msg_bytes(int64_t hidden) {
   const int64_t groups = (hidden + kLowLatencyChannelsPerScale - 1) / kLowLatencyChannelsPerScale;

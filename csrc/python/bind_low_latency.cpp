@@ -31,26 +31,28 @@ void dispatch(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::ui
               int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
               bool round_scale, bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales,
               std::uintptr_t recv_count, std::uintptr_t src_info, std::uintptr_t layout_range,
-              std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
+              std::uintptr_t positions, std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
               std::uintptr_t stream) {
   const uccl_ep::LowLatencyDispatchArgs args{
       region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
       num_max_tokens,  hidden,                    num_topk,                     num_experts,
       use_fp8,         round_scale,               use_ue8m0,                    ptr<void>(recv_x),
       ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
-      ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
+      ptr<int32_t>(positions), ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
   py::gil_scoped_release no_gil;
   uccl_ep::launch_low_latency_dispatch(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
 }
 
 void combine(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx,
-             std::uintptr_t topk_weights, std::uintptr_t src_info, std::uintptr_t layout_range, int32_t num_tokens,
+             std::uintptr_t topk_weights, std::uintptr_t src_info, std::uintptr_t layout_range,
+             std::uintptr_t positions, int32_t num_tokens,
              int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt,
              std::uintptr_t out, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
              std::uintptr_t stream) {
   const uccl_ep::LowLatencyCombineArgs args{
       region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
-      ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), num_tokens, num_max_tokens,
+      ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), ptr<const int32_t>(positions), num_tokens,
+      num_max_tokens,
       hidden,         num_topk,               num_experts,                  use_logfmt,
       ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
   py::gil_scoped_release no_gil;
@@ -106,10 +108,11 @@ void bind_low_latency(py::module_& m) {
         py::arg("num_tokens"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"),
         py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"),
         py::arg("recv_scales"), py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"),
-        py::arg("cumulative_recv_stats"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
+        py::arg("positions"), py::arg("cumulative_recv_stats"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
         py::arg("stream"), "Enqueue the low-latency dispatch kernel (send, receive or both) on `stream`.");
   m.def("low_latency_combine", &combine, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
-        py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"), py::arg("num_tokens"),
+        py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"), py::arg("positions"),
+        py::arg("num_tokens"),
         py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
         py::arg("use_logfmt"), py::arg("out"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
         py::arg("stream"), "Enqueue the low-latency combine kernel (send, receive or both) on `stream`.");

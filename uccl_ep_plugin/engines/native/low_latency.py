@@ -26,6 +26,31 @@ def _ptr(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_ranks: int,
+                       masked_ranks: Optional[torch.Tensor]) -> torch.Tensor:
+    """The dispatch kernel's record of combine positions, computed with torch: an entry's place in its
+    expert's rank's block is the number of entries choosing a smaller expert of that rank plus the
+    entries before it choosing the same expert, i.e. its index in the entries sorted stably by expert,
+    less the index of that rank's first entry. -1 for entries with no expert or on a masked rank (all of
+    them when this rank is masked)."""
+    flat = topk_idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    local_experts = num_experts // num_ranks
+    owner = torch.where(valid, flat, num_experts) // local_experts
+    if masked_ranks is not None:
+        masked = masked_ranks.to(torch.bool)
+        valid &= (masked[owner.clamp(max=num_ranks - 1)] | masked[rank]).logical_not()
+    expert = torch.where(valid, flat, num_experts)      # entries without one sort last
+    order = torch.argsort(expert, stable=True)
+    sorted_index = torch.empty_like(order)
+    sorted_index[order] = torch.arange(order.numel(), device=order.device)
+    first_of_expert = torch.cumsum(torch.bincount(expert, minlength=num_experts + 1), 0)
+    first_of_expert = torch.cat([first_of_expert.new_zeros(1), first_of_expert[:-1]])
+    first_of_owner = first_of_expert[torch.clamp(owner * local_experts, max=num_experts)]
+    positions = torch.where(valid, sorted_index - first_of_owner, -1)
+    return positions.to(torch.int32).view_as(topk_idx)
+
+
 class NativeLowLatency:
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
                  timeout_s: float) -> None:
@@ -58,7 +83,8 @@ class NativeLowLatency:
         if code == _TOO_MANY_ROWS:
             raise ValueError(
                 f"rank {self.rank}: low_latency_dispatch: topk_idx names expert {detail} more often than "
-                "num_max_dispatch_tokens_per_rank allows (an expert repeated within a token?)")
+                "num_max_dispatch_tokens_per_rank allows, or a token names that expert's rank more than "
+                "min(num_topk, local experts) times (an expert repeated within a token?)")
         raise RuntimeError(f"rank {self.rank}: low-latency kernel failed with code {code} in {where}")
 
     def clean(self) -> None:
@@ -124,6 +150,7 @@ class NativeLowLatency:
         recv_count = torch.empty(local_experts, dtype=torch.int32, **options)
         src_info = torch.empty((local_experts, slots), dtype=torch.int32, **options)
         layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, **options)
+        positions = torch.empty(tuple(topk_idx.shape), dtype=torch.int32, **options)
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         region = self._region(layout, buffer_idx, masked_ranks)
 
@@ -133,16 +160,18 @@ class NativeLowLatency:
                 num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
                 use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, recv_x=recv_x.data_ptr(),
                 recv_scales=_ptr(recv_x_scales), recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(),
-                layout_range=layout_range.data_ptr(), cumulative_recv_stats=_ptr(cumulative_local_expert_recv_stats),
+                layout_range=layout_range.data_ptr(), positions=positions.data_ptr(),
+                cumulative_recv_stats=_ptr(cumulative_local_expert_recv_stats),
                 wait_cost_stats=_ptr(dispatch_wait_recv_cost_stats), phases=phases, num_sms=self.num_sms,
                 stream=self._stream())
 
         hook = self._launcher(launch, return_recv_hook)
-        return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook)
+        return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             layout_range: torch.Tensor, *, src_info: torch.Tensor, num_max_tokens: int,
-                            num_experts: int, use_logfmt: bool, masked_ranks: Optional[torch.Tensor],
+                            num_experts: int, positions: Optional[torch.Tensor], use_logfmt: bool,
+                            masked_ranks: Optional[torch.Tensor],
                             out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor],
                             return_recv_hook: bool, buffer_idx: int):
         self.check()
@@ -153,12 +182,15 @@ class NativeLowLatency:
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
+            positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
         region = self._region(layout, buffer_idx, masked_ranks)
 
         def launch(phases: int) -> None:
             self._C.low_latency_combine(
                 region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
-                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(), num_tokens=num_tokens,
+                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(), positions=positions.data_ptr(),
+                num_tokens=num_tokens,
                 num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
                 use_logfmt=use_logfmt, out=combined.data_ptr(), wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
                 phases=phases, num_sms=self.num_sms, stream=self._stream())

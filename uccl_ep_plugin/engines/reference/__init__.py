@@ -35,7 +35,7 @@ class ReferenceEngine:
         return low_latency.low_latency_dispatch(self.comm, x, topk_idx, num_max_tokens, num_experts, **kwargs)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, *, src_info, num_max_tokens, num_experts,
-                            buffer_idx, **kwargs):
+                            buffer_idx, positions, **kwargs):
         return low_latency.low_latency_combine(self.comm, x, topk_idx, topk_weights, layout_range, **kwargs)
 
     def barrier(self, phase: str) -> None:

@@ -23,6 +23,9 @@ class LowLatencyDispatchResult(NamedTuple):
     src_info: torch.Tensor
     layout_range: torch.Tensor
     hook: Optional[Callable[[], None]]
+    # Native engine only: where each (token, top-k) entry's combined row lands in its expert's rank
+    # (int32 [N, K], -1 for entries not sent). The reference engine finds rows through src_info.
+    positions: Optional[torch.Tensor] = None
 
 
 def _routed_pairs(topk_idx: torch.Tensor, local_experts: int, masked_ranks: Optional[torch.Tensor]
