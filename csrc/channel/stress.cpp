@@ -12,13 +12,20 @@
 
 namespace uccl_ep {
 
+void check_fifo_capacity(int64_t capacity) {
+  // The upper bound keeps the slot bytes far from overflowing and the pinned allocation sane.
+  constexpr int64_t kMaxCapacity = int64_t(1) << 24;
+  if (capacity < 2 || capacity > kMaxCapacity || (capacity & (capacity - 1)) != 0)
+    throw std::invalid_argument("capacity must be a power of two in [2, " + std::to_string(kMaxCapacity) + "], got " +
+                                std::to_string(capacity));
+}
+
 void check_stress_sizes(uint64_t num_producers, uint64_t commands_per_producer, uint64_t capacity) {
   if (num_producers == 0 || num_producers > kMaxCounterIndex)
     throw std::invalid_argument("num_producers must be in [1, " + std::to_string(kMaxCounterIndex) + "]");
   if (commands_per_producer == 0 || commands_per_producer >= kMaxLengthUnits)
     throw std::invalid_argument("commands per producer must be in [1, " + std::to_string(kMaxLengthUnits) + ")");
-  if (capacity < 2 || (capacity & (capacity - 1)) != 0)
-    throw std::invalid_argument("capacity must be a power of two >= 2, got " + std::to_string(capacity));
+  check_fifo_capacity(static_cast<int64_t>(capacity));
 }
 
 ChannelStressResult run_host_channel_stress(uint32_t num_producers, uint64_t commands_per_producer,
@@ -28,8 +35,7 @@ ChannelStressResult run_host_channel_stress(uint32_t num_producers, uint64_t com
   alignas(64) uint64_t tail = 0;
   alignas(64) uint64_t head = 0;
   const FifoView fifo{slots.data(), &tail, &head, capacity};
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                                std::chrono::duration<double>(timeout_s));
+  const auto deadline = deadline_after(timeout_s);
 
   ChannelStressResult result;
   result.expected = num_producers * commands_per_producer;

@@ -1,9 +1,12 @@
 // Channel stress runs: many producers push numbered commands through FIFOs while consumers
 // check that every command arrives exactly once, untorn, and in each producer's order.
 // Used by the tests (host threads as producers) and the channel benchmark (GPU threads).
+// The latency run is the same channel with one command in flight at a time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "channel/command.h"
@@ -63,6 +66,24 @@ class StressChecker {
   uint64_t torn_ = 0;
 };
 
+// Latency of the GPU->CPU channel: one GPU thread pushes a command, a host thread takes it and
+// acknowledges it through a word in pinned mapped host memory, and the GPU thread times the
+// round trip with its globaltimer before pushing the next.
+struct ChannelLatencyResult {
+  ChannelStressResult commands;        // the checks of every command (warm-up included); seconds: the whole run
+  uint64_t warmup = 0;                 // untimed round trips before the timed ones
+  uint64_t iterations = 0;             // timed round trips asked for
+  std::vector<uint64_t> round_trip_ns; // one per timed round trip completed, in order
+  uint64_t loop_ns = 0;                // GPU time of all timed round trips together; 0 unless all completed
+  std::string error;                   // empty, or what the GPU waited for in vain
+};
+
+// The moment `seconds` from now (timeouts are given in seconds).
+inline std::chrono::steady_clock::time_point deadline_after(double seconds) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 // Host threads as producers: `num_producers` threads push `commands_per_producer` commands each
 // into one FIFO of `capacity` slots; this thread consumes. Throws std::invalid_argument on bad sizes.
 ChannelStressResult run_host_channel_stress(uint32_t num_producers, uint64_t commands_per_producer,
@@ -74,9 +95,15 @@ ChannelStressResult run_host_channel_stress(uint32_t num_producers, uint64_t com
 // commands, each drained and checked by its own host thread.
 ChannelStressResult run_gpu_channel_stress(uint32_t num_fifos, uint32_t blocks_per_fifo, uint32_t threads_per_block,
                                            uint64_t commands_per_thread, uint64_t capacity, double timeout_s);
+
+// `iterations` timed round trips (after a fixed warm-up) through one FIFO of `capacity` slots.
+// Throws std::invalid_argument naming a bad argument before touching the GPU; a timeout (the
+// whole run is bounded by `timeout_s`) is reported in `error`, with the round trips done so far.
+ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacity, double timeout_s);
 #endif
 
 // Shared argument checks (std::invalid_argument naming the argument).
 void check_stress_sizes(uint64_t num_producers, uint64_t commands_per_producer, uint64_t capacity);
+void check_fifo_capacity(int64_t capacity);
 
 }  // namespace uccl_ep

@@ -1,7 +1,9 @@
-// GPU producers for the channel stress run (see stress.h).
-#include <chrono>
+// GPU producers for the channel stress and latency runs (see stress.h).
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -11,6 +13,12 @@
 
 namespace uccl_ep {
 namespace {
+
+constexpr size_t kLine = 64;
+
+// Untimed round trips before the timed ones: they take the first touches of the mapped pages
+// and the kernel's start-up out of the figures.
+constexpr uint64_t kLatencyWarmup = 1000;
 
 __global__ void channel_stress_push_kernel(const FifoView* fifos, uint32_t blocks_per_fifo, uint64_t commands_per_thread,
                                            uint64_t timeout_ns, unsigned long long* pushed, unsigned int* timed_out) {
@@ -28,17 +36,156 @@ __global__ void channel_stress_push_kernel(const FifoView* fifos, uint32_t block
   atomicAdd(pushed, static_cast<unsigned long long>(done));
 }
 
-// Pinned host and device allocations released on every path.
-struct GpuStressMemory {
-  void* host = nullptr;    // slots of every FIFO, then one 64-byte tail line per FIFO
-  void* device = nullptr;  // one 64-byte head line per FIFO, the views, and two counters
-  ~GpuStressMemory() {
+enum class LatencyFailure : uint32_t { kNone, kNoFreeSlot, kNoAck };
+
+// What the latency kernel reports when it ends (one thread writes it once).
+struct LatencyStatus {
+  uint64_t pushed;    // commands pushed
+  uint64_t answered;  // round trips completed, warm-up included
+  uint64_t last_ack;  // the acknowledgement word when the kernel ended
+  uint64_t loop_ns;   // globaltimer time of the timed round trips; 0 unless all completed
+  LatencyFailure failure;
+};
+
+// Spins on the host's acknowledgement word until it reads `expected`; false at the deadline.
+// No pause between polls: each poll already crosses to host memory, and a sleep would add to the figure.
+__device__ bool wait_for_ack(const uint64_t* ack, uint64_t expected, const DeviceFifoOps& ops) {
+  while (load_acquire_system(ack) != expected) {
+    if (ops.expired()) return false;
+  }
+  return true;
+}
+
+// One thread: push command `seq`, wait until the host acknowledges it with seq + 1, record the
+// round trip from before the push to the acknowledgement seen, repeat.
+__global__ void channel_latency_kernel(FifoView fifo, const uint64_t* ack, uint64_t warmup, uint64_t iterations,
+                                       uint64_t timeout_ns, uint64_t* round_trip_ns, LatencyStatus* status) {
+  DeviceFifoOps ops{device_time_ns() + timeout_ns};
+  LatencyStatus s{0, 0, 0, 0, LatencyFailure::kNone};
+  uint64_t loop_start = 0;
+  for (uint64_t seq = 0; seq < warmup + iterations; ++seq) {
+    const uint64_t sent = device_time_ns();
+    if (seq == warmup) loop_start = sent;
+    if (fifo_push(fifo, stress_command(0, seq), ops) != PushResult::kPushed) {
+      s.failure = LatencyFailure::kNoFreeSlot;
+      break;
+    }
+    ++s.pushed;
+    if (!wait_for_ack(ack, seq + 1, ops)) {
+      s.failure = LatencyFailure::kNoAck;
+      break;
+    }
+    const uint64_t answered = device_time_ns();
+    ++s.answered;
+    if (seq >= warmup) round_trip_ns[seq - warmup] = answered - sent;
+  }
+  if (s.failure == LatencyFailure::kNone) s.loop_ns = device_time_ns() - loop_start;
+  s.last_ack = load_acquire_system(ack);
+  *status = s;
+}
+
+// What a run holds: pinned mapped host memory (what the host and the GPU both poll) and device
+// memory, both zeroed, and a stream of its own; all released on every path, including a failure
+// part-way through acquiring them.
+struct ChannelRun {
+  void* host = nullptr;
+  void* host_on_device = nullptr;  // `host` as the GPU addresses it
+  void* device = nullptr;
+  cudaStream_t stream = nullptr;
+
+  // The device memory is cleared on `stream`: a non-blocking stream does not wait for the legacy
+  // default stream, so work put there would not be ordered before the run's kernel.
+  void acquire(size_t host_bytes, size_t device_bytes) {
+    UCCL_EP_GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    UCCL_EP_GPU_CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
+    std::memset(host, 0, host_bytes);
+    UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(&host_on_device, host, 0));
+    UCCL_EP_GPU_CHECK(cudaMalloc(&device, device_bytes));
+    UCCL_EP_GPU_CHECK(cudaMemsetAsync(device, 0, device_bytes, stream));
+  }
+  ~ChannelRun() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
     if (host != nullptr) cudaFreeHost(host);
     if (device != nullptr) cudaFree(device);
   }
 };
 
-constexpr size_t kLine = 64;
+// The FIFOs' share of a ChannelRun's memory: the host part starts with every FIFO's slots, then one
+// tail line per FIFO; the device part starts with one head line per FIFO. What a run needs
+// besides lies after these bytes.
+size_t fifo_host_bytes(uint32_t num_fifos, uint64_t capacity) {
+  return size_t(num_fifos) * capacity * sizeof(Command) + num_fifos * kLine;
+}
+size_t fifo_device_bytes(uint32_t num_fifos) { return num_fifos * kLine; }
+
+// FIFO `f` as its host consumer sees it (no head: only producers claim slots).
+FifoView host_fifo_view(const ChannelRun& run, uint32_t num_fifos, uint64_t capacity, uint32_t f) {
+  auto* slots = static_cast<Command*>(run.host);
+  auto* tails = reinterpret_cast<uint8_t*>(slots + size_t(num_fifos) * capacity);
+  return {slots + f * capacity, reinterpret_cast<uint64_t*>(tails + f * kLine), nullptr, capacity};
+}
+
+// FIFO `f` as its GPU producers see it.
+FifoView device_fifo_view(const ChannelRun& run, uint32_t num_fifos, uint64_t capacity, uint32_t f) {
+  auto* slots = static_cast<Command*>(run.host_on_device);
+  auto* tails = reinterpret_cast<uint8_t*>(slots + size_t(num_fifos) * capacity);
+  auto* heads = static_cast<uint8_t*>(run.device);
+  return {slots + f * capacity, reinterpret_cast<uint64_t*>(tails + f * kLine),
+          reinterpret_cast<uint64_t*>(heads + f * kLine), capacity};
+}
+
+uint64_t timeout_ns(double timeout_s) { return static_cast<uint64_t>(timeout_s * 1e9); }
+
+// "60", "0.5", "nan": seconds as a person writes them (std::to_string gives "60.000000"). snprintf,
+// not a stream: a stream's locale machinery crashed inside this nvcc-built object.
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", seconds);
+  return text;
+}
+
+void check_latency_arguments(int64_t iterations, int64_t capacity, double timeout_s) {
+  // Commands carry their sequence number in the 24-bit length field (stress_command).
+  const int64_t max_iterations = static_cast<int64_t>(kMaxLengthUnits - 1 - kLatencyWarmup);
+  if (iterations < 1 || iterations > max_iterations)
+    throw std::invalid_argument("iterations must be in [1, " + std::to_string(max_iterations) + "], got " +
+                                std::to_string(iterations));
+  check_fifo_capacity(capacity);
+  if (!std::isfinite(timeout_s) || timeout_s <= 0 || timeout_s > 86400)
+    throw std::invalid_argument("timeout_s must be in (0, 86400] seconds, got " + seconds_text(timeout_s));
+}
+
+// The host's half of the ping-pong: takes each command, checks it, and acknowledges it by
+// storing how many commands it has taken, until `expected` are taken or the deadline passes.
+void answer_commands(const FifoView& fifo, uint64_t* ack, uint64_t expected,
+                     std::chrono::steady_clock::time_point deadline, ChannelStressResult& counts) {
+  FifoConsumer consumer(fifo);
+  StressChecker checker(1);
+  Command command;
+  while (consumer.taken() < expected && std::chrono::steady_clock::now() < deadline) {
+    if (!consumer.try_pop(command)) continue;
+    host_store_release(ack, consumer.taken());
+    checker.take(command);  // after the answer, so the check is not in the round trip
+  }
+  checker.merge_into(counts);
+}
+
+// Says what the latency kernel waited for in vain; empty if it completed.
+std::string latency_error(const LatencyStatus& status, double timeout_s) {
+  const std::string after = "the GPU gave up after " + seconds_text(timeout_s) + " s waiting for ";
+  switch (status.failure) {
+    case LatencyFailure::kNone:
+      return "";
+    case LatencyFailure::kNoFreeSlot:
+      return after + "a free FIFO slot for command " + std::to_string(status.pushed) + " (the host had taken " +
+             std::to_string(status.last_ack) + ")";
+    case LatencyFailure::kNoAck:
+      return after + "the host's acknowledgement " + std::to_string(status.pushed) + " of command " +
+             std::to_string(status.pushed - 1) + " (the acknowledgement word read " +
+             std::to_string(status.last_ack) + ")";
+  }
+  return "unknown latency kernel failure";
+}
 
 }  // namespace
 
@@ -49,46 +196,31 @@ ChannelStressResult run_gpu_channel_stress(uint32_t num_fifos, uint32_t blocks_p
   const uint64_t num_producers = uint64_t(num_fifos) * blocks_per_fifo * threads_per_block;
   check_stress_sizes(num_producers, commands_per_thread, capacity);
 
-  GpuStressMemory memory;
-  const size_t slot_bytes = size_t(num_fifos) * capacity * sizeof(Command);
-  UCCL_EP_GPU_CHECK(cudaHostAlloc(&memory.host, slot_bytes + num_fifos * kLine, cudaHostAllocMapped));
-  std::memset(memory.host, 0, slot_bytes + num_fifos * kLine);
-  const size_t device_bytes = num_fifos * kLine + num_fifos * sizeof(FifoView) + 2 * kLine;
-  UCCL_EP_GPU_CHECK(cudaMalloc(&memory.device, device_bytes));
-  UCCL_EP_GPU_CHECK(cudaMemset(memory.device, 0, device_bytes));
-  void* host_on_device = nullptr;
-  UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(&host_on_device, memory.host, 0));
-
-  auto* host_slots = static_cast<Command*>(memory.host);
-  auto* host_tails = reinterpret_cast<uint8_t*>(memory.host) + slot_bytes;
-  auto* device_slots = static_cast<Command*>(host_on_device);
-  auto* device_tails = static_cast<uint8_t*>(host_on_device) + slot_bytes;
-  auto* device_heads = static_cast<uint8_t*>(memory.device);
-  auto* device_views = reinterpret_cast<FifoView*>(device_heads + num_fifos * kLine);
+  // Device part after the heads: the views, then two counter lines.
+  ChannelRun run;
+  const size_t views_offset = fifo_device_bytes(num_fifos);
+  run.acquire(fifo_host_bytes(num_fifos, capacity), views_offset + num_fifos * sizeof(FifoView) + 2 * kLine);
+  auto* device_views = reinterpret_cast<FifoView*>(static_cast<uint8_t*>(run.device) + views_offset);
   auto* counters = reinterpret_cast<uint8_t*>(device_views + num_fifos);
   auto* device_pushed = reinterpret_cast<unsigned long long*>(counters);
   auto* device_timed_out = reinterpret_cast<unsigned int*>(counters + kLine);
 
   std::vector<FifoView> host_views, views_for_device;
   for (uint32_t f = 0; f < num_fifos; ++f) {
-    host_views.push_back({host_slots + f * capacity, reinterpret_cast<uint64_t*>(host_tails + f * kLine), nullptr, capacity});
-    views_for_device.push_back({device_slots + f * capacity, reinterpret_cast<uint64_t*>(device_tails + f * kLine),
-                                reinterpret_cast<uint64_t*>(device_heads + f * kLine), capacity});
+    host_views.push_back(host_fifo_view(run, num_fifos, capacity, f));
+    views_for_device.push_back(device_fifo_view(run, num_fifos, capacity, f));
   }
-  UCCL_EP_GPU_CHECK(cudaMemcpy(device_views, views_for_device.data(), num_fifos * sizeof(FifoView),
-                               cudaMemcpyHostToDevice));
+  UCCL_EP_GPU_CHECK(cudaMemcpyAsync(device_views, views_for_device.data(), num_fifos * sizeof(FifoView),
+                                    cudaMemcpyHostToDevice, run.stream));
 
   ChannelStressResult result;
   result.expected = num_producers * commands_per_thread;
   result.capacity = capacity;
   result.num_fifos = num_fifos;
   const uint64_t per_fifo = result.expected / num_fifos;
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline = deadline_after(timeout_s);
   std::vector<StressChecker> checkers(num_fifos, StressChecker(static_cast<uint32_t>(num_producers)));
   std::vector<std::thread> consumers;
-  cudaStream_t stream;
-  UCCL_EP_GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const auto start = std::chrono::steady_clock::now();
   for (uint32_t f = 0; f < num_fifos; ++f) {
     consumers.emplace_back([&, f] {
@@ -99,21 +231,63 @@ ChannelStressResult run_gpu_channel_stress(uint32_t num_fifos, uint32_t blocks_p
       }
     });
   }
-  channel_stress_push_kernel<<<num_fifos * blocks_per_fifo, threads_per_block, 0, stream>>>(
-      device_views, blocks_per_fifo, commands_per_thread, static_cast<uint64_t>(timeout_s * 1e9), device_pushed,
-      device_timed_out);
+  channel_stress_push_kernel<<<num_fifos * blocks_per_fifo, threads_per_block, 0, run.stream>>>(
+      device_views, blocks_per_fifo, commands_per_thread, timeout_ns(timeout_s), device_pushed, device_timed_out);
   const cudaError_t launch = cudaGetLastError();
   for (auto& t : consumers) t.join();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const cudaError_t finished = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
   UCCL_EP_GPU_CHECK(launch);
-  UCCL_EP_GPU_CHECK(finished);
+  UCCL_EP_GPU_CHECK(cudaStreamSynchronize(run.stream));
   unsigned long long pushed = 0;
   UCCL_EP_GPU_CHECK(cudaMemcpy(&pushed, device_pushed, sizeof(pushed), cudaMemcpyDeviceToHost));
   result.pushed = pushed;
   for (const auto& checker : checkers) checker.merge_into(result);
   result.lost = result.expected - result.popped;
+  return result;
+}
+
+ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacity, double timeout_s) {
+  check_latency_arguments(iterations, capacity, timeout_s);
+  const uint64_t timed = static_cast<uint64_t>(iterations);
+  const uint64_t slots = static_cast<uint64_t>(capacity);
+
+  // Host part after the FIFO: the acknowledgement line. Device part after the head: the
+  // status line, then the samples.
+  ChannelRun run;
+  const size_t ack_offset = fifo_host_bytes(1, slots);
+  const size_t status_offset = fifo_device_bytes(1);
+  run.acquire(ack_offset + kLine, status_offset + kLine + timed * sizeof(uint64_t));
+  auto* host_ack = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(run.host) + ack_offset);
+  auto* device_ack = reinterpret_cast<const uint64_t*>(static_cast<const uint8_t*>(run.host_on_device) + ack_offset);
+  auto* device_status = reinterpret_cast<LatencyStatus*>(static_cast<uint8_t*>(run.device) + status_offset);
+  auto* device_samples = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(device_status) + kLine);
+
+  ChannelLatencyResult result;
+  result.warmup = kLatencyWarmup;
+  result.iterations = timed;
+  result.commands.expected = kLatencyWarmup + timed;
+  result.commands.capacity = slots;
+  result.commands.num_fifos = 1;
+  const auto deadline = deadline_after(timeout_s);
+  const auto start = std::chrono::steady_clock::now();
+  channel_latency_kernel<<<1, 1, 0, run.stream>>>(device_fifo_view(run, 1, slots, 0), device_ack, kLatencyWarmup,
+                                                  timed, timeout_ns(timeout_s), device_samples, device_status);
+  UCCL_EP_GPU_CHECK(cudaGetLastError());  // nothing runs if the launch failed: no answers are awaited
+  answer_commands(host_fifo_view(run, 1, slots, 0), host_ack, result.commands.expected, deadline, result.commands);
+  result.commands.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  UCCL_EP_GPU_CHECK(cudaStreamSynchronize(run.stream));
+
+  LatencyStatus status;
+  UCCL_EP_GPU_CHECK(cudaMemcpy(&status, device_status, sizeof(status), cudaMemcpyDeviceToHost));
+  result.commands.pushed = status.pushed;
+  result.commands.lost = result.commands.expected - result.commands.popped;
+  result.loop_ns = status.loop_ns;
+  result.error = latency_error(status, timeout_s);
+  const uint64_t completed = status.answered > kLatencyWarmup ? status.answered - kLatencyWarmup : 0;
+  result.round_trip_ns.resize(completed);
+  if (completed > 0)
+    UCCL_EP_GPU_CHECK(cudaMemcpy(result.round_trip_ns.data(), device_samples, completed * sizeof(uint64_t),
+                                 cudaMemcpyDeviceToHost));
   return result;
 }
 

@@ -72,6 +72,21 @@ py::dict channel_stress_gpu(uint32_t num_fifos, uint32_t blocks_per_fifo, uint32
   return stress_result_dict(result);
 }
 
+py::dict channel_latency_gpu(int64_t iterations, int64_t capacity, double timeout_s) {
+  uccl_ep::ChannelLatencyResult result;
+  {
+    py::gil_scoped_release no_gil;
+    result = uccl_ep::run_gpu_channel_latency(iterations, capacity, timeout_s);
+  }
+  py::dict out = stress_result_dict(result.commands);
+  out["warmup"] = result.warmup;
+  out["iterations"] = result.iterations;
+  out["round_trip_ns"] = py::cast(result.round_trip_ns);
+  out["loop_ns"] = result.loop_ns;
+  out["error"] = result.error.empty() ? py::object(py::none()) : py::object(py::str(result.error));
+  return out;
+}
+
 template <typename T>
 T* as_pointer(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
@@ -113,6 +128,21 @@ PYBIND11_MODULE(_C, m) {
         py::arg("threads_per_block"), py::arg("commands_per_thread"), py::arg("capacity"), py::arg("timeout_s"),
         "GPU threads push numbered commands into FIFOs in pinned mapped host memory, one checking host "
         "consumer per FIFO; same result dict as channel_stress_host.");
+  m.def("channel_latency_gpu", &channel_latency_gpu, py::arg("iterations"), py::arg("capacity"),
+        py::arg("timeout_s"),
+        R"doc(Round trips through one FIFO in pinned mapped host memory on the current device: one GPU
+thread pushes a command, the calling host thread takes it and stores an acknowledgement in mapped host
+memory, the GPU thread times push-to-acknowledgement with its globaltimer. A fixed number of
+warm-up round trips go first, untimed.
+
+Returns the channel_stress_host dict for every command (warm-up included; seconds: the whole
+run on the host clock) plus: warmup, iterations, round_trip_ns (a list of ints, one per timed
+round trip completed, in order), loop_ns (GPU time of all timed round trips together, 0 unless
+all completed) and error (None, or what the GPU waited for in vain; the whole run is bounded by
+timeout_s). Statistics are left to the caller.
+
+Raises ValueError naming the argument (iterations, capacity: a power of two, timeout_s) before
+any GPU work, RuntimeError with the CUDA error text if a runtime call fails.)doc");
   m.attr("DISPATCH_LAYOUT_MAX_TOPK") = uccl_ep::kDispatchLayoutMaxTopk;
   m.attr("DISPATCH_LAYOUT_MAX_RANKS") = uccl_ep::kDispatchLayoutMaxRanks;
   m.def("dispatch_layout", &dispatch_layout, py::arg("topk_idx_ptr"), py::arg("num_tokens"),
