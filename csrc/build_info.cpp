@@ -58,6 +58,7 @@ BuildInfo get_build_info() {
   info.features.push_back("dispatch_layout");
   info.features.push_back("gpu_channel");
   info.features.push_back("low_latency_nvlink");
+  info.features.push_back("cuda_copy_transport");
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");

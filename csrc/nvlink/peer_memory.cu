@@ -76,6 +76,16 @@ void PeerMemory::open_peers(const std::vector<std::string>& handles, int rank) {
   }
 }
 
+std::uintptr_t PeerMemory::peer_base(int rank) const {
+  if (opened_.empty()) throw std::runtime_error("PeerMemory: open_peers was not called (or the buffer was released)");
+  if (rank < 0 || rank >= static_cast<int>(opened_.size())) {
+    throw std::invalid_argument("PeerMemory.peer_base: rank " + std::to_string(rank) + " is not in [0, " +
+                                std::to_string(opened_.size()) + "), the ranks open_peers mapped");
+  }
+  void* mapping = opened_[rank] != nullptr ? opened_[rank] : base_;
+  return reinterpret_cast<std::uintptr_t>(mapping);
+}
+
 void PeerMemory::release() {
   if (base_ == nullptr && opened_.empty()) return;
   use_device(device_);

@@ -30,6 +30,9 @@ class PeerMemory {
 
   std::uintptr_t local_base() const { return reinterpret_cast<std::uintptr_t>(base_); }
   std::uintptr_t peer_bases() const { return reinterpret_cast<std::uintptr_t>(peer_bases_device_); }
+  // Host-side: `rank`'s buffer as mapped into this process (our own base for this rank).
+  // Throws std::runtime_error before open_peers(), std::invalid_argument for a rank it did not map.
+  std::uintptr_t peer_base(int rank) const;
   int64_t num_bytes() const { return num_bytes_; }
   int device() const { return device_; }
   std::string pci_bus_id() const;
