@@ -259,9 +259,19 @@ class BuildExtWithCuda(build_ext):
         else:
             log(f"{ext.name} is up to date")
 
+    def _host_compiler(self):
+        """The C++ compiler that builds the rest of the extension. nvcc must use it as well: objects from two
+        compilers can disagree on the C++ library's ABI (std::string, std::vector), and a .cu object that hands
+        such a type to a .cpp one then crashes at run time."""
+        compiler = getattr(self.compiler, "compiler_so", None) or []
+        return compiler[0] if compiler and shutil.which(compiler[0]) else None
+
     def _compile_cuda(self, ext, cu_sources):
         nvcc = str(CONFIG.nvcc)
         flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
+        host_compiler = self._host_compiler()
+        if host_compiler is not None:
+            flags += ["-ccbin", host_compiler]
         for arch in CONFIG.archs:
             flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         for include in ext.include_dirs:
