@@ -66,6 +66,46 @@ def _ntokens(it, src, dst, b, e):
     return random.Random(f"n{it}/{src}/{dst}/{b}/{e}").randint(1, MAX_TOKENS)
 
 
+class _MappedFifo:
+    """One FIFO of a MappedFifos (host producers), with HostFifo's push/pushed/taken."""
+
+    def __init__(self, fifos, index):
+        self.fifos, self.index = fifos, index
+
+    def push(self, kind, *args, **kwargs):
+        self.fifos.push(self.index, kind, *args, **kwargs)
+
+    @property
+    def pushed(self):
+        return self.fifos.pushed(self.index)
+
+    @property
+    def taken(self):
+        return self.fifos.taken(self.index)
+
+
+def _proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_seed):
+    """(region tensor, the FIFOs to push into, proxy, what to close). tcp: a host tensor and HostFifos;
+    cuda-copy: this rank's GPU buffer mapped by every rank (CUDA IPC) and FIFOs in mapped host memory."""
+    num_fifos = 3
+    if transport == "tcp":
+        region = torch.zeros(num_bytes, dtype=torch.uint8)
+        fifos = [_C.HostFifo(256) for _ in range(num_fifos)]
+        proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), num_bytes, fifos, num_threads=2, config=config,
+                         reorder_seed=reorder_seed, transport_timeout_s=30.0)
+        return region, fifos, proxy, []
+    from uccl_ep_plugin.engines.native.peers import map_peer_buffer
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    buffer, reason = map_peer_buffer(_C, group, rank, device, num_bytes)
+    assert buffer is not None, reason
+    buffer.tensor.zero_()
+    mapped = _C.MappedFifos(num_fifos, 256, rank, host_producers=True)
+    proxy = _C.Proxy.over_cuda_copy(rank, num_ranks, buffer.memory, mapped, num_threads=2, config=config,
+                                    reorder_seed=reorder_seed, transport_timeout_s=30.0)
+    return buffer.tensor, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped, buffer]
+
+
 def _rows(it, src, dst, b, e, n):
     """The n token rows src sends dst: int64 words tagging (iteration, src, dst, buffer, expert, token)."""
     tag = (it + 1) << 40 | src << 32 | dst << 24 | e << 16 | b << 12
@@ -121,7 +161,7 @@ class Checker(threading.Thread):
                 n, rows = self.expected[(b, e, src)]
                 flag = flags[b, e, src].item()
                 start = L.ll_recv_at(b, e, src, 0)
-                if flag != -(n + 1) or not torch.equal(self.region[start:start + n * ROW], rows):
+                if flag != -(n + 1) or not torch.equal(self.region[start:start + n * ROW].cpu(), rows):
                     self.violations.append(f"flag {flag} of (buffer {b}, expert {e}, src {src}) visible "
                                            f"before its {n} rows landed")
             counters = self.counters.clone().tolist()
@@ -136,7 +176,7 @@ class Checker(threading.Thread):
 
 # ---------------------------------------------------------------------------------------- multi-process body
 def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold_us, result_path, byte_limit,
-                spread=True, reorder_window=None, low_latency=False):
+                spread=True, reorder_window=None, low_latency=False, transport="tcp"):
     import torch.distributed as dist
     from uccl_ep_plugin.platform_config import resolve_config
 
@@ -145,8 +185,6 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     if reorder_window is not None:
         os.environ["UCCL_EP_TRANSPORT_REORDER_WINDOW"] = str(reorder_window)
     L = Layout(num_ranks)
-    region = torch.zeros(L.total, dtype=torch.uint8)
-
     config = _C.ProxyConfig.from_environ(resolve_config().as_environ())
     config.adaptive_sleep = True
     config.num_counters = L.num_counters
@@ -158,9 +196,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     config.timeout_s = 30.0
     if byte_limit:
         config.max_inflight_bytes = byte_limit
-    fifos = [_C.HostFifo(256) for _ in range(3)]
-    proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), L.total, fifos, num_threads=2, config=config,
-                     reorder_seed=reorder_seed, transport_timeout_s=30.0)
+    region, fifos, proxy, owned = _proxy_over(transport, rank, num_ranks, group, L.total, config, reorder_seed)
     assert (proxy.reorder_seed is not None) == (reorder_seed >= 0)
     addresses = [None] * num_ranks
     dist.all_gather_object(addresses, proxy.listen_address(), group=group)
@@ -171,12 +207,12 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     for it in range(iterations):
         # Sources for this iteration.
         for dst in range(num_ranks):
-            region[L.bulk_send + dst * SLICE:L.bulk_send + (dst + 1) * SLICE] = _bulk(it, rank, dst)
+            region[L.bulk_send + dst * SLICE:L.bulk_send + (dst + 1) * SLICE] = _bulk(it, rank, dst).to(region.device)
             for b in range(2):
                 for e in range(EXPERTS):
                     n = _ntokens(it, rank, dst, b, e)
                     start = L.ll_send_at(dst, b, e, 0)
-                    region[start:start + n * ROW] = _rows(it, rank, dst, b, e, n)
+                    region[start:start + n * ROW] = _rows(it, rank, dst, b, e, n).to(region.device)
         dist.barrier(group=group)
         checker = Checker(region, L, rank, it)
         checker.start()
@@ -235,12 +271,12 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         # After the barrier: every byte and every counter exact, every flag released.
         for src in range(num_ranks):
             got = region[L.bulk_recv + src * SLICE:L.bulk_recv + (src + 1) * SLICE]
-            assert torch.equal(got, _bulk(it, src, rank)), f"rank {rank}: bulk bytes from {src} wrong"
+            assert torch.equal(got.cpu(), _bulk(it, src, rank)), f"rank {rank}: bulk bytes from {src} wrong"
             for b in range(2):
                 for e in range(EXPERTS):
                     n = _ntokens(it, src, rank, b, e)
                     start = L.ll_recv_at(b, e, src, 0)
-                    assert torch.equal(region[start:start + n * ROW], _rows(it, src, rank, b, e, n)), \
+                    assert torch.equal(region[start:start + n * ROW].cpu(), _rows(it, src, rank, b, e, n)), \
                         f"rank {rank}: rows of (buffer {b}, expert {e}) from {src} wrong"
                     assert proxy.flag(b, e, src) == -(n + 1), f"rank {rank}: flag ({b}, {e}, {src})"
             for c in range(ADD_COUNTERS):
@@ -276,9 +312,23 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     if byte_limit:
         assert held[3].item() > 0, "the in-flight limits never held a command back"
     proxy.close()
+    for resource in owned:
+        resource.release()
     if result_path and rank == 0:
         with open(result_path, "w") as f:
             f.write(f"{held[1].item()} {held[2].item()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("reorder_seed", [-1, 7])
+def test_proxy_exchange_over_cuda_copy(reorder_seed):
+    """The same exchange with every region in GPU memory: the copy engines move the bytes, and the
+    ordering layer applies adds and count flags to device memory."""
+    if "cuda_copy_transport" not in _C.build_info()["features"]:
+        pytest.skip("built without CUDA")
+    run_ranks(2, _proxy_body, reorder_seed=reorder_seed, ordering=True, iterations=2, result_path=None,
+              hold_us=None, byte_limit=None, transport="cuda-copy")
 
 
 # The reorder settings under which the negative proof below sees violations without the ordering layer.

@@ -20,7 +20,7 @@ void check_array(const char* name, uint64_t offset, uint64_t entries, uint64_t r
 
 }  // namespace
 
-void ReceiverOrdering::validate(MemoryRegion region, const OrderingConfig& c) {
+void ReceiverOrdering::validate(uint64_t region_bytes, const OrderingConfig& c) {
   if (c.num_ranks == 0) throw std::invalid_argument("num_ranks must be >= 1");
   if (c.num_counters > kImmMaxCounters) {
     throw std::invalid_argument("num_counters must be <= " + std::to_string(kImmMaxCounters) +
@@ -31,25 +31,22 @@ void ReceiverOrdering::validate(MemoryRegion region, const OrderingConfig& c) {
                                 std::to_string(c.window) + ")");
   }
   if (c.num_counters == 0) return;
-  if (region.base == nullptr) throw std::invalid_argument("the region is null but num_counters > 0");
-  check_array("counters_offset", c.counters_offset, c.num_counters, region.bytes);
-  check_array("flags_offset", c.flags_offset, 2ull * c.num_counters * c.num_ranks, region.bytes);
+  check_array("counters_offset", c.counters_offset, c.num_counters, region_bytes);
+  check_array("flags_offset", c.flags_offset, 2ull * c.num_counters * c.num_ranks, region_bytes);
 }
 
-ReceiverOrdering::ReceiverOrdering(MemoryRegion region, const OrderingConfig& config)
-    : region_(region), config_(config) {
-  validate(region, config);
+ReceiverOrdering::ReceiverOrdering(RegionWriter& writer, uint64_t region_bytes, const OrderingConfig& config)
+    : writer_(writer), config_(config) {
+  validate(region_bytes, config);
   adds_.resize(static_cast<size_t>(config.num_ranks) * config.num_counters);
   flags_.resize(2ull * config.num_counters * config.num_ranks);
 }
 
-int64_t* ReceiverOrdering::counter_ptr(uint32_t counter) const {
-  return reinterpret_cast<int64_t*>(static_cast<uint8_t*>(region_.base) + config_.counters_offset + 8ull * counter);
-}
+uint64_t ReceiverOrdering::counter_offset(uint32_t counter) const { return config_.counters_offset + 8ull * counter; }
 
-int64_t* ReceiverOrdering::flag_ptr(uint32_t buffer, uint32_t counter, uint32_t src) const {
+uint64_t ReceiverOrdering::flag_offset(uint32_t buffer, uint32_t counter, uint32_t src) const {
   const uint64_t index = (static_cast<uint64_t>(buffer) * config_.num_counters + counter) * config_.num_ranks + src;
-  return reinterpret_cast<int64_t*>(static_cast<uint8_t*>(region_.base) + config_.flags_offset + 8 * index);
+  return config_.flags_offset + 8 * index;
 }
 
 std::string ReceiverOrdering::where(uint32_t src, uint32_t counter) const {
@@ -57,12 +54,12 @@ std::string ReceiverOrdering::where(uint32_t src, uint32_t counter) const {
 }
 
 void ReceiverOrdering::apply_add(uint32_t counter, int64_t amount) {
-  __atomic_fetch_add(counter_ptr(counter), amount, __ATOMIC_ACQ_REL);
+  writer_.add(counter_offset(counter), amount);
   ++stats_.adds_applied;
 }
 
 void ReceiverOrdering::release_flag(uint32_t buffer, uint32_t counter, uint32_t src, uint64_t rows) {
-  __atomic_store_n(flag_ptr(buffer, counter, src), -static_cast<int64_t>(rows) - 1, __ATOMIC_RELEASE);
+  writer_.store_release(flag_offset(buffer, counter, src), -static_cast<int64_t>(rows) - 1);
   ++stats_.flags_released;
 }
 

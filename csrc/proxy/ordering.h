@@ -62,8 +62,9 @@ struct OrderingStats {
 
 class ReceiverOrdering {
  public:
-  // Throws std::invalid_argument (naming the setting) if the layout does not fit the region.
-  ReceiverOrdering(MemoryRegion region, const OrderingConfig& config);
+  // Throws std::invalid_argument (naming the setting) if the layout does not fit a region of
+  // `region_bytes`. `writer` applies the effects to the region and must outlive this object.
+  ReceiverOrdering(RegionWriter& writer, uint64_t region_bytes, const OrderingConfig& config);
 
   // Applies (or holds) one data immediate: write-landed, atomic add or count flag. Throws
   // OrderingError for a sequence outside the window, a counter out of range, a second flag, or
@@ -73,11 +74,12 @@ class ReceiverOrdering {
   const OrderingConfig& config() const { return config_; }
   const OrderingStats& stats() const { return stats_; }
 
-  int64_t* counter_ptr(uint32_t counter) const;
-  int64_t* flag_ptr(uint32_t buffer, uint32_t counter, uint32_t src_rank) const;
+  // Byte offsets in the region.
+  uint64_t counter_offset(uint32_t counter) const;
+  uint64_t flag_offset(uint32_t buffer, uint32_t counter, uint32_t src_rank) const;
 
-  // Checks a layout against a region (what the constructor checks).
-  static void validate(MemoryRegion region, const OrderingConfig& config);
+  // Checks a layout against a region of `region_bytes` (what the constructor checks).
+  static void validate(uint64_t region_bytes, const OrderingConfig& config);
 
  private:
   struct AddWindow {
@@ -94,7 +96,7 @@ class ReceiverOrdering {
   void release_flag(uint32_t buffer, uint32_t counter, uint32_t src, uint64_t rows);
   std::string where(uint32_t src, uint32_t counter) const;
 
-  MemoryRegion region_;
+  RegionWriter& writer_;
   OrderingConfig config_;
   std::vector<AddWindow> adds_;    // [num_ranks][num_counters]
   std::vector<FlagSlot> flags_;    // [2][num_counters][num_ranks]

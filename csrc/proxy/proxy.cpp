@@ -101,7 +101,7 @@ Proxy::Proxy(Transport& transport, std::vector<FifoView> fifos, const ProxyConfi
       region_(transport.region()),
       config_(config),
       native_atomics_(transport_orders_atomics(transport)),
-      ordering_(transport.region(), ordering_for(transport, config.ordering)) {
+      ordering_(transport.region_writer(), transport.region().bytes, ordering_for(transport, config.ordering)) {
   config_.ordering.num_ranks = static_cast<uint32_t>(num_ranks_);
   if (config.num_threads < 1 || config.num_threads > 256) {
     throw std::invalid_argument("num_threads must be in [1, 256] (got " + std::to_string(config.num_threads) + ")");
@@ -110,7 +110,8 @@ Proxy::Proxy(Transport& transport, std::vector<FifoView> fifos, const ProxyConfi
   if (fifos.size() > kMaxFifos) throw std::invalid_argument("fifos: at most " + std::to_string(kMaxFifos) + " FIFOs");
   for (size_t i = 0; i < fifos.size(); ++i) {
     const FifoView& v = fifos[i];
-    if (!v.slots || !v.head || !v.tail || v.capacity == 0 || (v.capacity & (v.capacity - 1)) != 0) {
+    // The head is the producers' business: a consumer never reads it (it may be device memory).
+    if (!v.slots || !v.tail || v.capacity == 0 || (v.capacity & (v.capacity - 1)) != 0) {
       throw std::invalid_argument("fifos[" + std::to_string(i) + "] is not a valid FIFO (null or non-power-of-two)");
     }
     for (size_t j = 0; j < i; ++j) {

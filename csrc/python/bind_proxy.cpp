@@ -28,6 +28,11 @@
 #include "proxy/ordering.h"
 #include "proxy/proxy.h"
 #include "transport/tcp_transport.h"
+#if defined(UCCL_EP_WITH_CUDA)
+#include "channel/mapped_fifos.h"
+#include "nvlink/peer_memory.h"
+#include "transport/cuda_copy_transport.h"
+#endif
 
 namespace py = pybind11;
 
@@ -40,6 +45,55 @@ void require(bool ok, const std::string& message) {
 uint64_t non_negative_arg(const char* name, int64_t value) {
   require(value >= 0, std::string(name) + " must be >= 0 (got " + std::to_string(value) + ")");
   return static_cast<uint64_t>(value);
+}
+
+// Encodes one command (checking every field, ValueError naming it) and pushes it as a host producer
+// (the GIL released while the FIFO is full, up to timeout_s).
+void push_command(const uccl_ep::FifoView& view, int kind, int64_t dst_rank, int64_t length_bytes,
+                  int64_t local_offset, int64_t remote_offset, int64_t counter_index, int64_t value, int64_t flags,
+                  double timeout_s) {
+  require(kind >= 1 && kind <= 15, "kind must be in [1, 15] (got " + std::to_string(kind) + ")");
+  require(dst_rank >= 0 && dst_rank < uccl_ep::kMaxRanks,
+          "dst_rank must be in [0, " + std::to_string(uccl_ep::kMaxRanks) + ") (got " + std::to_string(dst_rank) + ")");
+  require(flags >= 0 && flags < uccl_ep::kMaxFlags, "flags must be in [0, 16) (got " + std::to_string(flags) + ")");
+  require(counter_index >= 0 && counter_index < uccl_ep::kMaxCounterIndex,
+          "counter_index must be in [0, 2**20) (got " + std::to_string(counter_index) + ")");
+  const uint64_t unit = uccl_ep::kCommandUnitBytes;
+  auto units = [&](const char* name, int64_t bytes, uint64_t limit_units) {
+    require(bytes >= 0 && static_cast<uint64_t>(bytes) % unit == 0,
+            std::string(name) + " must be a non-negative multiple of 16 (got " + std::to_string(bytes) + ")");
+    require(static_cast<uint64_t>(bytes) / unit < limit_units,
+            std::string(name) + " " + std::to_string(bytes) + " does not fit the command format");
+    return static_cast<uint64_t>(bytes) / unit;
+  };
+  const uint64_t lo = units("local_offset", local_offset, 1ull << 32);
+  const uint64_t ro = units("remote_offset", remote_offset, 1ull << 32);
+  uint64_t length_units;
+  if (kind == static_cast<int>(uccl_ep::CommandKind::kAtomicAdd)) {
+    require(length_bytes == 0, "length_bytes must be 0 for an atomic add (the value travels in its place)");
+    require(value >= -(1ll << 23) && value < (1ll << 23),
+            "value must be in [-2**23, 2**23) (got " + std::to_string(value) + ")");
+    length_units = static_cast<uint64_t>(value) & 0xFFFFFF;
+  } else {
+    require(value == 0, "value is only for kAtomicAdd (got " + std::to_string(value) + ")");
+    length_units = units("length_bytes", length_bytes, uccl_ep::kMaxLengthUnits);
+  }
+  const uccl_ep::Command c = uccl_ep::encode_command(static_cast<uccl_ep::CommandKind>(kind),
+                                                     static_cast<uint32_t>(dst_rank), static_cast<uint32_t>(flags),
+                                                     length_units, static_cast<uint32_t>(counter_index), lo, ro);
+  require(timeout_s > 0, "timeout_s must be > 0");
+  uccl_ep::PushResult result;
+  {
+    py::gil_scoped_release no_gil;
+    uccl_ep::HostFifoOps ops(std::chrono::steady_clock::now() +
+                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(timeout_s)));
+    result = uccl_ep::fifo_push(view, c, ops);
+  }
+  if (result != uccl_ep::PushResult::kPushed) {
+    throw std::runtime_error("push timed out after " + std::to_string(timeout_s) +
+                             " s: the FIFO stayed full (is a proxy consuming it?); the FIFO is unusable now");
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -65,48 +119,8 @@ class HostFifo {
 
   void push(int kind, int64_t dst_rank, int64_t length_bytes, int64_t local_offset, int64_t remote_offset,
             int64_t counter_index, int64_t value, int64_t flags, double timeout_s) {
-    require(kind >= 1 && kind <= 15, "kind must be in [1, 15] (got " + std::to_string(kind) + ")");
-    require(dst_rank >= 0 && dst_rank < uccl_ep::kMaxRanks,
-            "dst_rank must be in [0, " + std::to_string(uccl_ep::kMaxRanks) + ") (got " + std::to_string(dst_rank) + ")");
-    require(flags >= 0 && flags < uccl_ep::kMaxFlags, "flags must be in [0, 16) (got " + std::to_string(flags) + ")");
-    require(counter_index >= 0 && counter_index < uccl_ep::kMaxCounterIndex,
-            "counter_index must be in [0, 2**20) (got " + std::to_string(counter_index) + ")");
-    const uint64_t unit = uccl_ep::kCommandUnitBytes;
-    auto units = [&](const char* name, int64_t bytes, uint64_t limit_units) {
-      require(bytes >= 0 && static_cast<uint64_t>(bytes) % unit == 0,
-              std::string(name) + " must be a non-negative multiple of 16 (got " + std::to_string(bytes) + ")");
-      require(static_cast<uint64_t>(bytes) / unit < limit_units,
-              std::string(name) + " " + std::to_string(bytes) + " does not fit the command format");
-      return static_cast<uint64_t>(bytes) / unit;
-    };
-    const uint64_t lo = units("local_offset", local_offset, 1ull << 32);
-    const uint64_t ro = units("remote_offset", remote_offset, 1ull << 32);
-    uint64_t length_units;
-    if (kind == static_cast<int>(uccl_ep::CommandKind::kAtomicAdd)) {
-      require(length_bytes == 0, "length_bytes must be 0 for an atomic add (the value travels in its place)");
-      require(value >= -(1ll << 23) && value < (1ll << 23),
-              "value must be in [-2**23, 2**23) (got " + std::to_string(value) + ")");
-      length_units = static_cast<uint64_t>(value) & 0xFFFFFF;
-    } else {
-      require(value == 0, "value is only for kAtomicAdd (got " + std::to_string(value) + ")");
-      length_units = units("length_bytes", length_bytes, uccl_ep::kMaxLengthUnits);
-    }
-    const uccl_ep::Command c = uccl_ep::encode_command(static_cast<uccl_ep::CommandKind>(kind),
-                                                       static_cast<uint32_t>(dst_rank), static_cast<uint32_t>(flags),
-                                                       length_units, static_cast<uint32_t>(counter_index), lo, ro);
-    require(timeout_s > 0, "timeout_s must be > 0");
-    uccl_ep::PushResult result;
-    {
-      py::gil_scoped_release no_gil;
-      uccl_ep::HostFifoOps ops(std::chrono::steady_clock::now() +
-                               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                   std::chrono::duration<double>(timeout_s)));
-      result = uccl_ep::fifo_push(view_, c, ops);
-    }
-    if (result != uccl_ep::PushResult::kPushed) {
-      throw std::runtime_error("HostFifo.push timed out after " + std::to_string(timeout_s) +
-                               " s: the FIFO stayed full (is a proxy consuming it?); the FIFO is unusable now");
-    }
+    push_command(view_, kind, dst_rank, length_bytes, local_offset, remote_offset, counter_index, value, flags,
+                 timeout_s);
   }
 
   uint64_t pushed() const { return uccl_ep::host_load_acquire(view_.head); }
@@ -118,34 +132,96 @@ class HostFifo {
   uccl_ep::FifoView view_{};
 };
 
+#if defined(UCCL_EP_WITH_CUDA)
+// FIFOs in pinned mapped host memory (channel/mapped_fifos.h): GPU kernels push, a proxy pops;
+// with host_producers, Python pushes (tests of the proxy over device memory).
+class PyMappedFifos {
+ public:
+  PyMappedFifos(int num_fifos, int64_t capacity, int device, bool host_producers)
+      : impl_(std::make_unique<uccl_ep::MappedFifos>(num_fifos, capacity, device, host_producers)) {}
+
+  uccl_ep::MappedFifos& impl() {
+    if (!impl_) throw std::runtime_error("MappedFifos is released");
+    return *impl_;
+  }
+
+  void push(int fifo, int kind, int64_t dst_rank, int64_t length_bytes, int64_t local_offset, int64_t remote_offset,
+            int64_t counter_index, int64_t value, int64_t flags, double timeout_s) {
+    require(impl().host_producers(), "these FIFOs are for GPU producers (host_producers=False): the host cannot push");
+    push_command(impl().host_view(fifo), kind, dst_rank, length_bytes, local_offset, remote_offset, counter_index,
+                 value, flags, timeout_s);
+  }
+
+  // Commands claimed by the (host) producers and taken by the consumer, of FIFO `fifo`.
+  uint64_t pushed(int fifo) {
+    require(impl().host_producers(), "pushed() counts host producers' commands (host_producers=True)");
+    return uccl_ep::host_load_acquire(impl().host_view(fifo).head);
+  }
+  uint64_t taken(int fifo) { return uccl_ep::host_load_acquire(impl().host_view(fifo).tail); }
+
+  std::vector<uccl_ep::FifoView> host_views() {
+    std::vector<uccl_ep::FifoView> views;
+    for (int f = 0; f < impl().num_fifos(); ++f) views.push_back(impl().host_view(f));
+    return views;
+  }
+
+  void release() { impl_.reset(); }
+
+ private:
+  std::unique_ptr<uccl_ep::MappedFifos> impl_;
+};
+#endif  // UCCL_EP_WITH_CUDA
+
+// The consumer views of `fifos`: a list of HostFifo objects, or (GPU builds) a MappedFifos.
+std::vector<uccl_ep::FifoView> consumer_views(const py::object& fifos) {
+#if defined(UCCL_EP_WITH_CUDA)
+  if (py::isinstance<PyMappedFifos>(fifos)) return fifos.cast<PyMappedFifos&>().host_views();
+#endif
+  require(py::isinstance<py::list>(fifos), "fifos must be a list of HostFifo objects or a MappedFifos");
+  py::list items = fifos;
+  require(py::len(items) >= 1, "fifos must list at least one HostFifo");
+  std::vector<uccl_ep::FifoView> views;
+  for (size_t i = 0; i < py::len(items); ++i) {
+    py::object item = items[i];
+    require(py::isinstance<HostFifo>(item), "fifos[" + std::to_string(i) + "] is not a HostFifo");
+    views.push_back(item.cast<HostFifo&>().view());
+  }
+  return views;
+}
+
 // ---------------------------------------------------------------------------------------
-// Proxy (with the tcp transport it owns)
+// Proxy (with the transport it owns: tcp over a host region, or cuda-copy over a PeerMemory)
 // ---------------------------------------------------------------------------------------
 class PyProxy {
  public:
-  PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::list fifos, int num_threads,
+  // Over a tcp transport on the host region (region_ptr, region_bytes).
+  PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::object fifos, int num_threads,
           std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
-    require(num_threads >= 1 && num_threads <= 256,
-            "num_threads must be in [1, 256] (got " + std::to_string(num_threads) + ")");
-    require(py::len(fifos) >= 1, "fifos must list at least one HostFifo");
-    std::vector<uccl_ep::FifoView> views;
-    for (size_t i = 0; i < py::len(fifos); ++i) {
-      py::object item = fifos[i];
-      require(py::isinstance<HostFifo>(item), "fifos[" + std::to_string(i) + "] is not a HostFifo");
-      views.push_back(item.cast<HostFifo&>().view());
-    }
-    fifos_ = fifos;  // keeps the FIFOs alive as long as the proxy
+    check_threads(num_threads);
     uccl_ep::MemoryRegion region;
     region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
     region.bytes = non_negative_arg("region_bytes", region_bytes);
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = transport_timeout_s;
-    transport_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
-    uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
-    c.num_threads = static_cast<uint32_t>(num_threads);
-    proxy_ = std::make_unique<uccl_ep::Proxy>(*transport_, std::move(views), c);
+    tcp_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
+    start_proxy(fifos, num_threads, config);
   }
+
+#if defined(UCCL_EP_WITH_CUDA)
+  // Over a cuda-copy transport on the device buffer of `memory` (its peers opened).
+  PyProxy(int rank, int num_ranks, py::object memory, py::object fifos, int num_threads,
+          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
+    check_threads(num_threads);
+    uccl_ep::CudaCopyTransportOptions options;
+    options.reorder_seed = reorder_seed;
+    options.timeout_s = transport_timeout_s;
+    cuda_copy_ = std::make_unique<uccl_ep::CudaCopyTransport>(rank, num_ranks, memory.cast<uccl_ep::PeerMemory&>(),
+                                                              options);
+    memory_ = memory;  // mapped until the transport is closed
+    start_proxy(fifos, num_threads, config);
+  }
+#endif
 
   ~PyProxy() {
     try {
@@ -158,9 +234,37 @@ class PyProxy {
     if (!proxy_) throw std::runtime_error("Proxy is closed");
     return *proxy_;
   }
-  uccl_ep::TcpTransport& transport() {
-    if (!transport_) throw std::runtime_error("Proxy is closed");
-    return *transport_;
+
+  uccl_ep::Transport& transport() {
+    if (tcp_) return *tcp_;
+#if defined(UCCL_EP_WITH_CUDA)
+    if (cuda_copy_) return *cuda_copy_;
+#endif
+    throw std::runtime_error("Proxy is closed");
+  }
+
+  // Calls f on the concrete transport (both kinds bootstrap the same way).
+  template <typename F>
+  auto with_transport(F f) {
+#if defined(UCCL_EP_WITH_CUDA)
+    if (cuda_copy_) return f(*cuda_copy_);
+#endif
+    if (!tcp_) throw std::runtime_error("Proxy is closed");
+    return f(*tcp_);
+  }
+
+  // The int64 at `offset` of this rank's region (read through the GPU for device memory).
+  int64_t read_word(uint64_t offset) {
+    uccl_ep::Transport& t = transport();
+    const auto* address = static_cast<const uint8_t*>(t.region().base) + offset;
+    if (t.region_is_host_memory()) return __atomic_load_n(reinterpret_cast<const int64_t*>(address), __ATOMIC_ACQUIRE);
+#if defined(UCCL_EP_WITH_CUDA)
+    int64_t value = 0;
+    UCCL_EP_GPU_CHECK(cudaMemcpy(&value, address, sizeof(value), cudaMemcpyDeviceToHost));
+    return value;
+#else
+    throw std::runtime_error("the region is not host memory");
+#endif
   }
 
   void stop() {
@@ -182,26 +286,34 @@ class PyProxy {
         }
         proxy_.reset();
       }
-      if (transport_) {
-        transport_->close();
-        transport_.reset();
+      if (tcp_) {
+        tcp_->close();
+        tcp_.reset();
       }
+#if defined(UCCL_EP_WITH_CUDA)
+      if (cuda_copy_) {
+        cuda_copy_->close();
+        cuda_copy_.reset();
+      }
+#endif
     }
+    memory_ = py::none();
     if (raise && !error.empty()) throw uccl_ep::ProxyError(error);
   }
 
   void wait_barriers(uint64_t count, double timeout_s) {
     require(timeout_s > 0, "timeout_s must be > 0");
     uccl_ep::Proxy& p = proxy();
+    const int rank = transport().rank();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                                   std::chrono::duration<double>(timeout_s));
     py::gil_scoped_release no_gil;
     while (p.barriers_done() < count) {
       p.check();
       if (std::chrono::steady_clock::now() > deadline) {
-        throw uccl_ep::ProxyError("proxy rank " + std::to_string(transport_->rank()) + ": " +
-                                  std::to_string(p.barriers_done()) + " barriers done after " +
-                                  std::to_string(timeout_s) + " s, waiting for " + std::to_string(count));
+        throw uccl_ep::ProxyError("proxy rank " + std::to_string(rank) + ": " + std::to_string(p.barriers_done()) +
+                                  " barriers done after " + std::to_string(timeout_s) + " s, waiting for " +
+                                  std::to_string(count));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -209,8 +321,25 @@ class PyProxy {
   }
 
  private:
-  py::list fifos_;
-  std::unique_ptr<uccl_ep::TcpTransport> transport_;
+  static void check_threads(int num_threads) {
+    require(num_threads >= 1 && num_threads <= 256,
+            "num_threads must be in [1, 256] (got " + std::to_string(num_threads) + ")");
+  }
+
+  void start_proxy(const py::object& fifos, int num_threads, const std::optional<uccl_ep::ProxyConfig>& config) {
+    std::vector<uccl_ep::FifoView> views = consumer_views(fifos);
+    fifos_ = fifos;  // keeps the FIFOs alive as long as the proxy
+    uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
+    c.num_threads = static_cast<uint32_t>(num_threads);
+    proxy_ = std::make_unique<uccl_ep::Proxy>(transport(), std::move(views), c);
+  }
+
+  py::object fifos_;
+  py::object memory_ = py::none();
+  std::unique_ptr<uccl_ep::TcpTransport> tcp_;
+#if defined(UCCL_EP_WITH_CUDA)
+  std::unique_ptr<uccl_ep::CudaCopyTransport> cuda_copy_;
+#endif
   std::unique_ptr<uccl_ep::Proxy> proxy_;
 };
 
@@ -235,7 +364,9 @@ class PyReceiverOrdering {
     uccl_ep::MemoryRegion region;
     region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
     region.bytes = non_negative_arg("region_bytes", region_bytes);
-    impl_ = std::make_unique<uccl_ep::ReceiverOrdering>(region, config);
+    require(region.base != nullptr || config.num_counters == 0, "the region is null but num_counters > 0");
+    writer_ = std::make_unique<uccl_ep::HostRegionWriter>(region);
+    impl_ = std::make_unique<uccl_ep::ReceiverOrdering>(*writer_, region.bytes, config);
   }
   void on_immediate(int64_t src_rank, int64_t imm) {
     require(src_rank >= 0 && src_rank < (1ll << 31), "src_rank must be >= 0");
@@ -245,6 +376,7 @@ class PyReceiverOrdering {
   py::dict stats() const { return ordering_stats_dict(impl_->stats()); }
 
  private:
+  std::unique_ptr<uccl_ep::HostRegionWriter> writer_;
   std::unique_ptr<uccl_ep::ReceiverOrdering> impl_;
 };
 
@@ -313,6 +445,26 @@ kAtomicAdd `value` is the signed amount (or, with FLAG_COUNT, the announced toke
       .def_property_readonly_static("FLAG_BUFFER", [](py::object) { return uccl_ep::kCommandFlagBuffer; })
       .def_property_readonly_static("FLAG_COUNT", [](py::object) { return uccl_ep::kCommandFlagCountFlag; });
 
+#if defined(UCCL_EP_WITH_CUDA)
+  py::class_<PyMappedFifos>(m, "MappedFifos", R"doc(
+num_fifos command FIFOs of `capacity` slots in pinned host memory mapped into `device`'s address
+space: kernels push (device_views: the address of a device array of FifoView), a Proxy pops. With
+host_producers=True the heads are in host memory and push() (HostFifo.push's arguments, plus the
+FIFO index) lets Python produce, for tests of a proxy over device memory.)doc")
+      .def(py::init<int, int64_t, int, bool>(), py::arg("num_fifos"), py::arg("capacity"), py::arg("device"),
+           py::arg("host_producers") = false)
+      .def("push", &PyMappedFifos::push, py::arg("fifo"), py::arg("kind"), py::arg("dst_rank") = 0,
+           py::arg("length_bytes") = 0, py::arg("local_offset") = 0, py::arg("remote_offset") = 0,
+           py::arg("counter_index") = 0, py::arg("value") = 0, py::arg("flags") = 0, py::arg("timeout_s") = 30.0)
+      .def("pushed", &PyMappedFifos::pushed, py::arg("fifo"), "Commands claimed so far (host producers).")
+      .def("taken", &PyMappedFifos::taken, py::arg("fifo"), "Commands the consumer has taken so far.")
+      .def_property_readonly("device_views",
+                             [](PyMappedFifos& f) { return reinterpret_cast<std::uintptr_t>(f.impl().device_views()); })
+      .def_property_readonly("num_fifos", [](PyMappedFifos& f) { return f.impl().num_fifos(); })
+      .def_property_readonly("capacity", [](PyMappedFifos& f) { return f.impl().capacity(); })
+      .def("release", &PyMappedFifos::release, "Free the FIFOs (a proxy using them must be closed first).");
+#endif
+
   py::class_<uccl_ep::ProxyConfig>(m, "ProxyConfig", R"doc(
 Proxy settings. Counter layout in every rank's region: int64 counters[num_counters] at
 counters_offset (atomic-add targets) and int64 flags[2][num_counters][num_ranks] at flags_offset
@@ -363,17 +515,33 @@ connect(addresses), then start(). stop() joins the threads and raises the proxy'
 was recorded; close() also closes the transport. Errors (a command that cannot be executed, a
 transport or ordering failure) name the rank, the peer and the decoded command, and are raised
 by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
-      .def(py::init<int, int, int64_t, int64_t, py::list, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double>(),
+      .def(py::init<int, int, int64_t, int64_t, py::object, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("fifos"),
            py::arg("num_threads") = 1, py::arg("config") = py::none(), py::arg("reorder_seed") = -1,
            py::arg("transport_timeout_s") = 30.0)
-      .def("listen_address", [](PyProxy& p) { return p.transport().listen_address(); })
+#if defined(UCCL_EP_WITH_CUDA)
+      .def_static(
+          "over_cuda_copy",
+          [](int rank, int num_ranks, py::object peer_memory, py::object fifos, int num_threads,
+             std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
+            require(py::isinstance<uccl_ep::PeerMemory>(peer_memory), "peer_memory must be a PeerMemory");
+            return std::make_unique<PyProxy>(rank, num_ranks, peer_memory, fifos, num_threads, config, reorder_seed,
+                                             transport_timeout_s);
+          },
+          py::arg("rank"), py::arg("num_ranks"), py::arg("peer_memory"), py::arg("fifos"), py::arg("num_threads") = 1,
+          py::arg("config") = py::none(), py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0,
+          "A proxy over the cuda-copy transport on peer_memory's device buffer (open_peers done): the same "
+          "bootstrap and methods; fifos is typically a MappedFifos.")
+#endif
+      .def("listen_address", [](PyProxy& p) { return p.with_transport([](auto& t) { return t.listen_address(); }); })
       .def(
           "connect",
           [](PyProxy& p, const std::vector<std::string>& addresses) {
-            auto& t = p.transport();
-            py::gil_scoped_release no_gil;
-            t.connect(addresses);
+            p.with_transport([&](auto& t) {
+              py::gil_scoped_release no_gil;
+              t.connect(addresses);
+              return 0;
+            });
           },
           py::arg("addresses"))
       .def("start", [](PyProxy& p) { p.proxy().start(); })
@@ -393,14 +561,14 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
       .def_property_readonly("transport_outstanding", [](PyProxy& p) { return p.transport().outstanding(); })
       .def_property_readonly("reorder_seed",
                              [](PyProxy& p) -> py::object {
-                               const auto& c = p.transport().reorder_config();
+                               const auto c = p.with_transport([](auto& t) { return t.reorder_config(); });
                                return c.enabled ? py::object(py::int_(c.seed)) : py::object(py::none());
                              })
       .def("counter",
            [](PyProxy& p, int64_t index) {
              const auto& o = p.proxy().ordering();
              require(index >= 0 && index < o.config().num_counters, "index must be in [0, num_counters)");
-             return __atomic_load_n(o.counter_ptr(static_cast<uint32_t>(index)), __ATOMIC_ACQUIRE);
+             return p.read_word(o.counter_offset(static_cast<uint32_t>(index)));
            },
            py::arg("index"), "The int64 counter `index` of this rank's region.")
       .def("flag",
@@ -409,8 +577,7 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
              require(buffer == 0 || buffer == 1, "buffer must be 0 or 1");
              require(counter >= 0 && counter < o.config().num_counters, "counter must be in [0, num_counters)");
              require(src_rank >= 0 && src_rank < o.config().num_ranks, "src_rank must be in [0, num_ranks)");
-             return __atomic_load_n(o.flag_ptr(buffer, static_cast<uint32_t>(counter), static_cast<uint32_t>(src_rank)),
-                                    __ATOMIC_ACQUIRE);
+             return p.read_word(o.flag_offset(buffer, static_cast<uint32_t>(counter), static_cast<uint32_t>(src_rank)));
            },
            py::arg("buffer"), py::arg("counter"), py::arg("src_rank"),
            "The low-latency count flag of (buffer, counter, src_rank): 0, or -(N+1).")

@@ -25,6 +25,10 @@ __global__ void atomic_add_system_kernel(unsigned long long* target, unsigned lo
   atomicAdd_system(target, value);
 }
 
+__global__ void store_release_system_kernel(uint64_t* target, uint64_t value) {
+  store_release_system(target, value);  // the owner's kernels poll it with system-scope acquires
+}
+
 std::string gpu_error_text(gpuError_t status) {
   return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
 }
@@ -255,6 +259,28 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
     throw TransportError(failure(peer, request.id, what, status));
   }
   p.issued.push_back(Issued{request, done});
+}
+
+void CudaCopyTransport::add(uint64_t offset, int64_t amount) {
+  ScopedDevice device(device_, rank_);
+  auto* target = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(local_base_) + offset);
+  atomic_add_system_kernel<<<1, 1, 0, peers_[rank_].stream>>>(target, static_cast<unsigned long long>(amount));
+  check_own_launch("a counter add");
+}
+
+void CudaCopyTransport::store_release(uint64_t offset, int64_t value) {
+  ScopedDevice device(device_, rank_);
+  auto* target = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(local_base_) + offset);
+  store_release_system_kernel<<<1, 1, 0, peers_[rank_].stream>>>(target, static_cast<uint64_t>(value));
+  check_own_launch("a flag store");
+}
+
+void CudaCopyTransport::check_own_launch(const char* what) {
+  const gpuError_t status = gpu_last_error();
+  if (status != kGpuSuccess) {
+    throw TransportError("cuda-copy transport rank " + std::to_string(rank_) + ": " + what +
+                         " on its own region could not be launched: " + gpu_error_text(status));
+  }
 }
 
 gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {

@@ -64,7 +64,7 @@ struct CudaCopyTransportOptions {
   double timeout_s = 30.0;    // connect(), each of quiet()'s two waits, and close()'s flush
 };
 
-class CudaCopyTransport final : public Transport {
+class CudaCopyTransport final : public Transport, private RegionWriter {
  public:
   // `memory` must have mapped every rank's buffer (open_peers with this rank) and must stay
   // mapped until close(). Throws std::invalid_argument naming a bad argument, TransportError
@@ -87,6 +87,10 @@ class CudaCopyTransport final : public Transport {
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
   MemoryRegion region() const override { return MemoryRegion{local_base_, peers_[rank_].bytes}; }
+  bool region_is_host_memory() const override { return false; }
+  // Counter adds and flag stores are one-thread kernels on the stream of this rank's copies to
+  // itself, so they follow what was posted before them; they throw TransportError if a launch fails.
+  RegionWriter& region_writer() override { return *this; }
   const ReorderConfig& reorder_config() const { return reorder_; }
 
   void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
@@ -103,6 +107,10 @@ class CudaCopyTransport final : public Transport {
 
  private:
   enum class Op : uint8_t { kWrite, kAtomicAdd };
+
+  void add(uint64_t offset, int64_t amount) override;
+  void store_release(uint64_t offset, int64_t value) override;
+  void check_own_launch(const char* what);
 
   struct Request {
     Op op = Op::kWrite;

@@ -91,6 +91,8 @@ class TcpTransport final : public Transport {
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
   MemoryRegion region() const override { return region_; }
+  bool region_is_host_memory() const override { return true; }
+  RegionWriter& region_writer() override { return region_writer_; }
   const ReorderConfig& reorder_config() const { return reorder_; }
 
   void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
@@ -174,6 +176,7 @@ class TcpTransport final : public Transport {
   const int rank_;
   const int num_ranks_;
   const MemoryRegion region_;
+  HostRegionWriter region_writer_{region_};
   const double timeout_s_;
   const ReorderConfig reorder_;
   std::string listen_address_;

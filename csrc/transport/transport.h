@@ -46,6 +46,30 @@ struct MemoryRegion {
   uint64_t bytes = 0;
 };
 
+// How a rank changes its own region when an immediate says so (the ordering layer's counter adds and
+// flag stores): host atomics for host memory, device operations for GPU memory. Offsets are into the
+// transport's region, 8-byte aligned and checked by the caller.
+class RegionWriter {
+ public:
+  virtual ~RegionWriter() = default;
+  virtual void add(uint64_t offset, int64_t amount) = 0;           // atomic with the owner's own updates
+  virtual void store_release(uint64_t offset, int64_t value) = 0;  // visible after every earlier change
+};
+
+class HostRegionWriter final : public RegionWriter {
+ public:
+  explicit HostRegionWriter(MemoryRegion region) : base_(static_cast<uint8_t*>(region.base)) {}
+  void add(uint64_t offset, int64_t amount) override {
+    __atomic_fetch_add(reinterpret_cast<int64_t*>(base_ + offset), amount, __ATOMIC_ACQ_REL);
+  }
+  void store_release(uint64_t offset, int64_t value) override {
+    __atomic_store_n(reinterpret_cast<int64_t*>(base_ + offset), value, __ATOMIC_RELEASE);
+  }
+
+ private:
+  uint8_t* base_;
+};
+
 // One write-with-immediate delivered to this rank.
 struct ImmediateEvent {
   uint32_t src_rank;
@@ -60,6 +84,10 @@ class Transport {
   virtual int rank() const = 0;
   virtual int num_ranks() const = 0;
   virtual MemoryRegion region() const = 0;
+  // Whether region() is host memory the CPU may read and write directly.
+  virtual bool region_is_host_memory() const = 0;
+  // How this rank's own region is changed by what immediates announce.
+  virtual RegionWriter& region_writer() = 0;
 
   // Queue a write of [local_offset, local_offset + length) of the local region to
   // [remote_offset, remote_offset + length) of `peer`'s region. peer == rank() is allowed
