@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "channel/command.h"
+#include "common/deadline.h"
 #include "common/portability.h"
 
 namespace uccl_ep {
@@ -77,12 +78,6 @@ struct ChannelLatencyResult {
   uint64_t loop_ns = 0;                // GPU time of all timed round trips together; 0 unless all completed
   std::string error;                   // empty, or what the GPU waited for in vain
 };
-
-// The moment `seconds` from now (timeouts are given in seconds).
-inline std::chrono::steady_clock::time_point deadline_after(double seconds) {
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
-}
 
 // Host threads as producers: `num_producers` threads push `commands_per_producer` commands each
 // into one FIFO of `capacity` slots; this thread consumes. Throws std::invalid_argument on bad sizes.

@@ -6,7 +6,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/deadline.h"
 #include "common/settings.h"
+#include "transport/request_checks.h"
 #include "nvlink/peer_memory.h"
 
 namespace uccl_ep {
@@ -31,28 +33,6 @@ __global__ void store_release_system_kernel(uint64_t* target, uint64_t value) {
 
 std::string gpu_error_text(gpuError_t status) {
   return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
-}
-
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-std::string format_seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f s", s);
-  return buf;
-}
-
-void check_range(const char* offset_name, uint64_t offset, uint64_t length, uint64_t bytes, const std::string& whose) {
-  if (offset > bytes) {
-    throw std::invalid_argument(std::string(offset_name) + " " + std::to_string(offset) + " is beyond the end of " +
-                                whose + " (" + std::to_string(bytes) + " bytes)");
-  }
-  if (length > bytes - offset) {
-    throw std::invalid_argument("length " + std::to_string(length) + " at " + offset_name + " " +
-                                std::to_string(offset) + " runs past the end of " + whose + " (" +
-                                std::to_string(bytes) + " bytes)");
-  }
 }
 
 // Makes `device` current for the calling thread and restores the caller's device on exit: the
@@ -200,12 +180,7 @@ void CudaCopyTransport::connect(const std::vector<std::string>& addresses) {
 // ---------------------------------------------------------------------------------------
 
 void CudaCopyTransport::check_usable(int peer, const char* op) const {
-  if (closed_) throw TransportError(who() + ": " + op + " after close()");
-  if (!connected_) throw TransportError(who() + ": " + op + " before connect()");
-  if (peer < 0 || peer >= num_ranks_) {
-    throw std::invalid_argument("peer must be in [0, num_ranks=" + std::to_string(num_ranks_) + ") (got " +
-                                std::to_string(peer) + ")");
-  }
+  uccl_ep::check_usable(who(), closed_, connected_, peer, num_ranks_, op);
 }
 
 void CudaCopyTransport::post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,

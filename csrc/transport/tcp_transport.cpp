@@ -21,6 +21,9 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/deadline.h"
+#include "transport/request_checks.h"
+
 namespace uccl_ep {
 
 namespace {
@@ -36,19 +39,9 @@ constexpr const char* kIfnameEnv = "UCCL_SOCKET_IFNAME";
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
-Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
 int remaining_ms(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return left <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left, 1000 * 1000));
-}
-
-std::string format_seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f s", s);
-  return buf;
 }
 
 // The IPv4 address to listen on: UCCL_SOCKET_IFNAME's, else loopback.
@@ -398,27 +391,8 @@ void TcpTransport::connect(const std::vector<std::string>& addresses) {
 // ---------------------------------------------------------------------------------------
 
 void TcpTransport::check_usable(int peer, const char* op) const {
-  if (closed_) throw TransportError(who() + ": " + op + " after close()");
-  if (!connected_) throw TransportError(who() + ": " + op + " before connect()");
-  if (peer < 0 || peer >= num_ranks_) {
-    throw std::invalid_argument("peer must be in [0, num_ranks=" + std::to_string(num_ranks_) + ") (got " +
-                                std::to_string(peer) + ")");
-  }
+  uccl_ep::check_usable(who(), closed_, connected_, peer, num_ranks_, op);
 }
-
-namespace {
-void check_range(const char* offset_name, uint64_t offset, uint64_t length, uint64_t bytes, const std::string& whose) {
-  if (offset > bytes) {
-    throw std::invalid_argument(std::string(offset_name) + " " + std::to_string(offset) + " is beyond the end of " +
-                                whose + " (" + std::to_string(bytes) + " bytes)");
-  }
-  if (length > bytes - offset) {
-    throw std::invalid_argument("length " + std::to_string(length) + " at " + offset_name + " " +
-                                std::to_string(offset) + " runs past the end of " + whose + " (" +
-                                std::to_string(bytes) + " bytes)");
-  }
-}
-}  // namespace
 
 void TcpTransport::post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
                               std::optional<uint32_t> imm, uint64_t request_id) {
