@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, TextIO
 import torch
 
 from ..build_info import build_info
-from .report import write_json
+from .report import table, write_json
 
 LATENCY_ITERATIONS = 20000          # about 0.1 s of round trips of a few us
 LATENCY_CAPACITY = 1024
@@ -173,15 +173,6 @@ def run_channel_benchmark(commit: str, progress: Optional[TextIO] = None) -> Lis
     return results
 
 
-def table(columns, rows: List[Dict]) -> str:
-    """Right-aligned columns under their titles, as in ``report.table``; "-" where a value is None."""
-    cells = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in columns] for r in rows]
-    headers = [title for _, title, _ in columns]
-    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    line = lambda values: "  ".join(v.rjust(w) for v, w in zip(values, widths))  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(row) for row in cells])
-
-
 def goal_lines(results: List[Dict]) -> List[str]:
     """Where the correct rows stand against the goals (>= 10 M commands/s, push-to-pop median < 3 us)."""
     lines = []
@@ -208,12 +199,12 @@ def print_channel_summary(results: List[Dict], stream: Optional[TextIO] = None) 
     throughput = [r for r in results if r["op"] == "throughput"]
     print("Round trips of one command (push -> host pop -> acknowledgement seen by the GPU; push-to-pop is at most "
           "this):", file=stream)
-    print(table(LATENCY_COLUMNS, latency), file=stream)
+    print(table(latency, LATENCY_COLUMNS), file=stream)
     print("Round trips are timed with the GPU's globaltimer, whose step may be 32 ns to 1 us (upper bound in "
           "'timer step ns <='); 'loop mean us' is one clock span over all timed round trips divided by their "
           "count, so the step hardly matters there.", file=stream)
     print("\nEvery SM pushing, one checking host thread per FIFO:", file=stream)
-    print(table(THROUGHPUT_COLUMNS, throughput), file=stream)
+    print(table(throughput, THROUGHPUT_COLUMNS), file=stream)
     print("", file=stream)
     for line in goal_lines(results):
         print(line, file=stream)

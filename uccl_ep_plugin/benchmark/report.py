@@ -19,9 +19,10 @@ def progress_line(index: int, total: int, result: Dict) -> str:
             f"{result['median_us']:.1f} us{kernel}{bandwidth}, {status}")
 
 
-def table(results: List[Dict]) -> str:
-    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in COLUMNS] for r in results]
-    headers = [title for _, title, _ in COLUMNS]
+def table(results: List[Dict], columns=COLUMNS) -> str:
+    """Right-aligned ``columns`` ((key, title, format) each) under their titles; "-" where a value is None."""
+    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in columns] for r in results]
+    headers = [title for _, title, _ in columns]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     out = [line(headers), line(["-" * w for w in widths])]

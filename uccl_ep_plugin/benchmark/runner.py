@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
+from . import baselines
+from .case import Case
 from .workloads import Workload, low_latency_bytes, normal_bytes, routing
 
 
@@ -27,28 +29,6 @@ class BenchOptions:
     commit: str
     num_sms: int = Buffer.num_sms
     extra: Dict[str, str] = field(default_factory=dict)
-
-
-class Case:
-    """A measured operation: ``run()`` does one call, ``check()`` verifies the last call's outputs.
-
-    ``prepare()`` (before the iteration's barrier) and ``finish()`` (after the timed region) run untimed in
-    every iteration: the halves of a split operation (send, then receive through the hook) use them for
-    the half that is not measured. ``bytes_per_rank`` None: no bandwidth is reported.
-    """
-
-    def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
-                 check: Callable[[], bool], bytes_per_rank: Optional[float], engine: str,
-                 prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
-                 kernels: Tuple[str, ...] = ()) -> None:
-        self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
-        self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
-        self.prepare, self.finish = prepare, finish
-        self.kernels = kernels    # names of the native kernels that run() launches, for the kernel timing
-
-    @property
-    def label(self) -> str:
-        return f"{self.mode} {self.op} {self.dtype}"
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
@@ -158,8 +138,8 @@ def _kernel_seconds(case: Case, options: BenchOptions, group, device: torch.devi
     return sum(statistics.median(values) for values in durations.values()) / 1e6
 
 
-#: Cases each mode measures (normal_cases and low_latency_cases return this many), for progress output.
-CASES_PER_MODE = {"normal": 3, "low_latency": 7}
+#: Cases each mode measures (normal mode: ours, then the NCCL baselines; low_latency_cases), for progress output.
+CASES_PER_MODE = {"normal": 3 + baselines.NUM_CASES, "low_latency": 7}
 
 
 def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, seed: int, group,
@@ -376,7 +356,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
 def _path_name(case: Case, device: torch.device) -> str:
     if case.engine == "native":
         return "nvlink"
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
 
 
 def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None:
@@ -400,14 +380,16 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
     try:
         Buffer.set_num_sms(options.num_sms)
         if options.normal is not None:
-            w = options.normal
+            w, r = options.normal, options.num_ranks
             hidden_bytes = w.hidden * 2
-            nvl_bytes = max(Buffer.get_dispatch_config(options.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, options.num_ranks),
-                            Buffer.get_combine_config(options.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, options.num_ranks))
+            nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
+                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r))
             buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
-            for case in normal_cases(buffer, w, rank, options.num_ranks, options.seed, group, device):
+            for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report))
             buffer.destroy()
+            for case in baselines.baseline_cases(w, rank, r, options.seed, group, device):
+                results.append(measure(case, options, rank, group, device, report))
         if options.low_latency is not None:
             w = options.low_latency
             rdma_bytes = Buffer.get_low_latency_rdma_size_hint(w.tokens, w.hidden, options.num_ranks, w.experts)

@@ -1,0 +1,27 @@
+"""A measured operation of the benchmark."""
+
+from typing import Callable, Optional, Tuple
+
+from .workloads import Workload
+
+
+class Case:
+    """A measured operation: ``run()`` does one call, ``check()`` verifies the last call's outputs.
+
+    ``prepare()`` (before the iteration's barrier) and ``finish()`` (after the timed region) run untimed in
+    every iteration: the halves of a split operation (send, then receive through the hook) use them for
+    the half that is not measured. ``bytes_per_rank`` None: no bandwidth is reported.
+    """
+
+    def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
+                 check: Callable[[], bool], bytes_per_rank: Optional[float], engine: str,
+                 prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
+                 kernels: Tuple[str, ...] = ()) -> None:
+        self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
+        self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
+        self.prepare, self.finish = prepare, finish
+        self.kernels = kernels    # names of the native kernels that run() launches, for the kernel timing
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.op} {self.dtype}"
