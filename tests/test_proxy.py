@@ -632,3 +632,39 @@ def test_config_from_environ_and_bad_arguments():
     with pytest.raises(ValueError, match="max_inflight_bytes"):
         config.max_inflight_bytes = 0
     assert "proxy" in _C.build_info()["features"]
+
+
+# ---------------------------------------------------------------------------------------- a peer that dies
+def _dying_peer_body(rank, num_ranks, group, timeout_s):
+    import torch.distributed as dist
+    region = torch.zeros(1 << 16, dtype=torch.uint8)
+    fifos = [_C.HostFifo(64)]
+    config = _C.ProxyConfig()
+    config.timeout_s = timeout_s
+    proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), region.numel(), fifos, config=config,
+                     transport_timeout_s=timeout_s)
+    addresses = [None] * num_ranks
+    dist.all_gather_object(addresses, proxy.listen_address(), group=group)
+    proxy.connect(addresses)
+    proxy.start()
+    dist.barrier(group=group)
+    if rank == 1:
+        os._exit(0)    # dies without closing anything: its sockets are torn down by the kernel
+    time.sleep(0.5)
+    start = time.monotonic()
+    fifos[0].push(WRITE, 1, length_bytes=256, local_offset=0, remote_offset=0)
+    fifos[0].push(BARRIER)
+    with pytest.raises(RuntimeError) as error:
+        proxy.wait_barriers(1, timeout_s=timeout_s + 10)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout_s + 10, f"the survivor waited {elapsed:.1f} s"
+    message = str(error.value)
+    assert "rank 0" in message and ("rank 1" in message or "peer 1" in message), message
+    with pytest.raises(RuntimeError):   # the stored error is raised again, and the threads are joined
+        proxy.close()
+
+
+def test_survivor_raises_when_a_peer_dies():
+    """Rank 1 exits after connecting (exit code 0, so only rank 0's checks decide); rank 0's next write and
+    barrier fail within the timeout with an error naming both ranks, instead of hanging."""
+    run_ranks(2, _dying_peer_body, timeout_s=5.0)
