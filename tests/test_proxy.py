@@ -558,8 +558,8 @@ def test_quiet_barrier_and_stop_leak_nothing():
     fifos = [_C.HostFifo(64) for _ in range(3)]
     proxy, region = _single(fifos, num_threads=3, max_inflight_bytes=256, cpu_affinity=[0])
     region[:4096] = pattern
-    proxy.start()
-    assert fds_and_threads()[1] > before[1]
+    # Everything is queued before the threads start, so a thread finds several writes at once and the
+    # byte limit (two writes) must hold some back: the flow-stall count below cannot depend on timing.
     for i in range(32):
         fifos[i % 3].push(WRITE, 0, length_bytes=128, local_offset=128 * i, remote_offset=8192 + 128 * i)
         fifos[1].push(ATOMIC_ADD, 0, counter_index=2, value=i)
@@ -568,6 +568,8 @@ def test_quiet_barrier_and_stop_leak_nothing():
     fifos[0].push(ATOMIC_ADD, 0, counter_index=1, value=1, flags=FLAG_BUFFER | FLAG_COUNT)
     for f in fifos[1:]:
         f.push(QUIET)
+    proxy.start()
+    assert fds_and_threads()[1] > before[1]
     while any(f.taken != f.pushed for f in fifos):
         time.sleep(0.001)
     fifos[0].push(BARRIER)
