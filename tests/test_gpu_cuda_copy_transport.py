@@ -10,11 +10,11 @@ is poisoned with a non-zero pattern first, so bytes that never landed (or landed
 import gc
 import os
 import random
-import time
 
 import pytest
 import torch
 
+from tests.immediates import collect_immediates
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
@@ -188,25 +188,16 @@ def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed):
 
     # Immediates: each exactly once, each after its bytes (checked the moment it is seen).
     wanted = {(src, i) for src in range(num_ranks) for i in range(0, len(incoming[src]), IMM_EVERY)}
-    got = set()
-    seen = {src: [] for src in range(num_ranks)}  # immediates per source, in arrival order
     completed = []
-    deadline = time.monotonic() + TIMEOUT_S
-    while got != wanted:
-        assert time.monotonic() < deadline, f"rank {rank}: immediates missing: {sorted(wanted - got)[:10]}"
-        completed += transport.poll_completions()
-        events = transport.poll_immediates()
-        if not events:
-            time.sleep(0.0005)
-        for src, imm in events:
-            assert (src, imm) in wanted, f"rank {rank}: unexpected immediate {(src, imm)}"
-            assert (src, imm) not in got, f"rank {rank}: immediate {(src, imm)} delivered twice"
-            got.add((src, imm))
-            seen[src].append(imm)
-            local_offset, offset, length = incoming[src][imm]
-            start = recv_base + src * SLICE + offset
-            assert torch.equal(region[start:start + length], sources[src][local_offset:local_offset + length]), \
-                f"rank {rank}: immediate {imm} from {src} arrived before its {length} bytes"
+
+    def bytes_landed(src, imm):
+        local_offset, offset, length = incoming[src][imm]
+        start = recv_base + src * SLICE + offset
+        assert torch.equal(region[start:start + length], sources[src][local_offset:local_offset + length]), \
+            f"rank {rank}: immediate {imm} from {src} arrived before its {length} bytes"
+
+    seen = collect_immediates(transport, rank, wanted, TIMEOUT_S, bytes_landed,
+                              while_waiting=lambda: completed.extend(transport.poll_completions()))
 
     transport.quiet()
     assert transport.outstanding() == 0

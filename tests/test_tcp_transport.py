@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from tests.immediates import collect_immediates
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
@@ -93,23 +94,14 @@ def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed):
 
     # Immediates: each after its bytes (checked the moment it is seen), each exactly once.
     wanted = {(src, i) for src in range(num_ranks) for i in range(0, CHUNKS, IMM_EVERY)}
-    seen = {src: [] for src in range(num_ranks)}
-    got = set()
-    deadline = time.monotonic() + 20.0
-    while got != wanted:
-        assert time.monotonic() < deadline, f"rank {rank}: immediates missing: {sorted(wanted - got)[:10]}"
-        events = transport.poll_immediates()
-        if not events:
-            time.sleep(0.0005)
-        for src, imm in events:
-            assert (src, imm) in wanted, f"rank {rank}: unexpected immediate {(src, imm)}"
-            assert (src, imm) not in got, f"rank {rank}: immediate {(src, imm)} delivered twice"
-            got.add((src, imm))
-            seen[src].append(imm)
-            start, length = incoming_chunks[src][imm]
-            landed = region[recv_base + src * SLICE + start: recv_base + src * SLICE + start + length]
-            assert torch.equal(landed, incoming[src][start:start + length]), \
-                f"rank {rank}: immediate {imm} from {src} arrived before its bytes"
+
+    def bytes_landed(src, imm):
+        start, length = incoming_chunks[src][imm]
+        landed = region[recv_base + src * SLICE + start: recv_base + src * SLICE + start + length]
+        assert torch.equal(landed, incoming[src][start:start + length]), \
+            f"rank {rank}: immediate {imm} from {src} arrived before its bytes"
+
+    seen = collect_immediates(transport, rank, wanted, 20.0, bytes_landed)
 
     transport.quiet()
     assert transport.outstanding() == 0

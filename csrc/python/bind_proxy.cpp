@@ -34,18 +34,14 @@
 #include "transport/cuda_copy_transport.h"
 #endif
 
+#include "python/arguments.h"
+
 namespace py = pybind11;
 
 namespace {
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
-
-uint64_t non_negative_arg(const char* name, int64_t value) {
-  require(value >= 0, std::string(name) + " must be >= 0 (got " + std::to_string(value) + ")");
-  return static_cast<uint64_t>(value);
-}
+using uccl_ep::bindings::region_at;
+using uccl_ep::bindings::require;
 
 // Encodes one command (checking every field, ValueError naming it) and pushes it as a host producer
 // (the GIL released while the FIFO is full, up to timeout_s).
@@ -198,9 +194,7 @@ class PyProxy {
   PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::object fifos, int num_threads,
           std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
     check_threads(num_threads);
-    uccl_ep::MemoryRegion region;
-    region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
-    region.bytes = non_negative_arg("region_bytes", region_bytes);
+    const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = transport_timeout_s;
@@ -361,9 +355,7 @@ py::dict ordering_stats_dict(const uccl_ep::OrderingStats& s) {
 class PyReceiverOrdering {
  public:
   PyReceiverOrdering(int64_t region_ptr, int64_t region_bytes, const uccl_ep::OrderingConfig& config) {
-    uccl_ep::MemoryRegion region;
-    region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative_arg("region_ptr", region_ptr)));
-    region.bytes = non_negative_arg("region_bytes", region_bytes);
+    const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     require(region.base != nullptr || config.num_counters == 0, "the region is null but num_counters > 0");
     writer_ = std::make_unique<uccl_ep::HostRegionWriter>(region);
     impl_ = std::make_unique<uccl_ep::ReceiverOrdering>(*writer_, region.bytes, config);

@@ -22,14 +22,14 @@
 #include "transport/cuda_copy_transport.h"
 #endif
 
+#include "python/arguments.h"
+
 namespace py = pybind11;
 
 namespace {
 
-uint64_t non_negative(const char* name, int64_t value) {
-  if (value < 0) throw std::invalid_argument(std::string(name) + " must be >= 0 (got " + std::to_string(value) + ")");
-  return static_cast<uint64_t>(value);
-}
+using uccl_ep::bindings::non_negative;
+using uccl_ep::bindings::region_at;
 
 // A write's arguments as the transports take them.
 struct WriteArgs {
@@ -121,9 +121,7 @@ class PyTcpTransport : public PyTransport<uccl_ep::TcpTransport> {
  public:
   PyTcpTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, int64_t reorder_seed,
                  double timeout_s, int listen_port) {
-    uccl_ep::MemoryRegion region;
-    region.base = reinterpret_cast<void*>(static_cast<uintptr_t>(non_negative("region_ptr", region_ptr)));
-    region.bytes = non_negative("region_bytes", region_bytes);
+    const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = timeout_s;
