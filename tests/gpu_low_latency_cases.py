@@ -772,9 +772,11 @@ def _graph_outputs(dispatched, combined):
 # ---------------------------------------------------------------------------------------- the body
 def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, cases: Sequence[Case],
                     mask_cases: Sequence[Case], graph_cases: Sequence[Case],
-                    tampers: Sequence[Optional[str]] = (None,)) -> None:
+                    tampers: Sequence[Optional[str]] = (None,), environment: Optional[Dict[str, str]] = None) -> None:
     """Every section of :data:`SECTIONS` for each tamper (None: untampered; section names get a
-    ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine."""
+    ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine. ``environment``
+    is set in this rank's process first (e.g. UCCL_EP_FORCE_PROXY=1 for the proxy path)."""
+    os.environ.update(environment or {})
     h = Harness(rec, group, rank, num_ranks, candidate, cases)
     shrink = Harness(rec, group, rank, num_ranks, candidate, mask_cases, enable_shrink=True)
     if not h.on_gpu:

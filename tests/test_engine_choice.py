@@ -12,15 +12,33 @@ def test_cpu_device_uses_the_reference_engine_with_a_reason():
     assert all("CUDA device" in choice.reasons[op] for op in engines.OPERATIONS)
 
 
-def test_force_proxy_keeps_low_latency_off_the_nvlink_kernels(monkeypatch):
+class _FakeExtension:
+    def __init__(self, features):
+        self.features = features
+
+    def build_info(self):
+        return {"features": self.features}
+
+
+def test_force_proxy_needs_the_proxy_transport(monkeypatch):
+    """UCCL_EP_FORCE_PROXY=1 sends the low-latency kernels' traffic through the CPU proxy: native where
+    the build has the cuda-copy transport, the reference engine (with the reason) where it has not."""
+    from uccl_ep_plugin.engines import native
     monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "1")
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["dispatch_layout", "low_latency_nvlink"]))
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in LOW_LATENCY_OPERATIONS:
         assert choice.by_operation[operation] == "reference"
         assert "UCCL_EP_FORCE_PROXY=1" in choice.reasons[operation]
-    monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "0")
+        assert native.PROXY_FEATURE in choice.reasons[operation]
+    monkeypatch.setattr(native, "_load_extension",
+                        lambda: _FakeExtension(["dispatch_layout", "low_latency_nvlink", native.PROXY_FEATURE]))
     choice = engines.choose("auto", torch.device("cuda"))
-    assert all("UCCL_EP_FORCE_PROXY" not in choice.reasons.get(op, "") for op in LOW_LATENCY_OPERATIONS)
+    assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
+    monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "0")
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["dispatch_layout", "low_latency_nvlink"]))
+    choice = engines.choose("auto", torch.device("cuda"))
+    assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
 
 
 def test_reference_mode_gives_no_native_reasons():

@@ -98,8 +98,7 @@ void push_command(const uccl_ep::FifoView& view, int kind, int64_t dst_rank, int
 class HostFifo {
  public:
   explicit HostFifo(int64_t capacity) {
-    require(capacity >= 2 && capacity <= (1 << 24) && (capacity & (capacity - 1)) == 0,
-            "capacity must be a power of two in [2, 2**24] (got " + std::to_string(capacity) + ")");
+    uccl_ep::check_fifo_capacity(capacity);
     const size_t slot_bytes = static_cast<size_t>(capacity) * sizeof(uccl_ep::Command);
     memory_ = static_cast<uint8_t*>(std::aligned_alloc(64, slot_bytes + 128));
     if (!memory_) throw std::bad_alloc();
