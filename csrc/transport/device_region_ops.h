@@ -41,20 +41,21 @@ inline std::string transport_label(const char* transport, int rank) {
 class ScopedDevice {
  public:
   // Throws TransportError naming the transport and rank if the device cannot be made current.
-  ScopedDevice(int device, const char* transport, int rank) {
-    const gpuError_t status = switch_to(device);
-    if (status != kGpuSuccess) {
+  ScopedDevice(int device, const char* transport, int rank) : status_(switch_to(device)) {
+    if (status_ != kGpuSuccess) {
       throw TransportError(transport_label(transport, rank) + ": cannot make device " + std::to_string(device) +
-                           " current: " + gpu_error_text(status));
+                           " current: " + gpu_error_text(status_));
     }
   }
-  // Best effort, for releasing resources: a failure leaves the current device as it was.
-  explicit ScopedDevice(int device) { (void)switch_to(device); }
+  // A failure leaves the current device as it was, and status() says why.
+  explicit ScopedDevice(int device) : status_(switch_to(device)) {}
   ~ScopedDevice() {
     if (switched_) cudaSetDevice(previous_);
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+  gpuError_t status() const { return status_; }
 
  private:
   gpuError_t switch_to(int device) {
@@ -68,6 +69,7 @@ class ScopedDevice {
 
   int previous_ = 0;
   bool switched_ = false;
+  gpuError_t status_;
 };
 
 // Polls `event` until the work before it is done. Returns kGpuSuccess, that work's failure, or
