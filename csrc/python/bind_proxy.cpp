@@ -200,7 +200,7 @@ class PyProxy {
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = transport_timeout_s;
-    if (device) options.device = static_cast<int>(non_negative_arg("device", *device));
+    if (device) options.device = static_cast<int>(uccl_ep::bindings::non_negative("device", *device));
     options.stage_host_region_for_test = stage_host_region;
     tcp_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
     start_proxy(fifos, num_threads, config);
