@@ -21,7 +21,6 @@ when a uccl backend is selected:
 format, and vLLM 0.32's CPU platform has Standard-format experts only (see LOW_LATENCY_ON_CPU).
 """
 
-import functools
 import importlib
 import inspect
 import logging
@@ -29,8 +28,8 @@ from typing import List, Optional
 
 from .backends import UCCL_LOW_LATENCY, is_uccl
 from .patch_points import PatchPoint
-from .patches_common import (BOUND_MODULES, PATCHED_MARK, common_points, communicator_builds_uccl_manager,
-                             has_parameter)
+from .patches_common import (BOUND_MODULES, common_points, communicator_builds_uccl_manager, has_parameter,
+                             replace_once)
 
 __all__ = ["patch_points", "BOUND_MODULES", "LOW_LATENCY_ON_CPU", "local_routing"]
 
@@ -65,24 +64,21 @@ def local_routing(expert_map, topk_ids, topk_weights):
 
 def experts_honour_expert_map(owner, name) -> None:
     """vLLM CPU bug workaround (see module docstring): ``apply`` with local expert ids and no expert_map."""
-    original = owner.__dict__[name]
-    if getattr(original, PATCHED_MARK, False):
-        return
-    signature = inspect.signature(original)
+    def replacement(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def apply(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        expert_map = bound.arguments["expert_map"]
-        if expert_map is None or not is_uccl(self.moe_config.moe_parallel_config.all2all_backend):
-            return original(self, *args, **kwargs)
-        bound.arguments["topk_ids"], bound.arguments["topk_weights"] = local_routing(
-            expert_map, bound.arguments["topk_ids"], bound.arguments["topk_weights"])
-        bound.arguments["expert_map"] = None
-        return original(*bound.args, **bound.kwargs)
+        def apply(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            expert_map = bound.arguments["expert_map"]
+            if expert_map is None or not is_uccl(self.moe_config.moe_parallel_config.all2all_backend):
+                return original(self, *args, **kwargs)
+            bound.arguments["topk_ids"], bound.arguments["topk_weights"] = local_routing(
+                expert_map, bound.arguments["topk_ids"], bound.arguments["topk_weights"])
+            bound.arguments["expert_map"] = None
+            return original(*bound.args, **bound.kwargs)
+        return apply
 
-    setattr(apply, PATCHED_MARK, True)
-    setattr(owner, name, apply)
+    replace_once(owner, name, replacement)
 
 
 def _apply_inherited_by_every_cpu_variant(value) -> Optional[str]:
@@ -100,17 +96,13 @@ def _apply_inherited_by_every_cpu_variant(value) -> Optional[str]:
 
 def config_enforces_eager_for_uccl(owner, name) -> None:
     """``VllmConfig.__post_init__`` with ``enforce_eager`` set first while a uccl backend moves MoE tokens."""
-    original = owner.__dict__[name]
-    if getattr(original, PATCHED_MARK, False):
-        return
+    def replacement(original):
+        def __post_init__(self):
+            _enforce_eager_while_uccl_moves_tokens(self)
+            return original(self)
+        return __post_init__
 
-    @functools.wraps(original)
-    def __post_init__(self):
-        _enforce_eager_while_uccl_moves_tokens(self)
-        return original(self)
-
-    setattr(__post_init__, PATCHED_MARK, True)
-    setattr(owner, name, __post_init__)
+    replace_once(owner, name, replacement)
 
 
 def _enforce_eager_while_uccl_moves_tokens(vllm_config) -> None:

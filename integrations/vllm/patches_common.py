@@ -63,29 +63,37 @@ def predicate_sees_twin(owner, name) -> None:
     setattr(owner, name, property(fget, original.fset, original.fdel, original.__doc__))
 
 
+def replace_once(owner, name: str, make_replacement) -> None:
+    """Sets ``owner.name`` to ``make_replacement(original)``, wrapped to look like the original and
+    marked, so applying a patch twice changes nothing."""
+    original = owner.__dict__[name]
+    if getattr(original, PATCHED_MARK, False):
+        return
+    replacement = functools.wraps(original)(make_replacement(original))
+    setattr(replacement, PATCHED_MARK, True)
+    setattr(owner, name, replacement)
+
+
 def splitting_ops_see_twin(owner, name) -> None:
     """``CompilationConfig.set_splitting_ops_for_v1(all2all_backend, data_parallel_size)`` decides
     CUDA graphs from the backend name: give it the twin, then turn CUDA graphs off while a uccl
     dispatch/combine runs on an engine that cannot be captured (the reference engine syncs the host)."""
-    original = owner.__dict__[name]
-    if getattr(original, PATCHED_MARK, False):
-        return
-    signature = inspect.signature(original)
+    def replacement(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def set_splitting_ops_for_v1(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        backend = bound.arguments.get("all2all_backend")
-        if not is_uccl(backend):
-            return original(self, *args, **kwargs)
-        bound.arguments["all2all_backend"] = twin(backend)
-        result = original(*bound.args, **bound.kwargs)
-        bound.apply_defaults()
-        _disable_cudagraphs_if_not_capturable(self, backend, bound.arguments.get("data_parallel_size", 1))
-        return result
+        def set_splitting_ops_for_v1(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            backend = bound.arguments.get("all2all_backend")
+            if not is_uccl(backend):
+                return original(self, *args, **kwargs)
+            bound.arguments["all2all_backend"] = twin(backend)
+            result = original(*bound.args, **bound.kwargs)
+            bound.apply_defaults()
+            _disable_cudagraphs_if_not_capturable(self, backend, bound.arguments.get("data_parallel_size", 1))
+            return result
+        return set_splitting_ops_for_v1
 
-    setattr(set_splitting_ops_for_v1, PATCHED_MARK, True)
-    setattr(owner, name, set_splitting_ops_for_v1)
+    replace_once(owner, name, replacement)
 
 
 def _disable_cudagraphs_if_not_capturable(compilation_config, backend: str, data_parallel_size: int) -> None:
@@ -107,34 +115,31 @@ def communicator_builds_uccl_manager(owner, name, unsupported: Optional[Mapping[
     ``use_all2all=False`` and the uccl manager is built afterwards (what the DeepEP branch of
     ``CudaCommunicator`` does, with our class). ``unsupported``: uccl backend -> why this platform
     cannot run it; the EP communicator then raises VllmPatchError instead of building a manager."""
-    original = owner.__dict__[name]
-    if getattr(original, PATCHED_MARK, False):
-        return
-    signature = inspect.signature(original)
+    def replacement(original):
+        signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        from vllm.config import get_current_vllm_config_or_none
+        def __init__(self, *args, **kwargs):
+            from vllm.config import get_current_vllm_config_or_none
 
-        config = get_current_vllm_config_or_none()
-        backend = config.parallel_config.all2all_backend if config is not None else None
-        if not is_uccl(backend):
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        wanted = bool(bound.arguments["use_all2all"])
-        bound.arguments["use_all2all"] = False
-        original(*bound.args, **bound.kwargs)
-        # DeviceCommunicatorBase: all2all runs on the EP communicator only.
-        self.use_all2all = self.is_ep_communicator and wanted
-        if self.use_all2all:
-            if unsupported and backend in unsupported:
-                raise VllmPatchError(f"uccl vLLM plugin: --all2all-backend {backend} cannot run on this "
-                                     f"platform: {unsupported[backend]}")
-            build_uccl_manager(self, backend, bound.arguments.get("tcp_store_group"))
+            config = get_current_vllm_config_or_none()
+            backend = config.parallel_config.all2all_backend if config is not None else None
+            if not is_uccl(backend):
+                return original(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            wanted = bool(bound.arguments["use_all2all"])
+            bound.arguments["use_all2all"] = False
+            original(*bound.args, **bound.kwargs)
+            # DeviceCommunicatorBase: all2all runs on the EP communicator only.
+            self.use_all2all = self.is_ep_communicator and wanted
+            if self.use_all2all:
+                if unsupported and backend in unsupported:
+                    raise VllmPatchError(f"uccl vLLM plugin: --all2all-backend {backend} cannot run on this "
+                                         f"platform: {unsupported[backend]}")
+                build_uccl_manager(self, backend, bound.arguments.get("tcp_store_group"))
+        return __init__
 
-    setattr(__init__, PATCHED_MARK, True)
-    setattr(owner, name, __init__)
+    replace_once(owner, name, replacement)
 
 
 def build_uccl_manager(communicator, backend: str, tcp_store_group=None) -> None:
