@@ -11,13 +11,12 @@ import torch
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
-from .proxy_path import ProxyPath
+from .proxy_path import TRANSPORT_ENV, TRANSPORT_FEATURES, ProxyPath, proxy_transport
 
 # operation -> build feature it needs
 IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",
                "low_latency_combine": "low_latency_nvlink"}
 LOW_LATENCY_OPERATIONS = ("low_latency_dispatch", "low_latency_combine")
-PROXY_FEATURE = "cuda_copy_transport"   # the transport the proxy path uses between the GPUs of one host
 
 
 def _load_extension():
@@ -39,8 +38,11 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     features = extension.build_info().get("features", [])
     if feature not in features:
         return f"this build of uccl_ep_plugin._C was compiled without CUDA ({feature} missing)"
-    if operation in LOW_LATENCY_OPERATIONS and force_proxy() and PROXY_FEATURE not in features:
-        return f"{FORCE_PROXY_ENV}=1 sends through the CPU proxy, and this build has no {PROXY_FEATURE}"
+    if operation in LOW_LATENCY_OPERATIONS and force_proxy():
+        proxy_feature = TRANSPORT_FEATURES[proxy_transport()]
+        if proxy_feature not in features:
+            return (f"{FORCE_PROXY_ENV}=1 sends through the CPU proxy over {TRANSPORT_ENV}={proxy_transport()}, "
+                    f"and this build has no {proxy_feature}")
     return None
 
 

@@ -4,7 +4,8 @@ peer with UCCL_EP_FORCE_PROXY=1) get what the kernels stage for them through a C
 The kernels stage a peer's share of a phase in an outbox of their own buffer, laid out like the
 peer's block, and the unit that completes the phase pushes 16-byte commands (write the data, quiet,
 write the count flags) into FIFOs in pinned mapped host memory. Proxy threads execute them through a
-transport: cuda-copy (the copy engines over CUDA IPC mappings) is the one built so far.
+transport chosen by UCCL_EP_PROXY_TRANSPORT: ``cuda-copy`` (default: the copy engines over CUDA IPC
+mappings) or ``tcp`` (sockets, GPU memory staged through pinned host memory), the stand-in for a NIC.
 """
 
 import os
@@ -17,7 +18,18 @@ from ...platform_config import resolve_config
 
 THREADS_ENV = "UCCL_EP_PROXY_THREADS"
 FIFOS_ENV = "UCCL_EP_PROXY_FIFOS"
+TRANSPORT_ENV = "UCCL_EP_PROXY_TRANSPORT"
 FIFO_CAPACITY = 1024
+# transport name -> the build feature it needs
+TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
+
+
+def proxy_transport() -> str:
+    """The transport named by UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` when unset)."""
+    name = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "cuda-copy"
+    if name not in TRANSPORT_FEATURES:
+        raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
+    return name
 
 
 def _positive_setting(name: str, default: int) -> int:
@@ -44,10 +56,16 @@ class ProxyPath:
         num_threads = _positive_setting(THREADS_ENV, 2)
         num_fifos = _positive_setting(FIFOS_ENV, 4)
         self.fifos = extension.MappedFifos(num_fifos, FIFO_CAPACITY, device.index)
+        options = dict(num_threads=num_threads, config=config, transport_timeout_s=timeout_s)
+        self.transport = proxy_transport()
         try:
-            self.proxy = extension.Proxy.over_cuda_copy(rank, num_ranks, peer_buffer.memory, self.fifos,
-                                                        num_threads=num_threads, config=config,
-                                                        transport_timeout_s=timeout_s)
+            if self.transport == "cuda-copy":
+                self.proxy = extension.Proxy.over_cuda_copy(rank, num_ranks, peer_buffer.memory, self.fifos,
+                                                            **options)
+            else:
+                region = peer_buffer.tensor
+                self.proxy = extension.Proxy(rank, num_ranks, region.data_ptr(), region.numel(), self.fifos,
+                                             device=device.index, **options)
             addresses = [None] * num_ranks
             dist.all_gather_object(addresses, self.proxy.listen_address(), group=group)
             self.proxy.connect(addresses)
