@@ -5,13 +5,13 @@
 //   local    this rank's requests to itself (device -> device copies, adds), and the RegionWriter's
 //            counter adds and flag stores
 #include "common/portability.h"
+#include "common/deadline.h"
 
 #if defined(UCCL_EP_GPU_RUNTIME)
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -69,7 +69,7 @@ class DeviceStagedRegion final : public StagedRegion {
       : device_(device),
         timeout_(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
             std::chrono::duration<double>(timeout_s))),
-        timeout_text_(seconds_text(timeout_s)) {
+        timeout_text_(format_seconds(timeout_s)) {
     check_device(device, rank);
     // Before any call that may create a context: it would be the current device's.
     ScopedDevice current(device, kTransport, rank);
@@ -134,12 +134,6 @@ class DeviceStagedRegion final : public StagedRegion {
   }
 
  private:
-  static std::string seconds_text(double seconds) {
-    std::ostringstream text;
-    text << seconds << " s";
-    return text.str();
-  }
-
   std::array<Lane*, 3> lanes() { return {&send_, &receive_, &local_}; }
 
   static void create(Lane& lane, int rank) {
