@@ -47,7 +47,7 @@ def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
 
 
 def test_unknown_proxy_transport_is_named(monkeypatch):
-    from uccl_ep_plugin.engines.native.proxy_path import proxy_transport
+    from uccl_ep_plugin.proxies import proxy_transport
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", "carrier-pigeon")
     with pytest.raises(ValueError, match="UCCL_EP_PROXY_TRANSPORT='carrier-pigeon'"):
         proxy_transport()

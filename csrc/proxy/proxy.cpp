@@ -229,6 +229,7 @@ ProxyStats Proxy::stats() const {
 // ---------------------------------------------------------------------------------------
 
 void Proxy::thread_main(uint32_t thread_index) {
+  transport_.bind_thread();
   if (!config_.cpu_affinity.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);

@@ -93,6 +93,7 @@ class CudaCopyTransport final : public Transport {
   // Counter adds and flag stores are one-thread kernels on the stream of this rank's copies to
   // itself, so they follow what was posted before them; they throw TransportError if a launch fails.
   RegionWriter& region_writer() override { return *writer_; }
+  void bind_thread() noexcept override { bind_thread_to_device(device_); }
   const ReorderConfig& reorder_config() const { return reorder_; }
 
   void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,

@@ -72,6 +72,12 @@ class ScopedDevice {
   gpuError_t status_;
 };
 
+// Transport::bind_thread of the transports over GPU memory. A failure is left for the next
+// ScopedDevice of that thread to report, with the transport's name.
+inline void bind_thread_to_device(int device) {
+  if (cudaSetDevice(device) != kGpuSuccess) (void)gpu_last_error();
+}
+
 // Polls `event` until the work before it is done. Returns kGpuSuccess, that work's failure, or
 // cudaErrorNotReady once `deadline` has passed. Polls rather than blocks: no runtime wait has a
 // timeout.

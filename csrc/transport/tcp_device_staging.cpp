@@ -97,6 +97,8 @@ class DeviceStagedRegion final : public StagedRegion {
   std::string stage(uint8_t* staged, const uint8_t* source, uint64_t bytes) override {
     return copy(send_, staged, source, bytes, cudaMemcpyDeviceToHost, "copying a write out of device memory");
   }
+  void bind_thread() noexcept override { bind_thread_to_device(device_); }
+
   std::string wait_staged() override { return wait(send_, "copying writes out of device memory"); }
 
   std::string land(uint8_t* dest, const uint8_t* staged, uint64_t bytes) override {

@@ -30,6 +30,8 @@ class StagedRegion {
   // The staging memory: staging_bytes of host memory (pinned for a device region).
   virtual uint8_t* staging() = 0;
   virtual RegionWriter& writer() = 0;
+  // Makes the region's device current on the calling thread (Transport::bind_thread).
+  virtual void bind_thread() noexcept {}
 
   // Sending (the I/O thread): queue a copy of region bytes into staging; wait for every such copy.
   virtual std::string stage(uint8_t* staged, const uint8_t* source, uint64_t bytes) = 0;

@@ -715,6 +715,7 @@ void TcpTransport::set_epoll(Peer& p) {
 }
 
 void TcpTransport::io_loop() {
+  bind_thread();
   epoll_event events[64];
   while (!stopping_) {
     const bool short_wait = reorder_.enabled || poll_soon_.exchange(false);

@@ -120,6 +120,9 @@ class TcpTransport final : public Transport {
   MemoryRegion region() const override { return region_; }
   bool region_is_host_memory() const override { return device_ < 0; }
   RegionWriter& region_writer() override { return staged_ ? staged_->writer() : region_writer_; }
+  void bind_thread() noexcept override {
+    if (staged_) staged_->bind_thread();
+  }
   const ReorderConfig& reorder_config() const { return reorder_; }
   // Bytes of staging (0: the region is not staged).
   uint64_t staging_bytes() const { return staging_bytes_; }

@@ -11,7 +11,8 @@ import torch
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
-from .proxy_path import TRANSPORT_ENV, TRANSPORT_FEATURES, ProxyPath, proxy_transport
+from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, proxy_transport
+from .proxy_path import ProxyPath
 
 # operation -> build feature it needs
 IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",

@@ -119,7 +119,7 @@ class NativeLowLatency:
             if layout.dispatch_msg_bytes % 16:
                 raise ValueError(f"hidden={layout.hidden}: the proxy path moves 16-byte units, so hidden must be a "
                                  "multiple of 8")
-            proxy = dict(via_proxy=self.proxy_path.via_proxy.data_ptr(), fifos=self.proxy_path.fifos.device_views,
+            proxy = dict(via_proxy=self.proxy_path.via_proxy.data_ptr(), fifos=self.proxy_path.fifo_views,
                          num_fifos=self.proxy_path.num_fifos, outbox_offset=layout.outbox_offset(buffer_idx),
                          outbox_peer_bytes=layout.outbox_peer_bytes, outbox_index_pos=layout.outbox_index_pos,
                          outbox_flags_pos=layout.outbox_flags_pos, outbox_release_pos=layout.outbox_release_pos)
