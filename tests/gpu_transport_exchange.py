@@ -29,6 +29,19 @@ COUNTERS = 8             # int64 counters every rank adds to on every rank
 ADDS_PER_COUNTER = 150   # adds per (source, destination, counter)
 TIMEOUT_S = 60.0
 KINDS = ("cuda-copy", "tcp")
+FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}   # kind -> build feature
+
+
+def gpu_count():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def skip_without(kind, gpus):
+    """Skip unless the extension has transport ``kind`` and ``gpus`` GPUs are visible."""
+    if FEATURES[kind] not in _C.build_info()["features"]:
+        pytest.skip(f"the extension was built without {FEATURES[kind]}")
+    if gpu_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
 
 
 # ---------------------------------------------------------------------------------------- layout and plans

@@ -9,23 +9,15 @@ import gc
 import pytest
 import torch
 
-from tests.gpu_transport_exchange import POISON, REORDER_ENV, assert_local_requests, assert_requests_checked
+from tests.gpu_transport_exchange import (POISON, REORDER_ENV, assert_local_requests, assert_requests_checked,
+                                          skip_without)
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
 
-FEATURE = "cuda_copy_transport"
 
-
-def _has_feature():
-    return FEATURE in _C.build_info()["features"]
-
-
-def _gpus():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-needs_feature = pytest.mark.skipif(not _has_feature(), reason=f"the extension was built without {FEATURE}")
-needs_one_gpu = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.fixture(autouse=True)
+def _needs_transport_and_gpu():
+    skip_without("cuda-copy", gpus=1)
 
 
 # ---------------------------------------------------------------------------------------- one GPU, one rank
@@ -55,8 +47,6 @@ def _local_transport(memory, **kwargs):
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 def test_bad_arguments_name_the_argument():
     size = 4096
     memory, _ = _local_memory(size)
@@ -88,8 +78,6 @@ def test_bad_arguments_name_the_argument():
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 @pytest.mark.parametrize("reorder_seed", [-1, 3], ids=["in-order", "reorder"])
 def test_local_writes_and_atomics(reorder_seed):
     memory, region = _local_memory(1 << 16)
@@ -98,8 +86,6 @@ def test_local_writes_and_atomics(reorder_seed):
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 def test_close_leaks_no_threads_or_fds():
     memory, _ = _local_memory(1 << 20)
 

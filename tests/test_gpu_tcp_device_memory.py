@@ -9,24 +9,16 @@ import threading
 import pytest
 import torch
 
-from tests.gpu_transport_exchange import POISON, REORDER_ENV, STAGING, assert_local_requests, assert_requests_checked
+from tests.gpu_transport_exchange import (POISON, REORDER_ENV, STAGING, assert_local_requests,
+                                          assert_requests_checked, gpu_count, skip_without)
 from tests.immediates import collect_immediates
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
 
-FEATURE = "tcp_device_memory"
 
-
-def _has_feature():
-    return FEATURE in _C.build_info()["features"]
-
-
-def _gpus():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-needs_feature = pytest.mark.skipif(not _has_feature(), reason=f"the extension was built without {FEATURE}")
-needs_one_gpu = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+@pytest.fixture(autouse=True)
+def _needs_transport_and_gpu():
+    skip_without("tcp", gpus=1)
 
 
 # ---------------------------------------------------------------------------------------- one GPU
@@ -65,22 +57,20 @@ def _rss_bytes():
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 def test_bad_arguments_name_the_argument():
     size = 4096
     region = _region(0, size)
     host = torch.zeros(size, dtype=torch.uint8)
     construction = [
         (dict(region_ptr=host.data_ptr()), r"region_ptr is host memory, not memory of device=0"),
-        (dict(device=_gpus()), r"device must be in \[0, %d\)" % _gpus()),
+        (dict(device=gpu_count()), r"device must be in \[0, %d\)" % gpu_count()),
         (dict(device=-1), "device"),
         (dict(staging_bytes=1000), "staging_bytes"),
         (dict(rank=1), "rank"),
         (dict(timeout_s=0.0), "timeout_s"),
         (dict(reorder_seed=-2), "reorder_seed"),
     ]
-    if _gpus() >= 2:
+    if gpu_count() >= 2:
         construction.append((dict(device=1), r"region_ptr is memory of device 0, not memory of device=1"))
     for kwargs, message in construction:
         full = dict(rank=0, num_ranks=1, region_ptr=region.data_ptr(), region_bytes=size, device=0)
@@ -96,8 +86,6 @@ def test_bad_arguments_name_the_argument():
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 @pytest.mark.parametrize("reorder_seed", [-1, 3], ids=["in-order", "reorder"])
 def test_local_writes_and_atomics(reorder_seed):
     region = _region(0, 1 << 16)
@@ -105,8 +93,6 @@ def test_local_writes_and_atomics(reorder_seed):
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 @pytest.mark.parametrize("reorder_seed", [-1, 5], ids=["in-order", "reorder"])
 def test_two_ranks_on_one_gpu(reorder_seed):
     """Two transports in this process, both regions on GPU 0: every write crosses the staging twice (out
@@ -137,8 +123,6 @@ def test_two_ranks_on_one_gpu(reorder_seed):
 
 
 @pytest.mark.gpu
-@needs_feature
-@needs_one_gpu
 def test_close_leaks_no_threads_fds_or_pinned_memory():
     regions = [_region(0, 1 << 20) for _ in range(2)]
 

@@ -3,20 +3,9 @@ exchange (tests/gpu_transport_exchange.py): writes with and without immediates, 
 from both ranks, with and without reorder injection."""
 
 import pytest
-import torch
 
-from tests.gpu_transport_exchange import KINDS, atomics_body, exchange_body
+from tests.gpu_transport_exchange import KINDS, atomics_body, exchange_body, skip_without
 from tests.multiprocess import run_ranks
-from uccl_ep_plugin import _C
-
-FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
-
-
-def _require(kind):
-    if FEATURES[kind] not in _C.build_info()["features"]:
-        pytest.skip(f"the extension was built without {FEATURES[kind]}")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
 
 
 @pytest.mark.gpu
@@ -24,7 +13,7 @@ def _require(kind):
 @pytest.mark.parametrize("reorder_seed,env_seed", [(-1, None), (12345, None), (-1, 99)],
                          ids=["in-order", "reorder", "reorder-env"])
 def test_writes_and_immediates(kind, reorder_seed, env_seed):
-    _require(kind)
+    skip_without(kind, gpus=2)
     run_ranks(2, exchange_body, backend="nccl", kind=kind, reorder_seed=reorder_seed, env_seed=env_seed)
 
 
@@ -32,5 +21,5 @@ def test_writes_and_immediates(kind, reorder_seed, env_seed):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("reorder_seed", [-1, 7], ids=["in-order", "reorder"])
 def test_atomics_from_both_ranks(kind, reorder_seed):
-    _require(kind)
+    skip_without(kind, gpus=2)
     run_ranks(2, atomics_body, backend="nccl", kind=kind, reorder_seed=reorder_seed)
