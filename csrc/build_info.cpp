@@ -59,6 +59,7 @@ BuildInfo get_build_info() {
   info.features.push_back("gpu_channel");
   info.features.push_back("low_latency_nvlink");
   info.features.push_back("cuda_copy_transport");
+  info.features.push_back("tcp_device_memory");
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");

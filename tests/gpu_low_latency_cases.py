@@ -772,15 +772,18 @@ def _graph_outputs(dispatched, combined):
 # ---------------------------------------------------------------------------------------- the body
 def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, cases: Sequence[Case],
                     mask_cases: Sequence[Case], graph_cases: Sequence[Case],
-                    tampers: Sequence[Optional[str]] = (None,)) -> None:
+                    tampers: Sequence[Optional[str]] = (None,), environment: Optional[Dict[str, str]] = None) -> None:
     """Every section of :data:`SECTIONS` for each tamper (None: untampered; section names get a
-    ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine."""
+    ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine. ``environment``
+    is set in this rank's process first (e.g. UCCL_EP_FORCE_PROXY=1 for the proxy path)."""
+    os.environ.update(environment or {})
     h = Harness(rec, group, rank, num_ranks, candidate, cases)
-    shrink = Harness(rec, group, rank, num_ranks, candidate, mask_cases, enable_shrink=True)
+    # A second Buffer, with enable_shrink, only where mask cases ask for it.
+    shrink = Harness(rec, group, rank, num_ranks, candidate, mask_cases, enable_shrink=True) if mask_cases else None
     if not h.on_gpu:
         torch.set_num_threads(1)      # CPU ranks share the machine's cores; more threads only contend
     for pass_index, tamper in enumerate(tampers):
-        h.tamper = shrink.tamper = tamper
+        h.tamper = tamper
         pass_seed = 1000 * pass_index
         engines_section(h, cases)
         for case in cases:
@@ -797,7 +800,9 @@ def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidat
             double_buffer_section(h, case, inputs, tag, seed)
             clean_section(h, case, inputs, tag)
         graph_sections(h, graph_cases, pass_seed)
-        mask_sections(shrink, mask_cases, pass_seed)
+        if shrink is not None:
+            shrink.tamper = tamper
+            mask_sections(shrink, mask_cases, pass_seed)
     if h.on_gpu:
         torch.cuda.synchronize(h.device)
 

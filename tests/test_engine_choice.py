@@ -1,5 +1,6 @@
 """Which engine serves each operation, and the reason given when the native engine cannot."""
 
+import pytest
 import torch
 
 from uccl_ep_plugin import engines
@@ -12,15 +13,44 @@ def test_cpu_device_uses_the_reference_engine_with_a_reason():
     assert all("CUDA device" in choice.reasons[op] for op in engines.OPERATIONS)
 
 
-def test_force_proxy_keeps_low_latency_off_the_nvlink_kernels(monkeypatch):
+class _FakeExtension:
+    def __init__(self, features):
+        self.features = features
+
+    def build_info(self):
+        return {"features": self.features}
+
+
+@pytest.mark.parametrize("transport", ["cuda-copy", "tcp"])
+def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
+    """UCCL_EP_FORCE_PROXY=1 sends the low-latency kernels' traffic through the CPU proxy: native where
+    the build has the chosen transport, the reference engine (with the reason) where it has not."""
+    from uccl_ep_plugin.engines import native
+    feature = native.TRANSPORT_FEATURES[transport]
     monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "1")
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
+    other_features = [f for f in native.TRANSPORT_FEATURES.values() if f != feature]
+    base = ["dispatch_layout", "low_latency_nvlink"]
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base + other_features))
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in LOW_LATENCY_OPERATIONS:
         assert choice.by_operation[operation] == "reference"
         assert "UCCL_EP_FORCE_PROXY=1" in choice.reasons[operation]
-    monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "0")
+        assert feature in choice.reasons[operation]
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base + [feature]))
     choice = engines.choose("auto", torch.device("cuda"))
-    assert all("UCCL_EP_FORCE_PROXY" not in choice.reasons.get(op, "") for op in LOW_LATENCY_OPERATIONS)
+    assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
+    monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "0")
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base))
+    choice = engines.choose("auto", torch.device("cuda"))
+    assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
+
+
+def test_unknown_proxy_transport_is_named(monkeypatch):
+    from uccl_ep_plugin.proxies import proxy_transport
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ValueError, match="UCCL_EP_PROXY_TRANSPORT='carrier-pigeon'"):
+        proxy_transport()
 
 
 def test_reference_mode_gives_no_native_reasons():

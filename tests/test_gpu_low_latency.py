@@ -41,6 +41,27 @@ def test_low_latency_matches_reference(section):
     assert_section(_GPU.get(2), section)
 
 
+# The same comparison with every peer reached through the CPU proxy (UCCL_EP_FORCE_PROXY=1: the kernels stage
+# each peer's share and push writes, the proxy moves them with the copy engines or over tcp sockets), in order
+# and with the transport's reorder injection. Masking through the proxy is not covered yet.
+PROXY_SECTIONS = tuple(section for section in ll.SECTIONS if section != "mask")
+_PROXY = {
+    name: SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES, mask_cases=(),
+                       graph_cases=ll.GPU_GRAPH_CASES if CANDIDATE == "native" else (),
+                       environment=dict({"UCCL_EP_FORCE_PROXY": "1", "UCCL_EP_PROXY_TRANSPORT": transport}, **extra))
+    for transport in ("cuda-copy", "tcp")
+    for name, extra in ((f"{transport}-in-order", {}), (f"{transport}-reorder", {"UCCL_EP_TRANSPORT_REORDER": "7"}))}
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@needs_native
+@pytest.mark.parametrize("transport_order", list(_PROXY))
+@pytest.mark.parametrize("section", PROXY_SECTIONS)
+def test_low_latency_through_the_proxy_matches_reference(section, transport_order):
+    assert_section(_PROXY[transport_order].get(2), section)
+
+
 @pytest.mark.gpu
 @needs_two_gpus
 @needs_native

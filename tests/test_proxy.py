@@ -1,10 +1,12 @@
 """The CPU proxy (csrc/proxy/): immediate encoding, the receiver-side ordering layer, and proxies
 driven through host-memory FIFOs over the tcp transport between 2 and 4 processes, with and
 without reorder injection, including the negative proof that without the ordering layer an
-unordered transport lets a count flag (or a counter value) be seen too early.
+unordered transport lets a count flag (or a counter value) be seen too early. On 2 GPUs the same
+exchange runs over cuda-copy and over tcp with device memory.
 
 Multi-rank tests run one process per rank (tests/multiprocess.py, gloo for bootstrapping). Host
-memory stands in for device memory: each rank's region is a torch uint8 tensor.
+memory stands in for device memory: each rank's region is a torch uint8 tensor (tcp-staged: staged
+through host memory as a device region is).
 """
 
 import os
@@ -85,18 +87,29 @@ class _MappedFifo:
 
 
 def _proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_seed):
-    """(region tensor, the FIFOs to push into, proxy, what to close). tcp: a host tensor and HostFifos;
-    cuda-copy: this rank's GPU buffer mapped by every rank (CUDA IPC) and FIFOs in mapped host memory."""
+    """(region tensor, the FIFOs to push into, proxy, what to close). tcp: a host tensor and HostFifos
+    (tcp-staged: the host tensor staged as device memory is, through the smallest staging); tcp-device:
+    a tensor on this rank's GPU, staged, and FIFOs in mapped host memory; cuda-copy: this rank's GPU
+    buffer mapped by every rank (CUDA IPC) and FIFOs in mapped host memory."""
     num_fifos = 3
-    if transport == "tcp":
+    if transport in ("tcp", "tcp-staged"):
+        if transport == "tcp-staged":
+            os.environ["UCCL_EP_TCP_STAGING_BYTES"] = str(1 << 16)
         region = torch.zeros(num_bytes, dtype=torch.uint8)
         fifos = [_C.HostFifo(256) for _ in range(num_fifos)]
         proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), num_bytes, fifos, num_threads=2, config=config,
-                         reorder_seed=reorder_seed, transport_timeout_s=30.0)
+                         reorder_seed=reorder_seed, transport_timeout_s=30.0,
+                         _stage_host_region=transport == "tcp-staged")
         return region, fifos, proxy, []
-    from uccl_ep_plugin.engines.native.peers import map_peer_buffer
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
+    if transport == "tcp-device":
+        region = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        mapped = _C.MappedFifos(num_fifos, 256, rank, host_producers=True)
+        proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), num_bytes, mapped, num_threads=2, config=config,
+                         reorder_seed=reorder_seed, transport_timeout_s=30.0, device=rank)
+        return region, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped]
+    from uccl_ep_plugin.engines.native.peers import map_peer_buffer
     buffer, reason = map_peer_buffer(_C, group, rank, device, num_bytes)
     assert buffer is not None, reason
     buffer.tensor.zero_()
@@ -104,6 +117,12 @@ def _proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_se
     proxy = _C.Proxy.over_cuda_copy(rank, num_ranks, buffer.memory, mapped, num_threads=2, config=config,
                                     reorder_seed=reorder_seed, transport_timeout_s=30.0)
     return buffer.tensor, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped, buffer]
+
+
+def _settle(region):
+    """Waits for torch's stores into a GPU region: the transports copy on streams of their own."""
+    if region.is_cuda:
+        torch.cuda.synchronize(region.device)
 
 
 def _rows(it, src, dst, b, e, n):
@@ -213,6 +232,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
                     n = _ntokens(it, rank, dst, b, e)
                     start = L.ll_send_at(dst, b, e, 0)
                     region[start:start + n * ROW] = _rows(it, rank, dst, b, e, n).to(region.device)
+        _settle(region)
         dist.barrier(group=group)
         checker = Checker(region, L, rank, it)
         checker.start()
@@ -299,6 +319,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         region[L.ll_recv:L.ll_recv + 2 * EXPERTS * num_ranks * MAX_TOKENS * ROW] = 0
         region[L.bulk_recv:L.bulk_recv + num_ranks * SLICE] = 0
         region[L.flags:L.flags + 8 * 2 * L.num_counters * num_ranks] = 0
+        _settle(region)
         dist.barrier(group=group)
 
     stats = proxy.stats()
@@ -331,6 +352,18 @@ def test_proxy_exchange_over_cuda_copy(reorder_seed):
               hold_us=None, byte_limit=None, transport="cuda-copy")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("reorder_seed", [-1, 7])
+def test_proxy_exchange_over_tcp_device_memory(reorder_seed):
+    """The same exchange with every region in GPU memory over tcp: writes staged through pinned host
+    memory, atomics and the ordering layer's adds and count flags applied by kernels."""
+    if "tcp_device_memory" not in _C.build_info()["features"]:
+        pytest.skip("built without CUDA")
+    run_ranks(2, _proxy_body, reorder_seed=reorder_seed, ordering=True, iterations=2, result_path=None,
+              hold_us=None, byte_limit=None, transport="tcp-device")
+
+
 # The reorder settings under which the negative proof below sees violations without the ordering layer.
 AGGRESSIVE = dict(reorder_window=4, hold_us=20000, low_latency=True)
 
@@ -340,7 +373,9 @@ AGGRESSIVE = dict(reorder_window=4, hold_us=20000, low_latency=True)
     (2, 7, dict(byte_limit=4096)),
     (2, 1, dict(AGGRESSIVE, spread=False)),
     (4, 12345, AGGRESSIVE),
-], ids=["2ranks", "2ranks-reorder-bytelimit", "2ranks-reorder-as-negative-proof", "4ranks-reorder"])
+    (2, 7, dict(transport="tcp-staged")),
+], ids=["2ranks", "2ranks-reorder-bytelimit", "2ranks-reorder-as-negative-proof", "4ranks-reorder",
+        "2ranks-reorder-staged"])
 def test_proxy_exchange(num_ranks, reorder_seed, extra):
     kwargs = dict(hold_us=None, byte_limit=None)
     kwargs.update(extra)

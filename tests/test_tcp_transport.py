@@ -2,6 +2,10 @@
 processes with and without reorder injection, argument and peer-side bounds checks, peers that
 close or stop answering, interface selection, and no leaked threads or sockets.
 
+The staging a device region goes through (pinned host memory, tcp_staging.h) runs here too, without a
+GPU: `_stage_host_region=True` stages a host region the same way, with CPU copies, through a staging
+small enough that writes stream through its chunks. tests/test_gpu_tcp_device_memory.py runs it on GPUs.
+
 Multi-rank data tests run one process per rank (tests/multiprocess.py, gloo for bootstrapping);
 the failure tests run several transports inside this process, connected from Python threads
 (connect() releases the GIL), or against a fake peer speaking the handshake by hand.
@@ -27,6 +31,8 @@ CHUNKS = 48              # writes per (source, destination)
 COUNTERS = 8             # int64 counters every rank adds to on every rank
 ADDS_PER_COUNTER = 6
 IMM_EVERY = 3            # chunks i with i % IMM_EVERY == 0 carry the immediate i
+# The smallest staging: a 16 KiB receive arena and 8 send chunks of 6 KiB (48 KiB, less than a large write).
+STAGED = dict(_stage_host_region=True, staging_bytes=1 << 16)
 
 
 # ---------------------------------------------------------------------------------------- layout helpers
@@ -56,7 +62,7 @@ def _add_value(src, k):
 
 
 # ---------------------------------------------------------------------------------------- multi-process body
-def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed):
+def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed, staged):
     import torch.distributed as dist
 
     if env_seed is not None:
@@ -65,7 +71,9 @@ def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed):
     region = torch.zeros(total, dtype=torch.uint8)
     for dst in range(num_ranks):
         region[send_base + dst * SLICE: send_base + (dst + 1) * SLICE] = _pattern(rank, dst)
-    transport = _C.TcpTransport(rank, num_ranks, region.data_ptr(), total, reorder_seed=reorder_seed, timeout_s=20.0)
+    transport = _C.TcpTransport(rank, num_ranks, region.data_ptr(), total, reorder_seed=reorder_seed, timeout_s=20.0,
+                                **(STAGED if staged else {}))
+    assert transport.staging_bytes == (STAGED["staging_bytes"] if staged else None)
     expect_reorder = reorder_seed >= 0 or env_seed is not None
     assert (transport.reorder_seed is not None) == expect_reorder
 
@@ -132,10 +140,11 @@ def _exchange_body(rank, num_ranks, group, reorder_seed, env_seed):
     transport.close()
 
 
-@pytest.mark.parametrize("num_ranks,reorder_seed,env_seed", [(2, -1, None), (4, 12345, None), (2, -1, 99)],
-                         ids=["2ranks", "4ranks-reorder", "2ranks-reorder-env"])
-def test_exchange(num_ranks, reorder_seed, env_seed):
-    run_ranks(num_ranks, _exchange_body, reorder_seed=reorder_seed, env_seed=env_seed)
+@pytest.mark.parametrize("num_ranks,reorder_seed,env_seed,staged", [
+    (2, -1, None, False), (4, 12345, None, False), (2, -1, 99, False), (2, -1, None, True), (4, 12345, None, True),
+], ids=["2ranks", "4ranks-reorder", "2ranks-reorder-env", "2ranks-staged", "4ranks-reorder-staged"])
+def test_exchange(num_ranks, reorder_seed, env_seed, staged):
+    run_ranks(num_ranks, _exchange_body, reorder_seed=reorder_seed, env_seed=env_seed, staged=staged)
 
 
 # ---------------------------------------------------------------------------------------- in-process helpers
@@ -246,8 +255,9 @@ def test_peer_rejects_out_of_bounds_request():
         b.close()
 
 
-def test_local_writes_and_atomics():
-    (t,), (buf,) = _mesh(1, size=1024)
+@pytest.mark.parametrize("staging", [{}, STAGED], ids=["host", "staged"])
+def test_local_writes_and_atomics(staging):
+    (t,), (buf,) = _mesh(1, size=1024, **staging)
     buf[:100] = torch.arange(100, dtype=torch.uint8)
     ids = [t.write(0, 0, 200, 100, imm=9), t.atomic_add(0, 512, -7), t.write(0, 0, 0, 0, imm=10)]
     t.quiet()
@@ -256,6 +266,46 @@ def test_local_writes_and_atomics():
     assert buf[512:520].view(torch.int64).item() == -7
     assert t.poll_immediates() == [(0, 9), (0, 10)]
     t.close()
+
+
+def test_staging_settings(monkeypatch):
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    host = _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel())
+    assert host.staging_bytes is None and host.region_is_host_memory
+    host.close()
+    staged = _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel(), _stage_host_region=True)
+    assert staged.staging_bytes == 64 << 20 and staged.region_is_host_memory
+    staged.close()
+    monkeypatch.setenv("UCCL_EP_TCP_STAGING_BYTES", str(1 << 17))
+    staged = _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel(), _stage_host_region=True)
+    assert staged.staging_bytes == 1 << 17
+    staged.close()
+    staged = _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel(), _stage_host_region=True, staging_bytes=1 << 18)
+    assert staged.staging_bytes == 1 << 18, "the argument wins over the environment"
+    staged.close()
+    monkeypatch.setenv("UCCL_EP_TCP_STAGING_BYTES", "lots")
+    with pytest.raises(ValueError, match="UCCL_EP_TCP_STAGING_BYTES=lots"):
+        _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel(), _stage_host_region=True)
+    monkeypatch.delenv("UCCL_EP_TCP_STAGING_BYTES")
+    for kwargs, name in [(dict(staging_bytes=(1 << 16) - 1), "staging_bytes"), (dict(staging_bytes=0), "staging_bytes"),
+                         (dict(staging_bytes=-1), "staging_bytes"), (dict(device=-1), "device"),
+                         (dict(device=0), "device must be -1")]:
+        with pytest.raises(ValueError, match=name):
+            _C.TcpTransport(0, 1, buf.data_ptr(), buf.numel(), _stage_host_region=True, **kwargs)
+
+
+def test_device_region_needs_gpu_support():
+    """A device region needs a build with CUDA and a GPU whose memory the region is."""
+    buf = torch.zeros(64, dtype=torch.uint8)
+    if "tcp_device_memory" not in _C.build_info()["features"]:
+        with pytest.raises(ValueError, match=r"device=0 needs GPU support, and this build has none"):
+            _C.TcpTransport(0, 1, buf.data_ptr(), 64, device=0)
+    elif not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"tcp transport rank 0: device=0 but no GPU can be used"):
+            _C.TcpTransport(0, 1, buf.data_ptr(), 64, device=0)
+    else:
+        with pytest.raises(ValueError, match=r"region_ptr is host memory, not memory of device=0"):
+            _C.TcpTransport(0, 1, buf.data_ptr(), 64, device=0)
 
 
 # ---------------------------------------------------------------------------------------- failures
@@ -379,14 +429,15 @@ def test_socket_ifname(monkeypatch):
         _C.TcpTransport(0, 1, buf.data_ptr(), 64)
 
 
-def test_close_leaks_no_threads_or_sockets():
+@pytest.mark.parametrize("staging", [{}, STAGED], ids=["host", "staged"])
+def test_close_leaks_no_threads_or_sockets(staging):
     # Warm up first: torch may start its own worker threads on first use.
     (warm,), _ = _mesh(1, size=1 << 20)
     warm.close()
     del warm
     gc.collect()
     before = fds_and_threads()
-    (a, b, c), bufs = _mesh(3, size=1 << 20, reorder_seed=1)
+    (a, b, c), bufs = _mesh(3, size=1 << 20, reorder_seed=1, **staging)
     during = settled_fds_and_threads((before[0] + 3 * 4, before[1] + 3))
     assert during == (before[0] + 3 * 4, before[1] + 3), "one I/O thread, 2 sockets, an epoll and an eventfd each"
     for t in (a, b, c):
@@ -401,9 +452,9 @@ def test_close_leaks_no_threads_or_sockets():
     assert settled_fds_and_threads(before) == before
 
     # The destructor does the same, even for a transport that never connected or failed to.
-    (a, b), _ = _mesh(2)
+    (a, b), _ = _mesh(2, **staging)
     a.write(1, 0, 0, 64)
-    lone = _C.TcpTransport(0, 2, bufs[0].data_ptr(), 64, timeout_s=0.5)
+    lone = _C.TcpTransport(0, 2, bufs[0].data_ptr(), 64, timeout_s=0.5, **staging)
     with pytest.raises(RuntimeError):
         lone.connect([lone.listen_address(), "127.0.0.1:1"])
     del a, b, lone
@@ -434,11 +485,13 @@ def test_reorder_window_releases_without_quiet():
         b.close()
 
 
-def test_concurrent_posters_and_large_writes():
-    """Threads posting to every peer at once, large writes (the sender meets a full socket buffer),
-    with reordering: every byte and count arrives."""
+@pytest.mark.parametrize("staging", [{}, STAGED], ids=["host", "staged"])
+def test_concurrent_posters_and_large_writes(staging):
+    """Threads posting to every peer at once, large writes (the sender meets a full socket buffer;
+    staged, each write is 20 times the send staging and every connection waits for chunks), with
+    reordering: every byte and count arrives."""
     part = 1 << 20  # parts 0-2: data from rank 0-2; part 3: counters; part 4: what we send
-    (ts, bufs) = _mesh(3, size=5 * part, reorder_seed=5)
+    (ts, bufs) = _mesh(3, size=5 * part, reorder_seed=5, **staging)
     for r, buf in enumerate(bufs):
         buf[4 * part:] = r + 1
 

@@ -7,8 +7,10 @@ from .build_info import build_info
 from .dispatch_config import Config
 from .engines.reference import CommTimeoutError
 from .event_overlap import EventOverlap
+from .proxies import destroy_uccl, initialize_uccl
 
 topk_idx_t = torch.int64
 
-__all__ = ["Buffer", "Config", "EventOverlap", "CommTimeoutError", "build_info", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "EventOverlap", "CommTimeoutError", "build_info", "destroy_uccl", "initialize_uccl",
+           "topk_idx_t"]
 __version__ = "0.1.0"

@@ -77,7 +77,8 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _timeout_seconds() -> float:
+def timeout_seconds() -> float:
+    """UCCL_EP_TIMEOUT_SECONDS: how long any wait for a peer may last."""
     raw = os.environ.get(TIMEOUT_ENV, "")
     try:
         value = float(raw) if raw else DEFAULT_TIMEOUT_S
@@ -124,7 +125,7 @@ class Buffer:
         self.device = _group_device(self.group)
         self._owner_id = next(_owner_ids)
 
-        timeout_s = _timeout_seconds()
+        timeout_s = timeout_seconds()
         choice = engines.choose(engines.requested_mode(), self.device)
         # The reference engine also provides the timed barriers, so it is always there.
         self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s)

@@ -121,7 +121,9 @@ def combine_config(num_sms: int, num_ranks: int) -> Config:
 @dataclass(frozen=True)
 class LowLatencyLayout:
     """Byte layout of the low-latency region: two alternating halves, each with a signal
-    area (one 64-bit flag per expert: epoch and row count), a send area and a receive area.
+    area (a 64-bit flag per (source rank, local expert): epoch and row count; counters; release
+    counts), a send area, a receive area and an outbox per peer (what is sent to a peer reached
+    through the CPU proxy, staged in the layout of its block there).
 
     The send area is large enough for the combine payload of every local expert, so
     ``get_next_low_latency_combine_buffer`` can hand out a ``[El, R*T, H]`` bf16 view of it.
@@ -145,14 +147,36 @@ class LowLatencyLayout:
         return _align_up(2 * self.hidden + 8 * num_groups, 16)
 
     @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    # A proxy moves whole 16-byte units, so each source's flags and index entries are padded to them
+    # (low_latency.h has the same rules).
+    @property
+    def flags_per_source(self) -> int:
+        return _align_up(self.local_experts, 2)
+
+    @property
+    def index_per_source(self) -> int:
+        return _align_up(self.local_experts * self.num_max_dispatch_tokens_per_rank, 4)
+
+    @property
+    def _counters_start(self) -> int:
+        # After the flags [source][flags_per_source]: this rank's own int32 counters: rows sent per expert,
+        # then per peer the units and the rows staged for it (the proxy path).
+        return 8 * self.num_ranks * self.flags_per_source
+
+    @property
     def _release_start(self) -> int:
-        # After the flags: one 32-bit "rows sent" counter per expert (this rank's own), then 8 aligned.
-        return _align_up(12 * self.num_experts, 8)
+        return _align_up(self._counters_start + 4 * self.num_experts + 8 * self.num_ranks, 16)
 
     @property
     def signal_bytes(self) -> int:
-        # Then, per rank, how many uses of this half it has finished reading.
-        return _align_up(self._release_start + 8 * self.num_ranks, BUFFER_ALIGNMENT_BYTES)
+        # Then, per rank (16 bytes each), how many uses of this half it has finished reading.
+        return _align_up(self._release_start + 16 * self.num_ranks, BUFFER_ALIGNMENT_BYTES)
+
+    def counters_offset(self, buffer_idx: int) -> int:
+        return self.signal_offset(buffer_idx) + self._counters_start
 
     def release_offset(self, buffer_idx: int) -> int:
         return self.signal_offset(buffer_idx) + self._release_start
@@ -160,24 +184,53 @@ class LowLatencyLayout:
     def recv_offset(self, buffer_idx: int) -> int:
         return self.send_offset(buffer_idx) + self.send_bytes
 
+    def outbox_offset(self, buffer_idx: int) -> int:
+        return self.recv_offset(buffer_idx) + self.recv_bytes
+
     @property
     def send_bytes(self) -> int:
         t, e = self.num_max_dispatch_tokens_per_rank, self.num_experts
         return _align_up(max(t * self.dispatch_msg_bytes, e * t * self.combine_msg_bytes), BUFFER_ALIGNMENT_BYTES)
 
     @property
+    def _combine_rows_per_source(self) -> int:
+        # At most min(top-k, local experts) rows per token; the top-k is not known here: its largest value.
+        return self.num_max_dispatch_tokens_per_rank * min(MAX_TOPK, self.local_experts)
+
+    @property
     def recv_bytes(self) -> int:
-        # Dispatch: a message per (source rank, token) and a 4-byte row index per (source, expert, row).
-        # Combine: per source rank a block of the rows its experts return, at most min(top-k, local
-        # experts) per token; the top-k is not known here, so its largest value sizes the block.
-        t, e, r = self.num_max_dispatch_tokens_per_rank, self.num_experts, self.num_ranks
-        dispatch = r * t * self.dispatch_msg_bytes + 4 * e * t
-        combine = r * t * min(MAX_TOPK, e // r) * self.combine_msg_bytes
+        # Dispatch: a message per (source rank, token) and the row index [source][index_per_source].
+        # Combine: per source rank a block of the rows its experts return.
+        t, r = self.num_max_dispatch_tokens_per_rank, self.num_ranks
+        dispatch = r * t * self.dispatch_msg_bytes + 4 * r * self.index_per_source
+        combine = r * self._combine_rows_per_source * self.combine_msg_bytes
         return _align_up(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
+
+    # The outbox for one peer (the proxy path): what this rank sends it, in the layout of its block there.
+    @property
+    def outbox_index_pos(self) -> int:
+        return _align_up(self.num_max_dispatch_tokens_per_rank * self.dispatch_msg_bytes, 16)
+
+    @property
+    def outbox_flags_pos(self) -> int:
+        dispatch = self.outbox_index_pos + 4 * self.index_per_source
+        return _align_up(max(dispatch, self._combine_rows_per_source * self.combine_msg_bytes), 16)
+
+    @property
+    def outbox_release_pos(self) -> int:
+        return self.outbox_flags_pos + 8 * self.flags_per_source
+
+    @property
+    def outbox_peer_bytes(self) -> int:
+        return self.outbox_release_pos + 16
+
+    @property
+    def outbox_bytes(self) -> int:
+        return _align_up(self.num_ranks * self.outbox_peer_bytes, BUFFER_ALIGNMENT_BYTES)
 
     @property
     def half_bytes(self) -> int:
-        return self.signal_bytes + self.send_bytes + self.recv_bytes
+        return self.signal_bytes + self.send_bytes + self.recv_bytes + self.outbox_bytes
 
     @property
     def total_bytes(self) -> int:

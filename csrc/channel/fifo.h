@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "channel/command.h"
 #include "common/portability.h"
@@ -25,6 +27,16 @@ struct FifoView {
 };
 
 enum class PushResult { kPushed, kTimedOut };
+
+// Throws std::invalid_argument unless `capacity` is a power of two in [2, 2**24] (the upper bound
+// keeps slot bytes far from overflowing and pinned allocations sane).
+inline void check_fifo_capacity(int64_t capacity) {
+  constexpr int64_t kMaxCapacity = int64_t(1) << 24;
+  if (capacity < 2 || capacity > kMaxCapacity || (capacity & (capacity - 1)) != 0) {
+    throw std::invalid_argument("capacity must be a power of two in [2, " + std::to_string(kMaxCapacity) +
+                                "] (got " + std::to_string(capacity) + ")");
+  }
+}
 
 // The producer side, one algorithm for every kind of producer. `Ops` supplies the memory
 // operations: fetch_add_relaxed(head), load_acquire(tail), store_relaxed(word1),

@@ -22,9 +22,7 @@ MappedFifos::MappedFifos(int num_fifos, int64_t capacity, int device, bool host_
     throw std::invalid_argument("num_fifos must be in [1, " + std::to_string(kMaxFifos) + "] (got " +
                                 std::to_string(num_fifos) + ")");
   }
-  if (capacity < 2 || capacity > (int64_t(1) << 24) || (capacity & (capacity - 1)) != 0) {
-    throw std::invalid_argument("capacity must be a power of two in [2, 2**24] (got " + std::to_string(capacity) + ")");
-  }
+  check_fifo_capacity(capacity);
   int previous = 0;
   UCCL_EP_GPU_CHECK(cudaGetDevice(&previous));
   UCCL_EP_GPU_CHECK(cudaSetDevice(device));

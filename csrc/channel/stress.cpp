@@ -12,14 +12,6 @@
 
 namespace uccl_ep {
 
-void check_fifo_capacity(int64_t capacity) {
-  // The upper bound keeps the slot bytes far from overflowing and the pinned allocation sane.
-  constexpr int64_t kMaxCapacity = int64_t(1) << 24;
-  if (capacity < 2 || capacity > kMaxCapacity || (capacity & (capacity - 1)) != 0)
-    throw std::invalid_argument("capacity must be a power of two in [2, " + std::to_string(kMaxCapacity) + "], got " +
-                                std::to_string(capacity));
-}
-
 void check_stress_sizes(uint64_t num_producers, uint64_t commands_per_producer, uint64_t capacity) {
   if (num_producers == 0 || num_producers > kMaxCounterIndex)
     throw std::invalid_argument("num_producers must be in [1, " + std::to_string(kMaxCounterIndex) + "]");

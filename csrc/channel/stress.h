@@ -99,6 +99,5 @@ ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacit
 
 // Shared argument checks (std::invalid_argument naming the argument).
 void check_stress_sizes(uint64_t num_producers, uint64_t commands_per_producer, uint64_t capacity);
-void check_fifo_capacity(int64_t capacity);
 
 }  // namespace uccl_ep

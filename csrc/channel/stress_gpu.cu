@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -9,6 +10,7 @@
 
 #include "channel/fifo.h"
 #include "channel/fifo_device.cuh"
+#include "channel/mapped_fifos.h"
 #include "channel/stress.h"
 
 namespace uccl_ep {
@@ -84,10 +86,11 @@ __global__ void channel_latency_kernel(FifoView fifo, const uint64_t* ack, uint6
   *status = s;
 }
 
-// What a run holds: pinned mapped host memory (what the host and the GPU both poll) and device
-// memory, both zeroed, and a stream of its own; all released on every path, including a failure
-// part-way through acquiring them.
+// What a run holds: its FIFOs (channel/mapped_fifos.h, GPU producers), pinned mapped host bytes and
+// device bytes of its own (both zeroed), and a stream; all released on every path, including a
+// failure part-way through acquiring them.
 struct ChannelRun {
+  std::unique_ptr<MappedFifos> fifos;
   void* host = nullptr;
   void* host_on_device = nullptr;  // `host` as the GPU addresses it
   void* device = nullptr;
@@ -95,11 +98,16 @@ struct ChannelRun {
 
   // The device memory is cleared on `stream`: a non-blocking stream does not wait for the legacy
   // default stream, so work put there would not be ordered before the run's kernel.
-  void acquire(size_t host_bytes, size_t device_bytes) {
+  void acquire(uint32_t num_fifos, uint64_t capacity, size_t host_bytes, size_t device_bytes) {
+    int current = 0;
+    UCCL_EP_GPU_CHECK(cudaGetDevice(&current));
+    fifos = std::make_unique<MappedFifos>(static_cast<int>(num_fifos), static_cast<int64_t>(capacity), current, false);
     UCCL_EP_GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    UCCL_EP_GPU_CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
-    std::memset(host, 0, host_bytes);
-    UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(&host_on_device, host, 0));
+    if (host_bytes > 0) {
+      UCCL_EP_GPU_CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
+      std::memset(host, 0, host_bytes);
+      UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(&host_on_device, host, 0));
+    }
     UCCL_EP_GPU_CHECK(cudaMalloc(&device, device_bytes));
     UCCL_EP_GPU_CHECK(cudaMemsetAsync(device, 0, device_bytes, stream));
   }
@@ -109,30 +117,6 @@ struct ChannelRun {
     if (device != nullptr) cudaFree(device);
   }
 };
-
-// The FIFOs' share of a ChannelRun's memory: the host part starts with every FIFO's slots, then one
-// tail line per FIFO; the device part starts with one head line per FIFO. What a run needs
-// besides lies after these bytes.
-size_t fifo_host_bytes(uint32_t num_fifos, uint64_t capacity) {
-  return size_t(num_fifos) * capacity * sizeof(Command) + num_fifos * kLine;
-}
-size_t fifo_device_bytes(uint32_t num_fifos) { return num_fifos * kLine; }
-
-// FIFO `f` as its host consumer sees it (no head: only producers claim slots).
-FifoView host_fifo_view(const ChannelRun& run, uint32_t num_fifos, uint64_t capacity, uint32_t f) {
-  auto* slots = static_cast<Command*>(run.host);
-  auto* tails = reinterpret_cast<uint8_t*>(slots + size_t(num_fifos) * capacity);
-  return {slots + f * capacity, reinterpret_cast<uint64_t*>(tails + f * kLine), nullptr, capacity};
-}
-
-// FIFO `f` as its GPU producers see it.
-FifoView device_fifo_view(const ChannelRun& run, uint32_t num_fifos, uint64_t capacity, uint32_t f) {
-  auto* slots = static_cast<Command*>(run.host_on_device);
-  auto* tails = reinterpret_cast<uint8_t*>(slots + size_t(num_fifos) * capacity);
-  auto* heads = static_cast<uint8_t*>(run.device);
-  return {slots + f * capacity, reinterpret_cast<uint64_t*>(tails + f * kLine),
-          reinterpret_cast<uint64_t*>(heads + f * kLine), capacity};
-}
 
 uint64_t timeout_ns(double timeout_s) { return static_cast<uint64_t>(timeout_s * 1e9); }
 
@@ -196,22 +180,15 @@ ChannelStressResult run_gpu_channel_stress(uint32_t num_fifos, uint32_t blocks_p
   const uint64_t num_producers = uint64_t(num_fifos) * blocks_per_fifo * threads_per_block;
   check_stress_sizes(num_producers, commands_per_thread, capacity);
 
-  // Device part after the heads: the views, then two counter lines.
+  // Device bytes: two counter lines.
   ChannelRun run;
-  const size_t views_offset = fifo_device_bytes(num_fifos);
-  run.acquire(fifo_host_bytes(num_fifos, capacity), views_offset + num_fifos * sizeof(FifoView) + 2 * kLine);
-  auto* device_views = reinterpret_cast<FifoView*>(static_cast<uint8_t*>(run.device) + views_offset);
-  auto* counters = reinterpret_cast<uint8_t*>(device_views + num_fifos);
+  run.acquire(num_fifos, capacity, 0, 2 * kLine);
+  auto* counters = static_cast<uint8_t*>(run.device);
   auto* device_pushed = reinterpret_cast<unsigned long long*>(counters);
   auto* device_timed_out = reinterpret_cast<unsigned int*>(counters + kLine);
-
-  std::vector<FifoView> host_views, views_for_device;
-  for (uint32_t f = 0; f < num_fifos; ++f) {
-    host_views.push_back(host_fifo_view(run, num_fifos, capacity, f));
-    views_for_device.push_back(device_fifo_view(run, num_fifos, capacity, f));
-  }
-  UCCL_EP_GPU_CHECK(cudaMemcpyAsync(device_views, views_for_device.data(), num_fifos * sizeof(FifoView),
-                                    cudaMemcpyHostToDevice, run.stream));
+  const FifoView* device_views = run.fifos->device_views();
+  std::vector<FifoView> host_views;
+  for (uint32_t f = 0; f < num_fifos; ++f) host_views.push_back(run.fifos->host_view(static_cast<int>(f)));
 
   ChannelStressResult result;
   result.expected = num_producers * commands_per_thread;
@@ -251,16 +228,13 @@ ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacit
   const uint64_t timed = static_cast<uint64_t>(iterations);
   const uint64_t slots = static_cast<uint64_t>(capacity);
 
-  // Host part after the FIFO: the acknowledgement line. Device part after the head: the
-  // status line, then the samples.
+  // Host bytes: the acknowledgement line. Device bytes: the status line, then the samples.
   ChannelRun run;
-  const size_t ack_offset = fifo_host_bytes(1, slots);
-  const size_t status_offset = fifo_device_bytes(1);
-  run.acquire(ack_offset + kLine, status_offset + kLine + timed * sizeof(uint64_t));
-  auto* host_ack = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(run.host) + ack_offset);
-  auto* device_ack = reinterpret_cast<const uint64_t*>(static_cast<const uint8_t*>(run.host_on_device) + ack_offset);
-  auto* device_status = reinterpret_cast<LatencyStatus*>(static_cast<uint8_t*>(run.device) + status_offset);
-  auto* device_samples = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(device_status) + kLine);
+  run.acquire(1, slots, kLine, kLine + timed * sizeof(uint64_t));
+  auto* host_ack = static_cast<uint64_t*>(run.host);
+  auto* device_ack = static_cast<const uint64_t*>(run.host_on_device);
+  auto* device_status = static_cast<LatencyStatus*>(run.device);
+  auto* device_samples = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(run.device) + kLine);
 
   ChannelLatencyResult result;
   result.warmup = kLatencyWarmup;
@@ -270,10 +244,10 @@ ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacit
   result.commands.num_fifos = 1;
   const auto deadline = deadline_after(timeout_s);
   const auto start = std::chrono::steady_clock::now();
-  channel_latency_kernel<<<1, 1, 0, run.stream>>>(device_fifo_view(run, 1, slots, 0), device_ack, kLatencyWarmup,
+  channel_latency_kernel<<<1, 1, 0, run.stream>>>(run.fifos->device_view(0), device_ack, kLatencyWarmup,
                                                   timed, timeout_ns(timeout_s), device_samples, device_status);
   UCCL_EP_GPU_CHECK(cudaGetLastError());  // nothing runs if the launch failed: no answers are awaited
-  answer_commands(host_fifo_view(run, 1, slots, 0), host_ack, result.commands.expected, deadline, result.commands);
+  answer_commands(run.fifos->host_view(0), host_ack, result.commands.expected, deadline, result.commands);
   result.commands.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   UCCL_EP_GPU_CHECK(cudaStreamSynchronize(run.stream));
 

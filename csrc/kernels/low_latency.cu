@@ -20,10 +20,15 @@
 //   combine recv: one unit per token (or per slice of its channels when there are more groups
 //     than tokens): wait for the flags of its experts, then sum the weighted rows (found at the
 //     positions the dispatch recorded) in float32.
+// Peers reached through the CPU proxy (LowLatencyRegion::via_proxy) get the same stores in an outbox
+// of this rank's buffer; the unit that completes a phase for such a peer pushes its writes (data,
+// quiet, flags) into the proxy's FIFOs, and the last block of a receive pushes the release count.
 // Sending and receiving are one launch unless the caller asked for a hook; a group only
 // starts receiving after all its sends, so a grid no larger than the SM count cannot
 // deadlock on itself.
 #include "kernels/low_latency.h"
+
+#include "channel/fifo_device.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -96,8 +101,37 @@ __device__ __forceinline__ uint8_t* rank_base(const LowLatencyRegion& r, int ran
   return reinterpret_cast<uint8_t*>(r.peer_bases[rank]);
 }
 
-__device__ __forceinline__ uint64_t* flag_at(const LowLatencyRegion& r, int rank, int64_t index) {
-  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.signal_offset) + index;
+__device__ __forceinline__ bool via_proxy(const LowLatencyRegion& r, int rank) {
+  return r.via_proxy != nullptr && rank != r.rank && r.via_proxy[rank] != 0;
+}
+
+// Offset in this rank's buffer of its outbox for `peer`.
+__device__ __forceinline__ int64_t outbox_offset(const LowLatencyRegion& r, int peer) {
+  return r.outbox_offset + peer * r.outbox_peer_bytes;
+}
+
+__device__ __forceinline__ uint8_t* outbox(const LowLatencyRegion& r, int peer) {
+  return rank_base(r, r.rank) + outbox_offset(r, peer);
+}
+
+// The count flag of (source `src`, local expert `local`) in `rank`'s signal area (dispatch and
+// combine alike); staged in the outbox when `rank` is reached through the proxy.
+__device__ __forceinline__ uint64_t* count_flag_at(const LowLatencyRegion& r, int rank, int src, int local,
+                                                   int local_experts) {
+  if (via_proxy(r, rank)) return reinterpret_cast<uint64_t*>(outbox(r, rank) + r.outbox_flags_pos) + local;
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.signal_offset) +
+         src * low_latency_flags_per_source(local_experts) + local;
+}
+
+// This rank's own counters: rows sent per expert, then per peer the units (and rows) staged for it.
+__device__ __forceinline__ int32_t* sent_counters(const LowLatencyRegion& r) {
+  return reinterpret_cast<int32_t*>(rank_base(r, r.rank) + r.counters_offset);
+}
+__device__ __forceinline__ int32_t* staged_units(const LowLatencyRegion& r, int num_experts, int peer) {
+  return sent_counters(r) + num_experts + peer;
+}
+__device__ __forceinline__ int32_t* staged_rows(const LowLatencyRegion& r, int num_experts, int peer) {
+  return sent_counters(r) + num_experts + r.num_ranks + peer;
 }
 
 // A rank that finds itself masked takes part in nothing: it neither sends nor waits, so it
@@ -159,7 +193,50 @@ __device__ int wait_flag(const LowLatencyRegion& r, const uint64_t* flag, uint64
 
 // Where `rank`'s buffer holds the count of uses of this half that `reader` has finished reading.
 __device__ __forceinline__ uint64_t* release_count_at(const LowLatencyRegion& r, int rank, int reader) {
-  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.release_offset) + reader;
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.release_offset + reader * kLowLatencyReleaseStride);
+}
+
+// ------------------------------------------------------------------------------ proxy path
+// A write of `bytes` from this rank's buffer (offset `local`) to `peer`'s (offset `remote`):
+// offsets and lengths are multiples of 16 by the layout.
+__device__ __forceinline__ Command proxy_write(int peer, int64_t local, int64_t remote, int64_t bytes) {
+  return encode_command(CommandKind::kWrite, static_cast<uint32_t>(peer), 0, static_cast<uint64_t>(bytes) / 16, 0,
+                        static_cast<uint64_t>(local) / 16, static_cast<uint64_t>(remote) / 16);
+}
+
+__device__ __forceinline__ Command proxy_quiet() { return encode_command(CommandKind::kQuiet, 0, 0, 0, 0, 0, 0); }
+
+// One thread pushes `count` commands, in order, into `peer`'s FIFO. A FIFO that stays full for the
+// timeout is reported (the proxy is gone or stuck) and the rest is dropped.
+__device__ void push_commands(const LowLatencyRegion& r, int peer, const Command* commands, int count,
+                              int32_t phase) {
+  const FifoView fifo = r.fifos[peer % r.num_fifos];
+  DeviceFifoOps ops{device_time_ns() + static_cast<uint64_t>(r.timeout_ns)};
+  for (int i = 0; i < count; ++i) {
+    if (fifo_push(fifo, commands[i], ops) != PushResult::kPushed) {
+      report(r, kLowLatencyProxyStalled, phase, peer, i);
+      return;
+    }
+  }
+}
+
+// Called by one thread of each unit of a phase, after the unit's stores for proxy peer `peer`
+// (and a group barrier): counts the unit in, and returns true to the unit that completes the phase
+// for that peer, with the rows staged by all units in `total_rows`. The counters are then reset
+// for the next use, and the staged bytes made visible to the copy engines and the CPU.
+__device__ bool last_staged_unit(const LowLatencyRegion& r, int num_experts, int peer, int units, int rows,
+                                 int& total_rows) {
+  int32_t* unit_count = staged_units(r, num_experts, peer);
+  int32_t* row_count = staged_rows(r, num_experts, peer);
+  if (rows != 0) atomicAdd(row_count, rows);
+  __threadfence();
+  if (atomicAdd(unit_count, 1) + 1 != units) return false;
+  __threadfence();
+  total_rows = atomicAdd(row_count, 0);
+  *unit_count = 0;
+  *row_count = 0;
+  __threadfence_system();
+  return true;
 }
 
 // Before a group stores into its peers' halves for use `epoch`, each peer must have finished reading
@@ -186,9 +263,22 @@ __device__ void finish_use(const LowLatencyRegion& r) {
       r.control[1] = 0;
       r.control[0] = uses;
       // Masked peers too, so a peer unmasked later finds the count current (an IPC mapping keeps a
-      // dead peer's memory valid). One system fence releases all of them.
+      // dead peer's memory valid). One system fence releases all of them; a proxy peer's count
+      // is staged and written by the proxy.
+      for (int peer = 0; peer < r.num_ranks; ++peer) {
+        if (via_proxy(r, peer)) *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = uses;
+      }
       __threadfence_system();
-      for (int peer = 0; peer < r.num_ranks; ++peer) store_relaxed_system(release_count_at(r, peer, r.rank), uses);
+      for (int peer = 0; peer < r.num_ranks; ++peer) {
+        if (!via_proxy(r, peer)) {
+          store_relaxed_system(release_count_at(r, peer, r.rank), uses);
+          continue;
+        }
+        const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
+                                          r.release_offset + r.rank * kLowLatencyReleaseStride,
+                                          kLowLatencyReleaseStride);
+        push_commands(r, peer, &write, 1, kLowLatencyRelease);
+      }
     }
   }
 }
@@ -247,21 +337,51 @@ __device__ __forceinline__ void fp8_scales(float amax, bool round_scale, float& 
 // messages, its index entries, its count flags) is contiguous there: one write each through a proxy.
 __device__ __forceinline__ uint8_t* dispatch_message_at(const LowLatencyDispatchArgs& a, int rank, int src, int token) {
   const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  if (via_proxy(a.region, rank)) return outbox(a.region, rank) + token * msg_bytes;
   return rank_base(a.region, rank) + a.region.recv_offset +
          (static_cast<int64_t>(src) * a.num_max_tokens + token) * msg_bytes;
 }
 
 __device__ __forceinline__ int32_t* dispatch_index_at(const LowLatencyDispatchArgs& a, int rank, int local, int src,
                                                       int row) {
+  const int64_t entry = static_cast<int64_t>(local) * a.num_max_tokens + row;
+  if (via_proxy(a.region, rank)) return reinterpret_cast<int32_t*>(outbox(a.region, rank) + a.region.outbox_index_pos) + entry;
   const int64_t messages = low_latency_dispatch_messages_bytes(a.region.num_ranks, a.num_max_tokens, a.hidden);
   auto* index = reinterpret_cast<int32_t*>(rank_base(a.region, rank) + a.region.recv_offset + messages);
   const int local_experts = a.num_experts / a.region.num_ranks;
-  return index + (static_cast<int64_t>(src) * local_experts + local) * a.num_max_tokens + row;
+  return index + src * low_latency_index_per_source(local_experts, a.num_max_tokens) + entry;
 }
 
-// The count flag of (source `src`, local expert `local`) in `rank`'s signal area.
 __device__ __forceinline__ uint64_t* dispatch_flag_at(const LowLatencyDispatchArgs& a, int rank, int src, int local) {
-  return flag_at(a.region, rank, static_cast<int64_t>(src) * (a.num_experts / a.region.num_ranks) + local);
+  return count_flag_at(a.region, rank, src, local, a.num_experts / a.region.num_ranks);
+}
+
+// Once every unit of the dispatch send staged its part for proxy peer `peer` (each token, and each
+// of the peer's experts): its messages, its index entries, then (after they landed) its flags.
+__device__ void dispatch_staged(const LowLatencyDispatchArgs& a, int peer) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  int rows = 0;
+  if (!last_staged_unit(r, a.num_experts, peer, a.num_tokens + local_experts, 0, rows)) return;
+  const int64_t msg_bytes = low_latency_dispatch_msg_bytes(a.hidden);
+  const int64_t box = outbox_offset(r, peer);
+  const int64_t index_bytes = 4 * low_latency_index_per_source(local_experts, a.num_max_tokens);
+  const int64_t flags_bytes = 8 * low_latency_flags_per_source(local_experts);
+  const int64_t index_area = r.recv_offset + low_latency_dispatch_messages_bytes(r.num_ranks, a.num_max_tokens, a.hidden);
+  const Command commands[4] = {
+      proxy_write(peer, box, r.recv_offset + r.rank * a.num_max_tokens * msg_bytes, a.num_tokens * msg_bytes),
+      proxy_write(peer, box + r.outbox_index_pos, index_area + r.rank * index_bytes, index_bytes),
+      proxy_quiet(),  // the flags land after what they announce
+      proxy_write(peer, box + r.outbox_flags_pos, r.signal_offset + r.rank * flags_bytes, flags_bytes)};
+  push_commands(r, peer, commands, 4, kLowLatencyDispatchSend);
+}
+
+// One thread of a dispatch send unit, after the unit's stores: counts it in for every proxy peer.
+__device__ void dispatch_unit_staged(const LowLatencyDispatchArgs& a, const GroupPosition& g) {
+  if (a.region.via_proxy == nullptr || g.thread != 0) return;
+  for (int peer = 0; peer < a.region.num_ranks; ++peer) {
+    if (via_proxy(a.region, peer) && !is_masked(a.region, peer)) dispatch_staged(a, peer);
+  }
 }
 
 // The group casts token `token`'s row into `message` (shared): header, fp8 row, scales.
@@ -419,6 +539,7 @@ __device__ void dispatch_send_empty_expert(const LowLatencyDispatchArgs& a, Grou
     store_release_system(dispatch_flag_at(a, dst, r.rank, local), epoch << 32);
   }
   group_sync(g);
+  if (g.thread == 0 && via_proxy(r, dst)) dispatch_staged(a, dst);
 }
 
 // Waits for the flags of `count` peers (one per group thread) and fills sh.counts/begins/total.
@@ -504,10 +625,9 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
   const uint64_t epoch = a.region.control[0] + 1;
   if (kPhases & kLowLatencySend) {
     wait_until_released(a.region, g, epoch, kLowLatencyDispatchSend);
-    // The per-expert sent counters follow the flags in this rank's signal area.
-    auto* sent_counters = reinterpret_cast<int32_t*>(flag_at(a.region, a.region.rank, a.num_experts));
     for (int token = g.first; token < a.num_tokens; token += g.stride) {
-      dispatch_send_token(a, sh, message, g, token, epoch, sent_counters);
+      dispatch_send_token(a, sh, message, g, token, epoch, sent_counters(a.region));
+      dispatch_unit_staged(a, g);
     }
     for (int expert = g.first; expert < a.num_experts; expert += g.stride) {
       dispatch_send_empty_expert(a, sh, g, expert, epoch);
@@ -630,10 +750,29 @@ __device__ __forceinline__ void read_logfmt_chunk(const uint8_t* msg, int hidden
 // Row `position` of source `src`'s block in `rank`'s combine receive area.
 __device__ __forceinline__ uint8_t* combine_message_at(const LowLatencyCombineArgs& a, int rank, int src,
                                                        int64_t position) {
+  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
+  if (via_proxy(a.region, rank)) return outbox(a.region, rank) + position * msg_bytes;
   const int64_t rows = low_latency_combine_rows_per_source(a.num_max_tokens, a.num_topk,
                                                            a.num_experts / a.region.num_ranks);
-  return rank_base(a.region, rank) + a.region.recv_offset +
-         (src * rows + position) * low_latency_combine_msg_bytes(a.hidden);
+  return rank_base(a.region, rank) + a.region.recv_offset + (src * rows + position) * msg_bytes;
+}
+
+// Once every local expert staged its rows and flag for proxy peer `peer`: the rows, then (after
+// they landed) the flags.
+__device__ void combine_staged(const LowLatencyCombineArgs& a, int peer, int rows) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  int total_rows = 0;
+  if (!last_staged_unit(r, a.num_experts, peer, local_experts, rows, total_rows)) return;
+  const int64_t msg_bytes = low_latency_combine_msg_bytes(a.hidden);
+  const int64_t block_rows = low_latency_combine_rows_per_source(a.num_max_tokens, a.num_topk, local_experts);
+  const int64_t flags_bytes = 8 * low_latency_flags_per_source(local_experts);
+  const int64_t box = outbox_offset(r, peer);
+  const Command commands[3] = {
+      proxy_write(peer, box, r.recv_offset + r.rank * block_rows * msg_bytes, total_rows * msg_bytes),
+      proxy_quiet(),  // the flags land after the rows
+      proxy_write(peer, box + r.outbox_flags_pos, r.signal_offset + r.rank * flags_bytes, flags_bytes)};
+  push_commands(r, peer, commands, 3, kLowLatencyCombineSend);
 }
 
 __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int local,
@@ -655,7 +794,6 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   group_sync(g);
   int total = 0;
   for (int src = 0; src < r.num_ranks; ++src) total += sh.counts[src];
-  const int64_t global_expert = static_cast<int64_t>(r.rank) * local_experts + local;
   for (int row = g.warp; row < total; row += kWarpsPerGroup) {
     const int src = source_of_row(sh, row, r.num_ranks);
     if (is_masked(r, src)) continue;
@@ -670,10 +808,17 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   group_sync(g);
   for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
     if (!is_masked(r, src)) {
-      store_release_system(flag_at(r, src, global_expert), (epoch << 32) | static_cast<uint32_t>(sh.counts[src]));
+      store_release_system(count_flag_at(r, src, r.rank, local, local_experts),
+                           (epoch << 32) | static_cast<uint32_t>(sh.counts[src]));
     }
   }
   group_sync(g);
+  if (r.via_proxy != nullptr && g.thread == 0) {
+    for (int src = 0; src < r.num_ranks; ++src) {
+      if (via_proxy(r, src) && !is_masked(r, src)) combine_staged(a, src, sh.counts[src]);
+    }
+  }
+  group_sync(g);  // shared counts are reused by the group's next unit
 }
 
 // Sums one token's rows; with several slices per token, this group does every slices-th chunk
@@ -688,7 +833,8 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
     int expert = chosen >= 0 && chosen < a.num_experts ? static_cast<int>(chosen) : -1;  // others: no expert
     if (expert >= 0) {
       const int owner = expert / local_experts;
-      if (wait_flag(r, flag_at(r, r.rank, expert), epoch, owner, kLowLatencyCombineRecv, expert,
+      if (wait_flag(r, count_flag_at(r, r.rank, owner, expert % local_experts, local_experts), epoch, owner,
+                    kLowLatencyCombineRecv, expert,
                     slice == 0 ? a.wait_cost_stats : nullptr) < 0) {
         expert = -1;
       }

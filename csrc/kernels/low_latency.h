@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "channel/fifo.h"
 #include "common/portability.h"
 
 namespace uccl_ep {
@@ -45,6 +46,7 @@ enum LowLatencyError : int32_t {
   kLowLatencyOk = 0,
   kLowLatencyTimeout = 1,       // a peer's flag did not arrive in time
   kLowLatencyTooManyRows = 2,   // an expert got more than num_max_tokens rows from one rank
+  kLowLatencyProxyStalled = 3,  // a proxy FIFO stayed full for the whole timeout
 };
 
 enum LowLatencyPhase : int32_t {
@@ -52,16 +54,19 @@ enum LowLatencyPhase : int32_t {
   kLowLatencyCombineRecv = 2,
   kLowLatencyDispatchSend = 3,
   kLowLatencyCombineSend = 4,
+  kLowLatencyRelease = 5,       // telling the peers a half was read (through the proxy)
 };
 
 // What a kernel launch does: the sends, the receives, or both (one kernel, no hook).
 enum LowLatencyPhases : int32_t { kLowLatencySend = 1, kLowLatencyRecv = 2 };
 
-// One half of the region, as this rank sees it.
+// One half of the region, as this rank sees it. Byte offsets of this half's areas inside every
+// rank's buffer (uccl_ep_plugin.dispatch_config.LowLatencyLayout computes them):
 struct LowLatencyRegion {
   const uint64_t* peer_bases;  // device [num_ranks]: base of each rank's buffer in this process
-  int64_t signal_offset;       // byte offsets of this half's areas inside every rank's buffer
-  int64_t release_offset;      // uint64 [num_ranks]: uses of this half each rank has finished reading
+  int64_t signal_offset;       // uint64 count flags [source][low_latency_flags_per_source]
+  int64_t counters_offset;     // this rank's own: int32 rows sent [num_experts], int32 staged [2][num_ranks]
+  int64_t release_offset;      // uses of this half each rank has finished reading, 16 bytes per rank
   int64_t recv_offset;
   uint64_t* control;           // device [2]: completed uses of this half, blocks done in this use
   uint8_t* masked;             // device bool [num_ranks], or null without enable_shrink
@@ -69,7 +74,27 @@ struct LowLatencyRegion {
   int64_t timeout_ns;
   int32_t rank;
   int32_t num_ranks;
+  // Peers reached through the CPU proxy (another host, or UCCL_EP_FORCE_PROXY): what this rank
+  // would store into such a peer's block is staged in its outbox (same layout as the block), and
+  // the unit that completes a phase pushes the writes. via_proxy null: every peer is mapped.
+  const uint8_t* via_proxy;    // device [num_ranks]: 1 = through the proxy
+  const FifoView* fifos;       // device [num_fifos]: the proxy's command FIFOs
+  int32_t num_fifos;
+  int64_t outbox_offset;       // this half's outboxes, one per peer
+  int64_t outbox_peer_bytes;
+  int64_t outbox_index_pos;    // inside one outbox: dispatch index block (data rows start at 0)
+  int64_t outbox_flags_pos;    // count flags block
+  int64_t outbox_release_pos;  // a 16-byte release count
 };
+
+// A proxy moves whole 16-byte units, so each source's blocks are padded to them.
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_flags_per_source(int64_t local_experts) {
+  return (local_experts + 1) / 2 * 2;
+}
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_index_per_source(int64_t local_experts, int64_t num_max_tokens) {
+  return (local_experts * num_max_tokens + 3) / 4 * 4;
+}
+constexpr int64_t kLowLatencyReleaseStride = 16;
 
 struct LowLatencyDispatchArgs {
   LowLatencyRegion region;

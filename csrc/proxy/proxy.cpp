@@ -229,6 +229,7 @@ ProxyStats Proxy::stats() const {
 // ---------------------------------------------------------------------------------------
 
 void Proxy::thread_main(uint32_t thread_index) {
+  transport_.bind_thread();
   if (!config_.cpu_affinity.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -333,7 +334,8 @@ bool Proxy::waited_too_long(FifoState& fifo, const char* what) {
   const uint64_t posted = fifo.posted.load(), completed = fifo.completed.load();
   std::string detail = std::string(what) + " of FIFO " + std::to_string(fifo.index) + " waited " +
                        std::to_string(waited) + " s (timeout_s): " + std::to_string(posted - completed) +
-                       " of its requests outstanding";
+                       " of its requests outstanding (the transport holds " +
+                       std::to_string(transport_.outstanding()) + " unfinished)";
   if (fifo.wait == Wait::kBarrierPeers) {
     detail += ", " + std::to_string(arrivals_[fifo.barrier_epoch % 4].load()) + " of " +
               std::to_string(num_ranks_) + " ranks arrived at barrier " + std::to_string(fifo.barrier_epoch);

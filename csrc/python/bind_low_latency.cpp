@@ -19,20 +19,29 @@ T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t release_offset,
-                                      int64_t recv_offset, std::uintptr_t control, std::uintptr_t masked,
-                                      std::uintptr_t status, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
-  return uccl_ep::LowLatencyRegion{ptr<const uint64_t>(peer_bases), signal_offset, release_offset, recv_offset,
-                                   ptr<uint64_t>(control), ptr<uint8_t>(masked),
-                                   ptr<uccl_ep::LowLatencyStatus>(status), timeout_ns, rank, num_ranks};
+uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t counters_offset,
+                                      int64_t release_offset, int64_t recv_offset, std::uintptr_t control,
+                                      std::uintptr_t masked, std::uintptr_t status, int64_t timeout_ns, int32_t rank,
+                                      int32_t num_ranks, std::uintptr_t via_proxy, std::uintptr_t fifos,
+                                      int32_t num_fifos, int64_t outbox_offset, int64_t outbox_peer_bytes,
+                                      int64_t outbox_index_pos, int64_t outbox_flags_pos, int64_t outbox_release_pos) {
+  if (via_proxy != 0 && (fifos == 0 || num_fifos < 1)) {
+    throw std::invalid_argument("LowLatencyRegion: via_proxy needs fifos and num_fifos >= 1");
+  }
+  return uccl_ep::LowLatencyRegion{ptr<const uint64_t>(peer_bases), signal_offset, counters_offset, release_offset,
+                                   recv_offset, ptr<uint64_t>(control), ptr<uint8_t>(masked),
+                                   ptr<uccl_ep::LowLatencyStatus>(status), timeout_ns, rank, num_ranks,
+                                   ptr<const uint8_t>(via_proxy), ptr<const uccl_ep::FifoView>(fifos), num_fifos,
+                                   outbox_offset, outbox_peer_bytes, outbox_index_pos, outbox_flags_pos,
+                                   outbox_release_pos};
 }
 
 void dispatch(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens,
               int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
               bool round_scale, bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales,
               std::uintptr_t recv_count, std::uintptr_t src_info, std::uintptr_t layout_range,
-              std::uintptr_t positions, std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
-              std::uintptr_t stream) {
+              std::uintptr_t positions, std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats,
+              int32_t phases, int32_t num_sms, std::uintptr_t stream) {
   const uccl_ep::LowLatencyDispatchArgs args{
       region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
       num_max_tokens,  hidden,                    num_topk,                     num_experts,
@@ -93,10 +102,12 @@ void bind_low_latency(py::module_& m) {
       .def("release", &LowLatencyState::release, py::call_guard<py::gil_scoped_release>());
 
   py::class_<uccl_ep::LowLatencyRegion>(m, "LowLatencyRegion", "One half of the low-latency region, seen from here.")
-      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("release_offset"),
-           py::arg("recv_offset"),
-           py::arg("control"), py::arg("masked"), py::arg("status"), py::arg("timeout_ns"), py::arg("rank"),
-           py::arg("num_ranks"));
+      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("counters_offset"),
+           py::arg("release_offset"), py::arg("recv_offset"), py::arg("control"), py::arg("masked"), py::arg("status"),
+           py::arg("timeout_ns"), py::arg("rank"), py::arg("num_ranks"), py::arg("via_proxy") = 0,
+           py::arg("fifos") = 0, py::arg("num_fifos") = 0, py::arg("outbox_offset") = 0,
+           py::arg("outbox_peer_bytes") = 0, py::arg("outbox_index_pos") = 0, py::arg("outbox_flags_pos") = 0,
+           py::arg("outbox_release_pos") = 0);
 
   m.attr("LOW_LATENCY_MAX_TOPK") = uccl_ep::kLowLatencyMaxTopk;
   m.attr("LOW_LATENCY_MAX_RANKS") = uccl_ep::kLowLatencyMaxRanks;
@@ -104,6 +115,9 @@ void bind_low_latency(py::module_& m) {
   m.attr("LOW_LATENCY_RECV") = static_cast<int>(uccl_ep::kLowLatencyRecv);
   m.def("low_latency_dispatch_msg_bytes", &uccl_ep::low_latency_dispatch_msg_bytes, py::arg("hidden"));
   m.def("low_latency_combine_msg_bytes", &uccl_ep::low_latency_combine_msg_bytes, py::arg("hidden"));
+  m.def("low_latency_flags_per_source", &uccl_ep::low_latency_flags_per_source, py::arg("local_experts"));
+  m.def("low_latency_index_per_source", &uccl_ep::low_latency_index_per_source, py::arg("local_experts"),
+        py::arg("num_max_tokens"));
   m.def("low_latency_dispatch", &dispatch, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
         py::arg("num_tokens"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"),
         py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"),

@@ -2,10 +2,11 @@
 // ReceiverOrdering, encode_immediate, decode_immediate.
 //
 // Drives the proxy without a GPU: HostFifo owns a FIFO in host memory that Python pushes encoded
-// commands into (standing in for the GPU producer), and Proxy owns a tcp transport over a host
-// memory region (the TcpTransport binding's class is private to bind_transport.cpp, so the proxy
-// constructs its own transport and exposes listen_address()/connect()). Argument errors raise
-// ValueError naming the argument; proxy, transport and ordering failures RuntimeError.
+// commands into (standing in for the GPU producer), and Proxy owns a tcp transport over a host (or,
+// in CUDA builds, device) memory region (the TcpTransport binding's class is private to
+// bind_transport.cpp, so the proxy constructs its own transport and exposes
+// listen_address()/connect()). Argument errors raise ValueError naming the argument; proxy,
+// transport and ordering failures RuntimeError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -98,8 +99,7 @@ void push_command(const uccl_ep::FifoView& view, int kind, int64_t dst_rank, int
 class HostFifo {
  public:
   explicit HostFifo(int64_t capacity) {
-    require(capacity >= 2 && capacity <= (1 << 24) && (capacity & (capacity - 1)) == 0,
-            "capacity must be a power of two in [2, 2**24] (got " + std::to_string(capacity) + ")");
+    uccl_ep::check_fifo_capacity(capacity);
     const size_t slot_bytes = static_cast<size_t>(capacity) * sizeof(uccl_ep::Command);
     memory_ = static_cast<uint8_t*>(std::aligned_alloc(64, slot_bytes + 128));
     if (!memory_) throw std::bad_alloc();
@@ -190,14 +190,17 @@ std::vector<uccl_ep::FifoView> consumer_views(const py::object& fifos) {
 // ---------------------------------------------------------------------------------------
 class PyProxy {
  public:
-  // Over a tcp transport on the host region (region_ptr, region_bytes).
+  // Over a tcp transport on the region (region_ptr, region_bytes): host memory, or memory of `device`.
   PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::object fifos, int num_threads,
-          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
+          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s,
+          std::optional<int> device, bool stage_host_region) {
     check_threads(num_threads);
     const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = transport_timeout_s;
+    if (device) options.device = static_cast<int>(uccl_ep::bindings::non_negative("device", *device));
+    options.stage_host_region_for_test = stage_host_region;
     tcp_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
     start_proxy(fifos, num_threads, config);
   }
@@ -500,17 +503,21 @@ dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
           [](uccl_ep::ProxyConfig& c, bool v) { c.ordering.enabled = v; });
 
   py::class_<PyProxy>(m, "Proxy", R"doc(
-A CPU proxy: num_threads threads take commands from `fifos` (HostFifo objects; FIFO f belongs to
-thread f % num_threads) and execute them through a tcp transport over the host region
-(region_ptr, region_bytes) that the proxy owns. Bootstrap: all-gather listen_address(), call
+A CPU proxy: num_threads threads take commands from `fifos` (HostFifo objects, or a MappedFifos;
+FIFO f belongs to thread f % num_threads) and execute them through a tcp transport that the proxy
+owns, over the region (region_ptr, region_bytes): host memory, or with `device` (GPU builds) memory
+of that GPU, staged through pinned host memory (_stage_host_region, a test hook, stages a host
+region the same way). Bootstrap: all-gather listen_address(), call
 connect(addresses), then start(). stop() joins the threads and raises the proxy's error if one
 was recorded; close() also closes the transport. Errors (a command that cannot be executed, a
 transport or ordering failure) name the rank, the peer and the decoded command, and are raised
 by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
-      .def(py::init<int, int, int64_t, int64_t, py::object, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double>(),
+      .def(py::init<int, int, int64_t, int64_t, py::object, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double,
+                    std::optional<int>, bool>(),
            py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("fifos"),
            py::arg("num_threads") = 1, py::arg("config") = py::none(), py::arg("reorder_seed") = -1,
-           py::arg("transport_timeout_s") = 30.0)
+           py::arg("transport_timeout_s") = 30.0, py::arg("device") = py::none(),
+           py::arg("_stage_host_region") = false)
 #if defined(UCCL_EP_WITH_CUDA)
       .def_static(
           "over_cuda_copy",

@@ -1,6 +1,6 @@
-// Python binding of the transports: uccl_ep_plugin._C.TcpTransport, and in CUDA builds
-// uccl_ep_plugin._C.CudaCopyTransport. Both share one Python API (write, atomic_add, poll_*,
-// quiet, close, listen_address, connect, outstanding).
+// Python binding of the transports: uccl_ep_plugin._C.TcpTransport (over host memory, or in CUDA
+// builds device memory), and in CUDA builds uccl_ep_plugin._C.CudaCopyTransport. Both share one
+// Python API (write, atomic_add, poll_*, quiet, close, listen_address, connect, outstanding).
 //
 // Regions are raw addresses (e.g. a torch tensor's data_ptr()) and sizes, or a PeerMemory; the
 // caller keeps the memory alive until close(). Request ids are assigned here (0, 1, 2, ... per
@@ -120,12 +120,19 @@ class PyTransport {
 class PyTcpTransport : public PyTransport<uccl_ep::TcpTransport> {
  public:
   PyTcpTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, int64_t reorder_seed,
-                 double timeout_s, int listen_port) {
+                 double timeout_s, int listen_port, std::optional<int> device, std::optional<int64_t> staging_bytes,
+                 bool stage_host_region) {
     const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     uccl_ep::TcpTransportOptions options;
     options.reorder_seed = reorder_seed;
     options.timeout_s = timeout_s;
     options.listen_port = listen_port;
+    if (device) options.device = static_cast<int>(non_negative("device", *device));
+    if (staging_bytes) {
+      options.staging_bytes = non_negative("staging_bytes", *staging_bytes);
+      if (options.staging_bytes == 0) throw std::invalid_argument("staging_bytes must be > 0, or None for the default");
+    }
+    options.stage_host_region_for_test = stage_host_region;
     impl_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
   }
 
@@ -201,18 +208,31 @@ void def_transport_api(py::class_<W>& cls) {
 void bind_transport(py::module_& m) {
   py::class_<PyTcpTransport> tcp(m, "TcpTransport", R"doc(
 The tcp transport: a full mesh of TCP connections between num_ranks ranks over one registered
-host memory region per rank (region_ptr, region_bytes; e.g. a uint8 tensor's data_ptr() and
-numel()). Listens on UCCL_SOCKET_IFNAME's IPv4 address (else 127.0.0.1) on an OS-chosen port
-(or listen_port). Bootstrap: all-gather listen_address() and call connect(addresses).
-reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed> when -1) delivers requests out of order.
-Blocking calls release the GIL.)doc");
-  tcp.def(py::init<int, int, int64_t, int64_t, int64_t, double, int>(), py::arg("rank"), py::arg("num_ranks"),
-          py::arg("region_ptr"), py::arg("region_bytes"), py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0,
-          py::arg("listen_port") = 0)
+memory region per rank (region_ptr, region_bytes; e.g. a uint8 tensor's data_ptr() and numel()):
+host memory, or with `device` (GPU builds) memory of that GPU, staged through staging_bytes of
+pinned host memory (None: UCCL_EP_TCP_STAGING_BYTES, else 64 MiB). Listens on UCCL_SOCKET_IFNAME's
+IPv4 address (else 127.0.0.1) on an OS-chosen port (or listen_port). Bootstrap: all-gather
+listen_address() and call connect(addresses). reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed>
+when -1) delivers requests out of order. _stage_host_region (a test hook) stages a host region the
+way a device one is. Blocking calls release the GIL.)doc");
+  tcp.def(py::init<int, int, int64_t, int64_t, int64_t, double, int, std::optional<int>, std::optional<int64_t>,
+                   bool>(),
+          py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"),
+          py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0, py::arg("listen_port") = 0,
+          py::arg("device") = py::none(), py::arg("staging_bytes") = py::none(), py::arg("_stage_host_region") = false)
       .def("_write_unchecked", &PyTcpTransport::write_unchecked, py::arg("peer"), py::arg("local_offset"),
            py::arg("remote_offset"), py::arg("length"), py::arg("imm") = py::none(),
            "Test hook: write without the sender's check of the remote range.")
-      .def("rejected_requests", [](PyTcpTransport& t) { return t.impl().rejected_requests(); });
+      .def("rejected_requests", [](PyTcpTransport& t) { return t.impl().rejected_requests(); })
+      .def_property_readonly(
+          "staging_bytes",
+          [](PyTcpTransport& t) -> py::object {
+            const uint64_t bytes = t.impl().staging_bytes();
+            return bytes ? py::object(py::int_(bytes)) : py::object(py::none());
+          },
+          "Bytes of staging of a device region (None for a host region).")
+      .def_property_readonly("region_is_host_memory",
+                             [](PyTcpTransport& t) { return t.impl().region_is_host_memory(); });
   def_transport_api(tcp);
 
 #if defined(UCCL_EP_WITH_CUDA)

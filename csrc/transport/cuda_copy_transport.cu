@@ -21,54 +21,6 @@ using Clock = std::chrono::steady_clock;
 // long enough not to spin a core.
 constexpr std::chrono::microseconds kDrainPollInterval{20};
 
-__global__ void atomic_add_system_kernel(unsigned long long* target, unsigned long long value) {
-  // System scope: the target may be a peer GPU's memory, which that GPU's kernels (and the
-  // peer's own transport) update concurrently.
-  atomicAdd_system(target, value);
-}
-
-__global__ void store_release_system_kernel(uint64_t* target, uint64_t value) {
-  store_release_system(target, value);  // the owner's kernels poll it with system-scope acquires
-}
-
-std::string gpu_error_text(gpuError_t status) {
-  return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
-}
-
-// Makes `device` current for the calling thread and restores the caller's device on exit: the
-// proxy thread or a Python thread may have another device current.
-class ScopedDevice {
- public:
-  // Throws TransportError if the device cannot be made current.
-  ScopedDevice(int device, int rank) {
-    const gpuError_t status = switch_to(device);
-    if (status != kGpuSuccess) {
-      throw TransportError("cuda-copy transport rank " + std::to_string(rank) + ": cannot make device " +
-                           std::to_string(device) + " current: " + gpu_error_text(status));
-    }
-  }
-  // Best effort, for releasing resources: a failure leaves the current device as it was.
-  explicit ScopedDevice(int device) { (void)switch_to(device); }
-  ~ScopedDevice() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-
- private:
-  gpuError_t switch_to(int device) {
-    gpuError_t status = cudaGetDevice(&previous_);
-    if (status == kGpuSuccess && previous_ != device) {
-      status = cudaSetDevice(device);
-      switched_ = status == kGpuSuccess;
-    }
-    return status;
-  }
-
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
 TcpTransportOptions control_options(const CudaCopyTransportOptions& options) {
   TcpTransportOptions control;
   control.reorder_seed = options.reorder_seed;  // resolved the same way: the same seed, or the same environment
@@ -130,7 +82,7 @@ CudaCopyTransport::~CudaCopyTransport() {
 }
 
 void CudaCopyTransport::create_streams() {
-  ScopedDevice device(device_, rank_);
+  ScopedDevice device(device_, name(), rank_);
   for (int r = 0; r < num_ranks_; ++r) {
     const gpuError_t status = cudaStreamCreateWithFlags(&peers_[r].stream, cudaStreamNonBlocking);
     if (status != kGpuSuccess) {
@@ -140,9 +92,11 @@ void CudaCopyTransport::create_streams() {
                            gpu_error_text(status));
     }
   }
+  writer_ = std::make_unique<DeviceRegionWriter>(MemoryRegion{local_base_, peers_[rank_].bytes}, device_,
+                                                 peers_[rank_].stream, name(), rank_);
 }
 
-std::string CudaCopyTransport::who() const { return "cuda-copy transport rank " + std::to_string(rank_); }
+std::string CudaCopyTransport::who() const { return transport_label(name(), rank_); }
 
 std::string CudaCopyTransport::failure(int peer, uint64_t request_id, const std::string& what,
                                        gpuError_t status) const {
@@ -216,7 +170,7 @@ void CudaCopyTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_
 
 void CudaCopyTransport::post(int peer, Request&& request) {
   std::lock_guard<std::mutex> lock(mu_);
-  ScopedDevice device(device_, rank_);
+  ScopedDevice device(device_, name(), rank_);
   peers_[peer].window.push(std::move(request), Clock::now(), [&](Request&& released) { issue(peer, released); });
 }
 
@@ -236,34 +190,9 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
   p.issued.push_back(Issued{request, done});
 }
 
-void CudaCopyTransport::add(uint64_t offset, int64_t amount) {
-  ScopedDevice device(device_, rank_);
-  auto* target = reinterpret_cast<unsigned long long*>(static_cast<uint8_t*>(local_base_) + offset);
-  atomic_add_system_kernel<<<1, 1, 0, peers_[rank_].stream>>>(target, static_cast<unsigned long long>(amount));
-  check_own_launch("a counter add");
-}
-
-void CudaCopyTransport::store_release(uint64_t offset, int64_t value) {
-  ScopedDevice device(device_, rank_);
-  auto* target = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(local_base_) + offset);
-  store_release_system_kernel<<<1, 1, 0, peers_[rank_].stream>>>(target, static_cast<uint64_t>(value));
-  check_own_launch("a flag store");
-}
-
-void CudaCopyTransport::check_own_launch(const char* what) {
-  const gpuError_t status = gpu_last_error();
-  if (status != kGpuSuccess) {
-    throw TransportError("cuda-copy transport rank " + std::to_string(rank_) + ": " + what +
-                         " on its own region could not be launched: " + gpu_error_text(status));
-  }
-}
-
 gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {
   if (request.op == Op::kAtomicAdd) {
-    auto* target = reinterpret_cast<unsigned long long*>(p.base + request.remote_offset);
-    // Two's complement: adding the value as unsigned is the signed add.
-    atomic_add_system_kernel<<<1, 1, 0, p.stream>>>(target, static_cast<unsigned long long>(request.value));
-    return gpu_last_error();
+    return launch_atomic_add_system(p.base + request.remote_offset, request.value, p.stream);
   }
   if (request.length == 0) return kGpuSuccess;  // an immediate alone: only the event is recorded
   const uint8_t* source = static_cast<const uint8_t*>(local_base_) + request.local_offset;
@@ -295,7 +224,7 @@ void CudaCopyTransport::flush_windows() {
 void CudaCopyTransport::progress() {
   if (!connected_ || closed_) return;
   try {
-    ScopedDevice device(device_, rank_);
+    ScopedDevice device(device_, name(), rank_);
     for (int r = 0; r < num_ranks_; ++r) {
       release_expired_window(r);
       retire_finished(r);
@@ -422,7 +351,7 @@ void CudaCopyTransport::quiet() {
   if (!connected_) return;  // nothing can have been posted
   {
     std::unique_lock<std::mutex> lock(mu_);
-    ScopedDevice device(device_, rank_);
+    ScopedDevice device(device_, name(), rank_);
     flush_windows();
     const bool drained = drain_copies(lock, deadline_after(timeout_s_));
     throw_first_error();
@@ -445,7 +374,7 @@ void CudaCopyTransport::close() {
       // Best effort: issue what the windows hold and let the copies finish, so their
       // immediates still go out (bounded, like the control transport's own flush).
       try {
-        ScopedDevice device(device_, rank_);
+        ScopedDevice device(device_, name(), rank_);
         flush_windows();
         drain_copies(lock, deadline_after(timeout_s_));
       } catch (const TransportError&) {

@@ -41,12 +41,14 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "common/portability.h"
+#include "transport/device_region_ops.h"
 #include "transport/reorder.h"
 #include "transport/tcp_transport.h"
 #include "transport/transport.h"
@@ -64,7 +66,7 @@ struct CudaCopyTransportOptions {
   double timeout_s = 30.0;    // connect(), each of quiet()'s two waits, and close()'s flush
 };
 
-class CudaCopyTransport final : public Transport, private RegionWriter {
+class CudaCopyTransport final : public Transport {
  public:
   // `memory` must have mapped every rank's buffer (open_peers with this rank) and must stay
   // mapped until close(). Throws std::invalid_argument naming a bad argument, TransportError
@@ -90,7 +92,8 @@ class CudaCopyTransport final : public Transport, private RegionWriter {
   bool region_is_host_memory() const override { return false; }
   // Counter adds and flag stores are one-thread kernels on the stream of this rank's copies to
   // itself, so they follow what was posted before them; they throw TransportError if a launch fails.
-  RegionWriter& region_writer() override { return *this; }
+  RegionWriter& region_writer() override { return *writer_; }
+  void bind_thread() noexcept override { bind_thread_to_device(device_); }
   const ReorderConfig& reorder_config() const { return reorder_; }
 
   void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
@@ -107,10 +110,6 @@ class CudaCopyTransport final : public Transport, private RegionWriter {
 
  private:
   enum class Op : uint8_t { kWrite, kAtomicAdd };
-
-  void add(uint64_t offset, int64_t amount) override;
-  void store_release(uint64_t offset, int64_t value) override;
-  void check_own_launch(const char* what);
 
   struct Request {
     Op op = Op::kWrite;
@@ -172,6 +171,7 @@ class CudaCopyTransport final : public Transport, private RegionWriter {
 
   mutable std::mutex mu_;
   std::vector<Peer> peers_;  // [num_ranks]
+  std::unique_ptr<DeviceRegionWriter> writer_;  // on the stream of our copies to ourselves
   std::vector<cudaEvent_t> spare_events_;
   std::deque<uint64_t> completions_;  // requests without an immediate
   std::deque<std::string> errors_;    // failures found while making progress, thrown once each

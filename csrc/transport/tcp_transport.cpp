@@ -22,6 +22,8 @@
 #include <sstream>
 
 #include "common/deadline.h"
+#include "common/portability.h"
+#include "common/settings.h"
 #include "transport/request_checks.h"
 
 namespace uccl_ep {
@@ -36,6 +38,17 @@ constexpr int kMaxTransportRanks = 4096;
 constexpr uint64_t kMaxReasonBytes = 4096;
 constexpr size_t kMaxIov = 64;
 constexpr const char* kIfnameEnv = "UCCL_SOCKET_IFNAME";
+
+// Staging of a device region: a quarter receives, the rest is cut into at least kMinSendChunks chunks
+// of at most kMaxChunkBytes for sending.
+constexpr const char* kStagingEnv = "UCCL_EP_TCP_STAGING_BYTES";
+constexpr uint64_t kDefaultStagingBytes = 64ull << 20;
+constexpr uint64_t kMinStagingBytes = 64ull << 10;
+constexpr uint64_t kMaxChunkBytes = 1ull << 20;
+constexpr uint64_t kMinSendChunks = 8;
+// What one connection stages ahead of its socket, at most: more than a socket buffer takes, little
+// enough that the I/O thread's wait for the copies does not hold up the other connections for long.
+constexpr uint64_t kMaxStagedAheadBytes = 8ull << 20;
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
@@ -146,6 +159,20 @@ uint64_t payload_bytes(const FrameHeader& h) {
   return (h.type == tcp_wire::kWrite || h.type == tcp_wire::kNack) ? h.length : 0;
 }
 
+// The staging size: the option, else the environment, else the default.
+uint64_t resolve_staging_bytes(uint64_t option) {
+  if (option != 0) {
+    if (option < kMinStagingBytes) {
+      throw std::invalid_argument("staging_bytes must be >= " + std::to_string(kMinStagingBytes) + " (got " +
+                                  std::to_string(option) + ")");
+    }
+    return option;
+  }
+  const char* env = std::getenv(kStagingEnv);
+  if (env != nullptr && *env != '\0') return parse_setting_unsigned(kStagingEnv, env, kMinStagingBytes);
+  return kDefaultStagingBytes;
+}
+
 // Closes the fds it holds unless released.
 struct FdGuard {
   std::vector<int> fds;
@@ -165,6 +192,7 @@ TcpTransport::TcpTransport(int rank, int num_ranks, MemoryRegion region, const T
     : rank_(rank),
       num_ranks_(num_ranks),
       region_(region),
+      device_(options.device),
       timeout_s_(options.timeout_s),
       reorder_(ReorderConfig::resolve(options.reorder_seed)) {
   if (num_ranks < 1 || num_ranks > kMaxTransportRanks) {
@@ -184,6 +212,14 @@ TcpTransport::TcpTransport(int rank, int num_ranks, MemoryRegion region, const T
   if (options.listen_port < 0 || options.listen_port > 65535) {
     throw std::invalid_argument("listen_port must be in [0, 65535] (got " + std::to_string(options.listen_port) + ")");
   }
+  if (options.device < -1) {
+    throw std::invalid_argument("device must be >= 0, or -1 for host memory (got " + std::to_string(options.device) +
+                                ")");
+  }
+  if (options.device >= 0 && options.stage_host_region_for_test) {
+    throw std::invalid_argument("stage_host_region_for_test stages a host region: device must be -1");
+  }
+  if (options.device >= 0 || options.stage_host_region_for_test) stage_region(options);
   const std::string ip = resolve_listen_ip(who());
 
   FdGuard guard;
@@ -231,6 +267,28 @@ TcpTransport::~TcpTransport() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[uccl-ep] %s: close() in the destructor failed: %s\n", who().c_str(), e.what());
   }
+}
+
+void TcpTransport::stage_region(const TcpTransportOptions& options) {
+  staging_bytes_ = resolve_staging_bytes(options.staging_bytes);
+  if (options.stage_host_region_for_test) {
+    staged_ = make_host_staged_region(region_, staging_bytes_);
+  } else {
+#if defined(UCCL_EP_GPU_RUNTIME)
+    staged_ = make_device_staged_region(options.device, region_, staging_bytes_, rank_, options.timeout_s);
+#else
+    throw std::invalid_argument("device=" + std::to_string(options.device) +
+                                " needs GPU support, and this build has none (built without CUDA): the tcp "
+                                "transport serves host memory only");
+#endif
+  }
+  arena_bytes_ = staging_bytes_ / 4;
+  const uint64_t send_bytes = staging_bytes_ - arena_bytes_;
+  const uint64_t chunk_bytes = std::min(kMaxChunkBytes, send_bytes / kMinSendChunks) / 64 * 64;
+  pool_.reset(staged_->staging() + arena_bytes_, send_bytes, chunk_bytes);
+  // Several connections share the pool: none may take it all and starve the others.
+  const size_t share = num_ranks_ > 2 ? std::max<size_t>(1, pool_.chunks() / 2) : pool_.chunks();
+  peer_chunks_ = std::min<size_t>(share, std::max<uint64_t>(1, kMaxStagedAheadBytes / chunk_bytes));
 }
 
 std::string TcpTransport::who() const { return "tcp transport rank " + std::to_string(rank_); }
@@ -414,6 +472,7 @@ void TcpTransport::post_write_unchecked_for_test(int peer, uint64_t local_offset
     f.header.imm = *imm;
   }
   f.payload = static_cast<const uint8_t*>(region_.base) + local_offset;
+  f.staged = staged_ != nullptr;
   post(peer, std::move(f));
 }
 
@@ -466,18 +525,29 @@ void TcpTransport::release_locked(Peer& p, OutFrame&& frame) {
 
 void TcpTransport::apply_local(const OutFrame& frame) {
   const FrameHeader& h = frame.header;
-  uint8_t* base = static_cast<uint8_t*>(region_.base);
+  uint8_t* target = static_cast<uint8_t*>(region_.base) + h.offset;
+  std::string failure;
   if (h.type == tcp_wire::kWrite) {
-    if (h.length > 0) std::memmove(base + h.offset, frame.payload, h.length);
+    if (h.length > 0 && staged_) {
+      failure = staged_->copy_local(target, frame.payload, h.length);
+    } else if (h.length > 0) {
+      std::memmove(target, frame.payload, h.length);
+    }
+  } else if (staged_) {
+    failure = staged_->add_local(target, static_cast<int64_t>(h.length));
   } else {
-    __atomic_fetch_add(reinterpret_cast<int64_t*>(base + h.offset), static_cast<int64_t>(h.length), __ATOMIC_ACQ_REL);
+    __atomic_fetch_add(reinterpret_cast<int64_t*>(target), static_cast<int64_t>(h.length), __ATOMIC_ACQ_REL);
   }
   std::lock_guard<std::mutex> lock(state_mu_);
-  if (h.type == tcp_wire::kWrite && (h.flags & tcp_wire::kHasImm)) {
-    immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(rank_), h.imm});
-  }
-  completions_.push_back(h.request_id);
   ++peers_[rank_]->finished;
+  if (!failure.empty()) {
+    errors_.push_back(who() + ": request " + std::to_string(h.request_id) + " to itself failed: " + failure);
+  } else {
+    if (h.type == tcp_wire::kWrite && (h.flags & tcp_wire::kHasImm)) {
+      immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(rank_), h.imm});
+    }
+    completions_.push_back(h.request_id);
+  }
   state_cv_.notify_all();
 }
 
@@ -628,6 +698,7 @@ void TcpTransport::close() {
     if (*fd >= 0) ::close(*fd);
     *fd = -1;
   }
+  if (staged_) staged_->release();  // the I/O thread, the one user of the staging, is gone
 }
 
 // ---------------------------------------------------------------------------------------
@@ -644,6 +715,7 @@ void TcpTransport::set_epoll(Peer& p) {
 }
 
 void TcpTransport::io_loop() {
+  bind_thread();
   epoll_event events[64];
   while (!stopping_) {
     const bool short_wait = reorder_.enabled || poll_soon_.exchange(false);
@@ -685,24 +757,18 @@ void TcpTransport::io_send(Peer& p) {
     std::lock_guard<std::mutex> lock(p.mu);
     if (p.want_out || p.send_closed) return;
     while (!p.queue.empty()) {
+      if (staged_) {
+        const std::string error = stage_queue(p);
+        if (!error.empty()) {
+          failure = "cannot be sent to any more: " + error;
+          break;
+        }
+      }
       iovec iov[kMaxIov * 2];
-      size_t count = 0;
-      size_t skip = p.front_sent;
-      for (auto it = p.queue.begin(); it != p.queue.end() && count + 2 <= kMaxIov * 2; ++it) {
-        const size_t header_bytes = sizeof(FrameHeader);
-        const uint64_t body = payload_bytes(it->header);
-        if (skip < header_bytes) {
-          iov[count++] = {reinterpret_cast<char*>(&it->header) + skip, header_bytes - skip};
-          skip = 0;
-        } else {
-          skip -= header_bytes;
-        }
-        if (body > skip) {
-          const uint8_t* src = it->payload != nullptr ? it->payload
-                                                      : reinterpret_cast<const uint8_t*>(it->owned.data());
-          iov[count++] = {const_cast<uint8_t*>(src) + skip, static_cast<size_t>(body - skip)};
-        }
-        skip = 0;
+      const size_t count = gather_sendable(p, iov, kMaxIov * 2);
+      if (count == 0) {  // the front payload waits for staging chunks that other connections hold
+        poll_soon_ = true;
+        break;
       }
       msghdr msg{};
       msg.msg_iov = iov;
@@ -723,24 +789,11 @@ void TcpTransport::io_send(Peer& p) {
         failure = "send failed: " + errno_text(errno);
         break;
       }
-      size_t done = static_cast<size_t>(sent);
-      while (done > 0 && !p.queue.empty()) {
-        const size_t frame_bytes = sizeof(FrameHeader) + payload_bytes(p.queue.front().header);
-        const size_t left = frame_bytes - p.front_sent;
-        if (done < left) {
-          p.front_sent += done;
-          done = 0;
-          break;
-        }
-        done -= left;
-        p.front_sent = 0;
-        if (p.queue.front().header.type == tcp_wire::kBye) bye_sent = true;
-        p.queue.pop_front();
-      }
-      if (bye_sent) {
+      if (consume_sent(p, static_cast<size_t>(sent))) {
         ::shutdown(p.fd, SHUT_WR);
         p.send_closed = true;
-        p.queue.clear();
+        clear_queue(p);
+        bye_sent = true;
         break;
       }
     }
@@ -754,7 +807,92 @@ void TcpTransport::io_send(Peer& p) {
   }
 }
 
-bool TcpTransport::io_receive(Peer& p) {
+std::string TcpTransport::stage_queue(Peer& p) {
+  // Payloads are staged in queue order, each contiguous in the peer's StagingFifo, as far as the
+  // chunks lent to this connection go; the rest waits until sent bytes give chunks back.
+  bool copied = false;
+  for (; p.staged_frames < p.queue.size(); ++p.staged_frames) {
+    OutFrame& f = p.queue[p.staged_frames];
+    if (!f.staged) continue;
+    if (f.staged_bytes == 0) f.stage_at = p.staging.end();
+    while (f.staged_bytes < f.header.length) {
+      const auto [at, room] = p.staging.room(pool_, peer_chunks_);
+      if (room == 0) return copied ? staged_->wait_staged() : std::string();
+      const uint64_t n = std::min(room, f.header.length - f.staged_bytes);
+      const std::string error = staged_->stage(at, f.payload + f.staged_bytes, n);
+      if (!error.empty()) return error;
+      p.staging.commit(n);
+      f.staged_bytes += n;
+      copied = true;
+    }
+  }
+  return copied ? staged_->wait_staged() : std::string();
+}
+
+size_t TcpTransport::gather_sendable(Peer& p, iovec* iov, size_t max) {
+  // From front_sent on, whole frames, up to the first payload not wholly staged yet (its staged
+  // part included): bytes after it would overtake it on the wire.
+  size_t count = 0;
+  size_t skip = p.front_sent;
+  for (auto it = p.queue.begin(); it != p.queue.end() && count + 2 <= max; ++it) {
+    const size_t header_bytes = sizeof(FrameHeader);
+    const uint64_t body = payload_bytes(it->header);
+    if (skip < header_bytes) {
+      iov[count++] = {reinterpret_cast<char*>(&it->header) + skip, header_bytes - skip};
+      skip = 0;
+    } else {
+      skip -= header_bytes;
+    }
+    if (it->staged) {
+      if (it->staged_bytes > skip) {
+        p.staging.gather(pool_, it->stage_at + skip, it->stage_at + it->staged_bytes, iov, count, max);
+      }
+      if (it->staged_bytes < body) break;
+    } else if (body > skip) {
+      const uint8_t* src = it->payload != nullptr ? it->payload : reinterpret_cast<const uint8_t*>(it->owned.data());
+      iov[count++] = {const_cast<uint8_t*>(src) + skip, static_cast<size_t>(body - skip)};
+    }
+    skip = 0;
+  }
+  return count;
+}
+
+bool TcpTransport::consume_sent(Peer& p, size_t sent) {
+  // Frames wholly sent leave the queue and give their staging back; so do the sent bytes of a
+  // staged payload that is partly sent.
+  while (sent > 0 && !p.queue.empty()) {
+    OutFrame& front = p.queue.front();
+    const size_t left = sizeof(FrameHeader) + payload_bytes(front.header) - p.front_sent;
+    if (sent < left) {
+      p.front_sent += sent;
+      if (front.staged && p.front_sent > sizeof(FrameHeader)) {
+        p.staging.release_before(front.stage_at + (p.front_sent - sizeof(FrameHeader)), pool_);
+      }
+      return false;
+    }
+    sent -= left;
+    p.front_sent = 0;
+    if (front.header.type == tcp_wire::kBye) return true;
+    if (front.staged) p.staging.release_before(front.stage_at + front.header.length, pool_);
+    p.queue.pop_front();
+    if (p.staged_frames > 0) --p.staged_frames;
+  }
+  return false;
+}
+
+void TcpTransport::clear_queue(Peer& p) {
+  p.queue.clear();
+  p.front_sent = 0;
+  p.staged_frames = 0;
+  if (staged_) p.staging.release_all(pool_);
+}
+
+void TcpTransport::io_receive(Peer& p) {
+  receive_frames(p);
+  if (staged_) settle_landed();
+}
+
+void TcpTransport::receive_frames(Peer& p) {
   // Bounded work per call so one busy peer cannot starve the others.
   uint64_t budget = 8ull << 20;
   static thread_local uint8_t scratch[64 * 1024];
@@ -766,24 +904,24 @@ bool TcpTransport::io_receive(Peer& p) {
     } else {
       const size_t want = static_cast<size_t>(std::min<uint64_t>(p.in_remaining, budget));
       if (p.in_dest != nullptr) {
-        got = ::recv(p.fd, p.in_dest, want, MSG_DONTWAIT);
+        got = staged_ ? receive_staged(p, want) : ::recv(p.fd, p.in_dest, want, MSG_DONTWAIT);
       } else {
         got = ::recv(p.fd, scratch, std::min(want, sizeof(scratch)), MSG_DONTWAIT);
       }
     }
     if (got == 0) {
       io_end_of_input(p);
-      return false;
+      return;
     }
     if (got < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       if (closing_ || p.got_bye) {
         io_end_of_input(p);
       } else {
         fail_peer(p, "the connection failed: recv: " + errno_text(errno));
       }
-      return false;
+      return;
     }
     budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(got));
     if (!p.in_payload) {
@@ -793,7 +931,7 @@ bool TcpTransport::io_receive(Peer& p) {
       const FrameHeader& h = p.in_header;
       if (h.magic != tcp_wire::kMagic) {
         fail_peer(p, "the stream is corrupt (a frame without the magic number)");
-        return false;
+        return;
       }
       p.in_dest = nullptr;
       p.in_reject.clear();
@@ -811,14 +949,14 @@ bool TcpTransport::io_receive(Peer& p) {
       } else if (h.type == tcp_wire::kNack) {
         if (h.length > kMaxReasonBytes) {
           fail_peer(p, "the stream is corrupt (a rejection reason of " + std::to_string(h.length) + " bytes)");
-          return false;
+          return;
         }
         p.in_remaining = h.length;
       } else if (h.type >= tcp_wire::kHello && h.type <= tcp_wire::kBye) {
         p.in_remaining = 0;
       } else {
         fail_peer(p, "the stream is corrupt (unknown frame type " + std::to_string(h.type) + ")");
-        return false;
+        return;
       }
       p.in_payload = true;
     } else {
@@ -832,10 +970,47 @@ bool TcpTransport::io_receive(Peer& p) {
     if (p.in_payload && p.in_remaining == 0) {
       p.in_payload = false;
       io_frame_done(p);
-      if (!p.registered) return false;
+      if (!p.registered) return;
     }
   }
-  return true;
+}
+
+ssize_t TcpTransport::receive_staged(Peer& p, size_t want) {
+  if (arena_used_ == arena_bytes_) settle_landed();  // the arena is reused once its copies are done
+  uint8_t* at = staged_->staging() + arena_used_;
+  const ssize_t got = ::recv(p.fd, at, std::min<uint64_t>(want, arena_bytes_ - arena_used_), MSG_DONTWAIT);
+  if (got <= 0) return got;
+  arena_used_ += static_cast<uint64_t>(got);
+  landing_ = true;
+  const std::string error = staged_->land(p.in_dest, at, static_cast<uint64_t>(got));
+  if (!error.empty()) {
+    // Rejected once the frame is over; the rest of its payload is discarded.
+    p.in_reject = device_rejection(error);
+    note_device_failure(p, p.in_header.request_id, error);
+    p.in_dest = nullptr;
+  }
+  return got;
+}
+
+void TcpTransport::settle_landed() {
+  // Everything queued on the region since the last call is done (or failed) once this wait is over:
+  // only then are its requests reported.
+  const std::string error = landing_ ? staged_->wait_landed() : std::string();
+  landing_ = false;
+  arena_used_ = 0;
+  if (!error.empty()) {
+    for (const Landed& l : landed_) refuse_on_device(*l.peer, l.request_id, error);
+    landed_.clear();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    for (const Landed& l : landed_) {
+      if (l.has_imm) immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(l.peer->rank), l.imm});
+    }
+  }
+  for (const Landed& l : landed_) io_reply(*l.peer, tcp_wire::kAck, l.request_id, {});
+  landed_.clear();
 }
 
 void TcpTransport::io_reply(Peer& p, uint8_t type, uint64_t request_id, std::string reason) {
@@ -859,11 +1034,7 @@ void TcpTransport::io_frame_done(Peer& p) {
         ++rejected_;
         io_reply(p, tcp_wire::kNack, h.request_id, p.in_reject);
       } else if (!p.in_ignore) {
-        if (h.flags & tcp_wire::kHasImm) {
-          std::lock_guard<std::mutex> lock(state_mu_);
-          immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(p.rank), h.imm});
-        }
-        io_reply(p, tcp_wire::kAck, h.request_id, {});
+        applied(p, h);
       }
       break;
     case tcp_wire::kAtomicAdd:
@@ -874,9 +1045,7 @@ void TcpTransport::io_frame_done(Peer& p) {
                      std::to_string(h.offset) + ": not an 8-byte aligned int64 inside its region of " +
                      std::to_string(region_.bytes) + " bytes");
       } else if (!p.in_ignore) {
-        __atomic_fetch_add(reinterpret_cast<int64_t*>(static_cast<uint8_t*>(region_.base) + h.offset),
-                           static_cast<int64_t>(h.length), __ATOMIC_ACQ_REL);
-        io_reply(p, tcp_wire::kAck, h.request_id, {});
+        apply_add(p, h);
       }
       break;
     case tcp_wire::kAck:
@@ -891,8 +1060,7 @@ void TcpTransport::io_frame_done(Peer& p) {
       {
         std::lock_guard<std::mutex> lock(p.mu);
         p.window.discard();
-        p.queue.clear();
-        p.front_sent = 0;
+        clear_queue(p);
         if (!p.send_closed) {
           ::shutdown(p.fd, SHUT_WR);
           p.send_closed = true;
@@ -919,6 +1087,48 @@ void TcpTransport::io_frame_done(Peer& p) {
   }
 }
 
+void TcpTransport::apply_add(Peer& p, const FrameHeader& h) {
+  uint8_t* target = static_cast<uint8_t*>(region_.base) + h.offset;
+  const auto value = static_cast<int64_t>(h.length);
+  if (!staged_) {
+    __atomic_fetch_add(reinterpret_cast<int64_t*>(target), value, __ATOMIC_ACQ_REL);
+  } else if (const std::string error = staged_->add(target, value); !error.empty()) {
+    refuse_on_device(p, h.request_id, error);
+    return;
+  }
+  applied(p, h);
+}
+
+void TcpTransport::applied(Peer& p, const FrameHeader& h) {
+  const bool has_imm = h.type == tcp_wire::kWrite && (h.flags & tcp_wire::kHasImm);
+  if (staged_) {
+    landed_.push_back(Landed{&p, h.request_id, has_imm, h.imm});  // reported by settle_landed()
+    return;
+  }
+  if (has_imm) {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(p.rank), h.imm});
+  }
+  io_reply(p, tcp_wire::kAck, h.request_id, {});
+}
+
+void TcpTransport::refuse_on_device(Peer& p, uint64_t request_id, const std::string& error) {
+  ++rejected_;
+  note_device_failure(p, request_id, error);
+  io_reply(p, tcp_wire::kNack, request_id, device_rejection(error));
+}
+
+std::string TcpTransport::device_rejection(const std::string& error) const {
+  return "rank " + std::to_string(rank_) + " could not apply it to its device memory: " + error;
+}
+
+void TcpTransport::note_device_failure(Peer& p, uint64_t request_id, const std::string& error) {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  errors_.push_back(who() + ": request " + std::to_string(request_id) + " of " + peer_label(p) +
+                    " could not be applied to device memory: " + error);
+  state_cv_.notify_all();
+}
+
 void TcpTransport::io_end_of_input(Peer& p) {
   if (p.registered) {
     ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, p.fd, nullptr);
@@ -938,8 +1148,7 @@ void TcpTransport::fail_peer(Peer& p, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(p.mu);
     p.window.discard();
-    p.queue.clear();
-    p.front_sent = 0;
+    clear_queue(p);
     if (!p.send_closed) {
       ::shutdown(p.fd, SHUT_RDWR);
       p.send_closed = true;

@@ -88,6 +88,12 @@ class Transport {
   virtual bool region_is_host_memory() const = 0;
   // How this rank's own region is changed by what immediates announce.
   virtual RegionWriter& region_writer() = 0;
+  // Called first by each thread that will use this transport and that this library started (the
+  // proxy's, the tcp I/O thread): a transport over GPU memory makes its device current there once.
+  // Otherwise such a thread starts on the runtime's default device 0, and switching back to it
+  // after each call creates a context on a GPU this rank does not use (where another rank's
+  // kernels then share the GPU with it).
+  virtual void bind_thread() noexcept {}
 
   // Queue a write of [local_offset, local_offset + length) of the local region to
   // [remote_offset, remote_offset + length) of `peer`'s region. peer == rank() is allowed

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
+from ..engines.native.peers import force_proxy
+from ..proxies import proxy_transport
 from . import baselines
 from .case import Case
 from .workloads import Workload, low_latency_bytes, normal_bytes, routing
@@ -355,6 +357,8 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
 
 def _path_name(case: Case, device: torch.device) -> str:
     if case.engine == "native":
+        if case.mode == "low_latency" and force_proxy():
+            return f"proxy:{proxy_transport()}"
         return "nvlink"
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
 

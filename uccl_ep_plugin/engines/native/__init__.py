@@ -11,6 +11,8 @@ import torch
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
+from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, proxy_transport
+from .proxy_path import ProxyPath
 
 # operation -> build feature it needs
 IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",
@@ -30,14 +32,18 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     feature = IMPLEMENTED.get(operation)
     if feature is None:
         return "no native kernel yet"
-    if operation in LOW_LATENCY_OPERATIONS and force_proxy():
-        return f"{FORCE_PROXY_ENV}=1 treats every peer as remote, and the proxy path is not built yet"
     try:
         extension = _load_extension()
     except ImportError as error:
         return f"the native extension is not importable ({error})"
-    if feature not in extension.build_info().get("features", []):
+    features = extension.build_info().get("features", [])
+    if feature not in features:
         return f"this build of uccl_ep_plugin._C was compiled without CUDA ({feature} missing)"
+    if operation in LOW_LATENCY_OPERATIONS and force_proxy():
+        proxy_feature = TRANSPORT_FEATURES[proxy_transport()]
+        if proxy_feature not in features:
+            return (f"{FORCE_PROXY_ENV}=1 sends through the CPU proxy over {TRANSPORT_ENV}={proxy_transport()}, "
+                    f"and this build has no {proxy_feature}")
     return None
 
 
@@ -57,7 +63,13 @@ class NativeEngine:
             peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
             if peer_buffer is None:
                 return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
-            self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s)
+            proxy_path = None
+            if force_proxy():   # every peer as if on another host
+                remote = [peer for peer in range(self.num_ranks) if peer != rank]
+                proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
+                                       timeout_s)
+            self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
+                                                proxy_path)
         return {}
 
     @property

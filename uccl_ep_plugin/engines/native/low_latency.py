@@ -17,9 +17,10 @@ from ..reference.low_latency import LowLatencyDispatchResult
 from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
-                3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)"}
+                3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)",
+                5: "telling the peers a buffer half was read"}
 _SEND_PHASES = (3, 4)
-_TIMEOUT, _TOO_MANY_ROWS = 1, 2
+_TIMEOUT, _TOO_MANY_ROWS, _PROXY_STALLED = 1, 2, 3
 
 
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
@@ -52,10 +53,13 @@ def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_
 
 
 class NativeLowLatency:
+    """``proxy_path``: a ProxyPath for the peers reached through the CPU proxy, or None (all mapped)."""
+
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, proxy_path=None) -> None:
         self._C = extension
         self.peer_buffer = peer_buffer
+        self.proxy_path = proxy_path
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = device
@@ -65,7 +69,9 @@ class NativeLowLatency:
 
     # ------------------------------------------------------------------ state and errors
     def check(self) -> None:
-        """Raise the first failure a kernel recorded (reads host memory; no sync)."""
+        """Raise the first failure a kernel (or the proxy) recorded (reads host memory; no sync)."""
+        if self.proxy_path is not None:
+            self.proxy_path.check()
         code, phase, peer, detail = self.state.status()
         if code == 0:
             return
@@ -85,6 +91,10 @@ class NativeLowLatency:
                 f"rank {self.rank}: low_latency_dispatch: topk_idx names expert {detail} more often than "
                 "num_max_dispatch_tokens_per_rank allows, or a token names that expert's rank more than "
                 "min(num_topk, local experts) times (an expert repeated within a token?)")
+        if code == _PROXY_STALLED:
+            raise CommTimeoutError(
+                f"rank {self.rank}: {where}: the proxy FIFO for rank {peer} stayed full for {self.timeout_s:g} s "
+                "(the proxy threads stopped or are stuck)")
         raise RuntimeError(f"rank {self.rank}: low-latency kernel failed with code {code} in {where}")
 
     def clean(self) -> None:
@@ -93,6 +103,9 @@ class NativeLowLatency:
         self.state.reset()
 
     def destroy(self) -> None:
+        if self.proxy_path is not None:     # its transport reads the buffer: closed first
+            self.proxy_path.close()
+            self.proxy_path = None
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -101,11 +114,21 @@ class NativeLowLatency:
             self.peer_buffer = None
 
     def _region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
+        proxy = dict()
+        if self.proxy_path is not None:
+            if layout.dispatch_msg_bytes % 16:
+                raise ValueError(f"hidden={layout.hidden}: the proxy path moves 16-byte units, so hidden must be a "
+                                 "multiple of 8")
+            proxy = dict(via_proxy=self.proxy_path.via_proxy.data_ptr(), fifos=self.proxy_path.fifo_views,
+                         num_fifos=self.proxy_path.num_fifos, outbox_offset=layout.outbox_offset(buffer_idx),
+                         outbox_peer_bytes=layout.outbox_peer_bytes, outbox_index_pos=layout.outbox_index_pos,
+                         outbox_flags_pos=layout.outbox_flags_pos, outbox_release_pos=layout.outbox_release_pos)
         return self._C.LowLatencyRegion(
             peer_bases=self.peer_buffer.peer_bases, signal_offset=layout.signal_offset(buffer_idx),
-            release_offset=layout.release_offset(buffer_idx), recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
+            counters_offset=layout.counters_offset(buffer_idx), release_offset=layout.release_offset(buffer_idx),
+            recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
             masked=_ptr(masked_ranks), status=self.state.status_device,
-            timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks)
+            timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks, **proxy)
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream

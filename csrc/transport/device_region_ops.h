@@ -1,0 +1,130 @@
+// What the transports whose region is GPU memory (cuda-copy, tcp over a device region) share:
+// making the region's device current, one-thread kernels that add to or store into an int64 at
+// system scope, the RegionWriter built on them, and a bounded wait for an event.
+//
+// The kernels are compiled by the GPU compiler (device_region_ops.cu) behind a plain interface
+// (pointers, integers, a stream, a status), so host-compiled sources call them too.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "common/portability.h"
+#include "transport/transport.h"
+
+#if !defined(UCCL_EP_GPU_RUNTIME)
+#error "device_region_ops.h needs the GPU runtime: include it only in CUDA builds (UCCL_EP_WITH_CUDA)"
+#endif
+
+namespace uccl_ep {
+
+// Launch a one-thread kernel on `stream` and return the launch's status; the kernel runs later.
+// `target` is an 8-byte aligned int64 in device memory: ours, or a peer GPU's mapped into this
+// process, which that GPU's kernels update concurrently (hence system scope).
+gpuError_t launch_atomic_add_system(void* target, int64_t value, gpuStream_t stream);
+// The owner's kernels poll the target with system-scope acquires.
+gpuError_t launch_store_release_system(void* target, int64_t value, gpuStream_t stream);
+
+inline std::string gpu_error_text(gpuError_t status) {
+  return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
+}
+
+// "<transport> transport rank R", as the transports' messages begin.
+inline std::string transport_label(const char* transport, int rank) {
+  return std::string(transport) + " transport rank " + std::to_string(rank);
+}
+
+// Makes `device` current for the calling thread and restores the caller's device on exit: a proxy
+// thread or a Python thread may have another device current.
+class ScopedDevice {
+ public:
+  // Throws TransportError naming the transport and rank if the device cannot be made current.
+  ScopedDevice(int device, const char* transport, int rank) : status_(switch_to(device)) {
+    if (status_ != kGpuSuccess) {
+      throw TransportError(transport_label(transport, rank) + ": cannot make device " + std::to_string(device) +
+                           " current: " + gpu_error_text(status_));
+    }
+  }
+  // A failure leaves the current device as it was, and status() says why.
+  explicit ScopedDevice(int device) : status_(switch_to(device)) {}
+  ~ScopedDevice() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+
+  gpuError_t status() const { return status_; }
+
+ private:
+  gpuError_t switch_to(int device) {
+    gpuError_t status = cudaGetDevice(&previous_);
+    if (status == kGpuSuccess && previous_ != device) {
+      status = cudaSetDevice(device);
+      switched_ = status == kGpuSuccess;
+    }
+    return status;
+  }
+
+  int previous_ = 0;
+  bool switched_ = false;
+  gpuError_t status_;
+};
+
+// Transport::bind_thread of the transports over GPU memory. A failure is left for the next
+// ScopedDevice of that thread to report, with the transport's name.
+inline void bind_thread_to_device(int device) {
+  if (cudaSetDevice(device) != kGpuSuccess) (void)gpu_last_error();
+}
+
+// Polls `event` until the work before it is done. Returns kGpuSuccess, that work's failure, or
+// cudaErrorNotReady once `deadline` has passed. Polls rather than blocks: no runtime wait has a
+// timeout.
+inline gpuError_t wait_for_event(cudaEvent_t event, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    const gpuError_t status = cudaEventQuery(event);
+    if (status != cudaErrorNotReady) return status;
+    // Not a failure, but the runtime may keep it as the thread's last error, which the next
+    // launch's check would then report.
+    (void)gpu_last_error();
+    if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
+    std::this_thread::yield();
+  }
+}
+
+// Counter adds and flag stores on a region in device memory: one-thread kernels on `stream`, so
+// they follow what was queued on it before them. They return once launched and throw
+// TransportError if a launch fails.
+class DeviceRegionWriter final : public RegionWriter {
+ public:
+  // `transport` (a string literal) and `rank` name the owner in errors.
+  DeviceRegionWriter(MemoryRegion region, int device, gpuStream_t stream, const char* transport, int rank)
+      : base_(static_cast<uint8_t*>(region.base)), device_(device), stream_(stream), transport_(transport),
+        rank_(rank) {}
+
+  void add(uint64_t offset, int64_t amount) override {
+    ScopedDevice current(device_, transport_, rank_);
+    check(launch_atomic_add_system(base_ + offset, amount, stream_), "a counter add");
+  }
+  void store_release(uint64_t offset, int64_t value) override {
+    ScopedDevice current(device_, transport_, rank_);
+    check(launch_store_release_system(base_ + offset, value, stream_), "a flag store");
+  }
+
+ private:
+  void check(gpuError_t status, const char* what) const {
+    if (status != kGpuSuccess) {
+      throw TransportError(transport_label(transport_, rank_) + ": " + what +
+                           " on its own region could not be launched: " + gpu_error_text(status));
+    }
+  }
+
+  uint8_t* const base_;
+  const int device_;
+  const gpuStream_t stream_;
+  const char* const transport_;
+  const int rank_;
+};
+
+}  // namespace uccl_ep

@@ -1,0 +1,201 @@
+"""CPU proxy threads over one rank's communication memory, and UCCL-EP's ``initialize_uccl`` /
+``destroy_uccl`` that start and stop them.
+
+A :class:`ProxyThreads` owns the command FIFOs producers push into, and a ``_C.Proxy`` whose threads
+pop the commands and execute them through a transport to the other ranks' memory. Starting one is
+collective over the group (the transports exchange their listen addresses through it); stopping is
+local. The Buffer starts its own when its low-latency kernels have peers to reach through a proxy;
+``initialize_uccl`` starts them over a scratch buffer the caller owns, as UCCL-EP's scripts do.
+
+Settings: UCCL_EP_PROXY_THREADS (threads, default 1), UCCL_EP_PROXY_FIFOS (FIFOs, default 1),
+UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` or ``tcp``, for the Buffer's proxy path), the platform
+config's in-flight limits and adaptive sleep, and UCCL_SOCKET_IFNAME for tcp.
+"""
+
+import atexit
+import os
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .platform_config import resolve_config
+
+THREADS_ENV = "UCCL_EP_PROXY_THREADS"
+FIFOS_ENV = "UCCL_EP_PROXY_FIFOS"
+TRANSPORT_ENV = "UCCL_EP_PROXY_TRANSPORT"
+FIFO_CAPACITY = 1024
+# transport name -> the build feature it needs
+TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
+
+
+def proxy_transport() -> str:
+    """The transport named by UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` when unset)."""
+    name = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "cuda-copy"
+    if name not in TRANSPORT_FEATURES:
+        raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
+    return name
+
+
+def _positive_setting(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={value} must be at least 1")
+    return value
+
+
+def _load_extension():
+    from . import _C  # noqa: WPS433 (imported lazily: the reference engine works without it)
+    return _C
+
+
+class ProxyThreads:
+    """The FIFOs and proxy threads of one rank. Collective: every rank of ``group`` constructs one.
+
+    ``memory`` is the region the commands' offsets refer to, on ``device``: a tensor (host or device
+    memory, over tcp), or a PeerMemory whose peers are open (over cuda-copy, ``transport="cuda-copy"``). FIFOs
+    are pinned and mapped into the device for device memory (kernels push; ``device_views``), host
+    FIFOs otherwise (``fifos``, with ``push``)."""
+
+    def __init__(self, group, rank: int, num_ranks: int, memory, device: torch.device, *, transport: str,
+                 low_latency: bool, timeout_s: float, extension=None) -> None:
+        extension = extension or _load_extension()
+        config = extension.ProxyConfig.from_environ(resolve_config().as_environ())
+        config.low_latency = low_latency
+        config.timeout_s = timeout_s
+        self.num_threads = _positive_setting(THREADS_ENV, 1)
+        self.num_fifos = _positive_setting(FIFOS_ENV, 1)
+        self.transport = transport
+        self.proxy = None
+        if device.type == "cuda":
+            self.mapped_fifos = extension.MappedFifos(self.num_fifos, FIFO_CAPACITY, device.index)
+            fifos = self.mapped_fifos
+        else:
+            self.mapped_fifos = None
+            fifos = self.fifos = [extension.HostFifo(FIFO_CAPACITY) for _ in range(self.num_fifos)]
+        options = dict(num_threads=self.num_threads, config=config, transport_timeout_s=timeout_s)
+        try:
+            if transport == "cuda-copy":
+                self.proxy = extension.Proxy.over_cuda_copy(rank, num_ranks, memory, fifos, **options)
+            elif transport == "tcp":
+                self.proxy = extension.Proxy(rank, num_ranks, memory.data_ptr(), memory.numel() * memory.element_size(),
+                                             fifos, device=device.index if device.type == "cuda" else None, **options)
+            else:
+                raise ValueError(f"transport={transport!r}: expected 'cuda-copy' or 'tcp'")
+            addresses = [None] * num_ranks
+            dist.all_gather_object(addresses, self.proxy.listen_address(), group=group)
+            self.proxy.connect(addresses)
+            self.proxy.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def device_views(self) -> int:
+        """Address of the device array of FIFO views the kernels push into."""
+        return self.mapped_fifos.device_views
+
+    def check(self) -> None:
+        """Raise what the proxy recorded (a command it could not execute, a transport failure)."""
+        if self.proxy is not None:
+            self.proxy.check()
+
+    def stats(self) -> Dict:
+        return {} if self.proxy is None else self.proxy.stats()
+
+    @property
+    def running(self) -> bool:
+        return self.proxy is not None
+
+    def close(self) -> None:
+        """Stop the threads, close the transport, free the FIFOs (idempotent)."""
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+        if self.mapped_fifos is not None:
+            self.mapped_fifos.release()
+            self.mapped_fifos = None
+
+
+# ----------------------------------------------------------------------------- initialize_uccl / destroy_uccl
+_started_lock = threading.Lock()
+_started: Dict[str, ProxyThreads] = {}     # device -> the proxies initialize_uccl started there
+
+
+def _scratch_region(scratch: Union[torch.Tensor, int], scratch_nbytes: int) -> torch.Tensor:
+    """The first ``scratch_nbytes`` bytes of ``scratch`` (a tensor, or the address of CUDA memory on the
+    current device) as a uint8 tensor."""
+    if isinstance(scratch_nbytes, bool) or not isinstance(scratch_nbytes, int) or scratch_nbytes <= 0:
+        raise ValueError(f"scratch_nbytes must be a positive int, got {scratch_nbytes!r}")
+    if isinstance(scratch, torch.Tensor):
+        if not scratch.is_contiguous():
+            raise ValueError("scratch must be a contiguous tensor")
+        available = scratch.numel() * scratch.element_size()
+        if scratch_nbytes > available:
+            raise ValueError(f"scratch_nbytes={scratch_nbytes} exceeds the {available} bytes of scratch")
+        return scratch.view(-1).view(torch.uint8)[:scratch_nbytes]
+    if isinstance(scratch, bool) or not isinstance(scratch, int) or scratch <= 0:
+        raise TypeError(f"scratch must be a tensor or the address of CUDA memory, got {type(scratch).__name__}")
+    if not torch.cuda.is_available():
+        raise ValueError("scratch is an address, which must be CUDA memory, and no CUDA device is visible")
+
+    class _Address:   # exposes the caller's memory to torch without copying it
+        __cuda_array_interface__ = {"shape": (scratch_nbytes,), "typestr": "|u1", "data": (scratch, False),
+                                    "version": 3, "strides": None, "stream": None}
+
+    return torch.as_tensor(_Address(), device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def initialize_uccl(scratch: Union[torch.Tensor, int], scratch_nbytes: int, rank: int, num_ranks: int, group,
+                    num_experts: int = 0, is_intranode: Optional[bool] = None, use_normal_mode: bool = False,
+                    ) -> Tuple[List[ProxyThreads], None]:
+    """Start this rank's CPU proxy threads over ``scratch`` (collective over ``group``); returns
+    ``(proxies, workers)`` for :func:`destroy_uccl`. The transport is tcp (listening on
+    UCCL_SOCKET_IFNAME's address, else loopback); command offsets are relative to ``scratch``.
+    ``num_experts`` and ``is_intranode`` are accepted for UCCL-EP's signature and checked;
+    ``use_normal_mode`` picks the normal-mode in-flight limit (UCCL_IB_MAX_INFLIGHT_NORMAL)."""
+    if group is None:
+        group = dist.group.WORLD
+    if rank != dist.get_rank(group) or num_ranks != dist.get_world_size(group):
+        raise ValueError(f"rank={rank}, num_ranks={num_ranks} do not match the group "
+                         f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 0:
+        raise ValueError(f"num_experts must be a non-negative int, got {num_experts!r}")
+    if num_experts and num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not a multiple of num_ranks={num_ranks}")
+    region = _scratch_region(scratch, scratch_nbytes)
+    key = str(region.device)
+    with _started_lock:
+        if key in _started:
+            raise RuntimeError(f"initialize_uccl: proxies already run on {key}; call destroy_uccl first")
+    from .buffer import timeout_seconds   # noqa: WPS433 (the buffer module imports this one)
+    proxies = ProxyThreads(group, rank, num_ranks, region, region.device, transport="tcp", low_latency=not use_normal_mode,
+                           timeout_s=timeout_seconds())
+    proxies.scratch = region   # the memory stays alive while its proxies run
+    with _started_lock:
+        _started[key] = proxies
+    return [proxies], None
+
+
+def destroy_uccl(proxies: Sequence[ProxyThreads], workers=None) -> None:
+    """Stop what :func:`initialize_uccl` started (local, idempotent): threads joined, sockets closed,
+    pinned FIFOs freed."""
+    for proxy_threads in proxies:
+        proxy_threads.close()
+        with _started_lock:
+            for key in [k for k, v in _started.items() if v is proxy_threads]:
+                del _started[key]
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    with _started_lock:
+        running = list(_started.values())
+    destroy_uccl(running)
