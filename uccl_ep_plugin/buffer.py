@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import engines
 from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
-from .engines.native import LOW_LATENCY_OPERATIONS, NativeEngine
+from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
@@ -133,12 +133,12 @@ class Buffer:
                         if self.device.type == "cuda" and
                         any(engine == "native" and op not in choice.reasons
                             for op, engine in choice.by_operation.items()) else None)
-        if self._native is not None and low_latency_mode and num_rdma_bytes > 0 and all(
-                choice.by_operation[op] == "native" and op not in choice.reasons for op in LOW_LATENCY_OPERATIONS):
-            for op, why in self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes, timeout_s).items():
-                choice.reasons[op] = why
-                if choice.mode != "native":
-                    choice.by_operation[op] = "reference"
+        if self._native is not None and self._all_native(choice, NORMAL_OPERATIONS):
+            self._mark_unserved(choice, self._native.setup_normal(self.group, self.rank, num_nvl_bytes, timeout_s))
+        if self._native is not None and low_latency_mode and num_rdma_bytes > 0 and self._all_native(
+                choice, LOW_LATENCY_OPERATIONS):
+            self._mark_unserved(choice, self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes,
+                                                                       timeout_s))
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
@@ -154,7 +154,9 @@ class Buffer:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        native_normal_buffer = None if self._native is None else self._native.normal_buffer
+        self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
+                            else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
         native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
         self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
                              else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
@@ -164,14 +166,27 @@ class Buffer:
                          else None)
         self._destroyed = False
 
+    @staticmethod
+    def _all_native(choice: engines.EngineChoice, operations) -> bool:
+        return all(choice.by_operation[op] == "native" and op not in choice.reasons for op in operations)
+
+    @staticmethod
+    def _mark_unserved(choice: engines.EngineChoice, reasons: dict) -> None:
+        """Record why the native engine cannot serve some operations after all: they fall back to the
+        reference engine, or with UCCL_EP_ENGINE=native stay native and raise when called."""
+        for op, why in reasons.items():
+            choice.reasons[op] = why
+            if choice.mode != "native":
+                choice.by_operation[op] = "reference"
+
     # ------------------------------------------------------------------ lifecycle and queries
     def destroy(self) -> None:
         """Release the buffers, streams and engine resources (requires ``explicitly_destroy=True``)."""
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
                                "released when the Buffer is garbage-collected")
-        if self._native_low_latency() is not None:
-            # Peers map this rank's buffer: all of them finish with it before anyone frees theirs.
+        if self._native is not None and self._native.maps_peer_memory:
+            # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
             torch.cuda.synchronize(self.device)
             self._reference.barrier("destroy")
         self._release()
@@ -390,10 +405,11 @@ class Buffer:
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
         biases = self._check_bias(bias, num_tokens, x.size(1))
-        self._check_config(config, self.get_combine_config)
+        config = self._check_config(config, self.get_combine_config)
         check_same_device(self.device, x=x, topk_weights=topk_weights)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases)
+            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
+                                                               num_channels=config.num_channels)
         event = scope.finish((combined_x, combined_topk_weights))
         return combined_x, combined_topk_weights, event
 

@@ -1,0 +1,203 @@
+"""Native normal-mode dispatch and combine between the GPUs of one host: kernels that store
+straight into the peers' IPC-mapped ``num_nvl_bytes`` buffers (csrc/kernels/intranode.h
+describes the layout and the protocol).
+
+Results equal the reference engine's bit for bit. A dispatch without handle syncs the host once
+to read the counts, unless ``num_worst_tokens > 0``; cached dispatch and combine never sync. A
+kernel that waits too long for a peer, or finds that some rank's share does not fit, records it in
+host-mapped memory and exits; the call that reads the counts, or else the next call, raises it.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..reference.collectives import CommTimeoutError
+from ..reference.layout import channel_layout, rank_matrix
+from ..reference.normal import DispatchResult
+
+_PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
+                3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
+                5: "combine (sending rows)", 6: "combine (receiving rows)"}
+_SEND_PHASES = (1, 3, 5)
+_TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
+_STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
+
+
+def _ptr(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+    """int32 ``[N, R]``: a token's position among this rank's tokens for each rank, -1 where it is not sent."""
+    running = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
+    return torch.where(is_token_in_rank, running, torch.full_like(running, -1)).contiguous()
+
+
+class NativeNormal:
+    """``data_bytes``: the data area of every rank's buffer (the same on all ranks)."""
+
+    def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self._C = extension
+        self.peer_buffer = peer_buffer
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device = device
+        self.timeout_s = timeout_s
+        self.num_nvl_bytes = peer_buffer.tensor.numel()
+        self.data_bytes = self.num_nvl_bytes - extension.NORMAL_CONTROL_BYTES
+        # Its control words count the exchanges; its status block is the failure record both modes share.
+        self.state = extension.LowLatencyState(device.index)
+        self.region = extension.NormalRegion(
+            peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
+            data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
+
+    # ------------------------------------------------------------------ errors
+    def check(self) -> None:
+        """Raise the first failure a kernel recorded (reads host memory; no sync)."""
+        code, phase, peer, detail = self.state.status()
+        if code == 0:
+            return
+        where = _PHASE_NAMES.get(phase, f"phase {phase}")
+        if code == _TIMEOUT:
+            what = "to finish reading the previous exchange" if phase in _SEND_PHASES else "to send its part"
+            raise CommTimeoutError(f"rank {self.rank}: {where} timed out after {self.timeout_s:g} s waiting for "
+                                   f"rank {peer} {what}; {_STALE}")
+        if code == _TOO_MANY_ROWS:
+            raise RuntimeError(f"uccl_ep_plugin: dispatch on rank {self.rank}: rank {peer} would receive {detail} "
+                               f"tokens, more than num_worst_tokens; {_STALE}")
+        if code == _AREA_TOO_SMALL:
+            raise ValueError(f"rank {self.rank}: {where}: some rank's rows do not fit in num_nvl_bytes="
+                             f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
+        raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
+
+    def _check_fits(self, what: str, needed: int) -> None:
+        if needed > self.data_bytes:
+            raise ValueError(f"{what} needs {needed + self._C.NORMAL_CONTROL_BYTES} bytes of num_nvl_bytes (the "
+                             f"whole exchange must fit, plus {self._C.NORMAL_CONTROL_BYTES} control bytes), this "
+                             f"Buffer has num_nvl_bytes={self.num_nvl_bytes}")
+
+    def destroy(self) -> None:
+        if self.state is not None:
+            self.state.release()
+            self.state = None
+        if self.peer_buffer is not None:
+            self.peer_buffer.release()
+            self.peer_buffer = None
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # ------------------------------------------------------------------ operations
+    def _notify(self, num_tokens_per_rank: torch.Tensor, channel_prefix_matrix: torch.Tensor,
+                num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rank_prefix_matrix, recv_channel_prefix_matrix and received tokens per local expert (aligned)."""
+        num_channels = channel_prefix_matrix.size(1)
+        local_experts = num_tokens_per_expert.numel() // self.num_ranks
+        slot_bytes = 4 * self._C.normal_notify_slot_ints(self.num_ranks, num_channels, local_experts)
+        self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
+                         self.num_ranks * slot_bytes)
+        options = dict(dtype=torch.int32, device=self.device)
+        rank_prefix_matrix = torch.empty((self.num_ranks, self.num_ranks), **options)
+        recv_channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
+        recv_tokens_per_expert = torch.empty(local_experts, **options)
+        self._C.notify_dispatch(
+            region=self.region, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
+            channel_prefix_matrix=channel_prefix_matrix.data_ptr(),
+            num_tokens_per_expert=num_tokens_per_expert.data_ptr(), num_channels=num_channels,
+            num_local_experts=local_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+            rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
+            recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
+            recv_tokens_per_expert=recv_tokens_per_expert.data_ptr(), stream=self._stream())
+        return rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert
+
+    def _check_counts_fit(self, counts: torch.Tensor, x_row_bytes: int, scale_row_bytes: int, num_topk: int) -> None:
+        """With the counts on the host: the dispatch, and a combine of the same rows, fit every rank's data
+        area (every rank holds the same counts, so all raise together)."""
+        most_received = int(counts.sum(0).max())
+        most_sent = int(counts.sum(1).max())
+        self._check_fits(f"dispatch of up to {most_received} rows to one rank",
+                         self._C.normal_dispatch_area_bytes(most_received, x_row_bytes, scale_row_bytes, num_topk))
+        self._check_fits(f"combine of up to {most_sent} rows back to one rank",
+                         self._C.normal_combine_area_bytes(most_sent, x_row_bytes, num_topk))
+
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
+                 num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
+                 num_worst_tokens: int, num_channels: int,
+                 cached_handle: Optional[Sequence[torch.Tensor]]) -> DispatchResult:
+        self.check()
+        x_row_bytes = x.size(1) * x.element_size()
+        if x_scales is not None:
+            x_scales = x_scales.contiguous()
+        scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
+        num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        num_recv_tokens_per_expert_list = []
+        local_experts = 0
+        if cached_handle is not None:
+            rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
+                cached_handle
+            num_rows_out = cached_src_idx.size(0)
+        else:
+            local_experts = num_tokens_per_expert.numel() // self.num_ranks
+            channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
+            rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert = self._notify(
+                num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
+                num_worst_tokens)
+            if num_worst_tokens > 0:
+                num_rows_out = num_worst_tokens
+            else:
+                # The one host sync: the counts size the outputs.
+                on_host = torch.cat([rank_prefix_matrix.flatten(), recv_tokens_per_expert]).cpu()
+                self.check()
+                counts = rank_matrix(on_host[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks))
+                self._check_counts_fit(counts, x_row_bytes, scale_row_bytes, num_topk)
+                num_rows_out = int(counts[:, self.rank].sum())
+                num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:].tolist()
+
+        options = dict(device=self.device)
+        recv_x = torch.empty((num_rows_out, x.size(1)), dtype=x.dtype, **options)
+        recv_x_scales = (None if x_scales is None else
+                         torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty((num_rows_out, num_topk), dtype=topk_idx.dtype, **options)
+            recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
+        recv_src_idx = (cached_handle[3] if cached_handle is not None else
+                        torch.empty(num_rows_out, dtype=torch.int32, **options))
+        send_pos = send_positions(is_token_in_rank)
+        self._C.normal_dispatch(
+            region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
+            scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
+            rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
+            recv_x=recv_x.data_ptr(), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
+            recv_topk_weights=_ptr(recv_topk_weights),
+            recv_src_idx=0 if cached_handle is not None else recv_src_idx.data_ptr(),
+            num_sms=2 * num_channels, stream=self._stream())
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                  is_token_in_rank, send_head)
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                              num_recv_tokens_per_expert_list, handle)
+
+    def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                biases: Sequence[torch.Tensor], num_channels: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check()
+        rank_prefix_matrix, _, _, _, is_token_in_rank, _ = handle
+        num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
+        combined_x = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
+        combined_topk_weights = None
+        num_topk = 0
+        if topk_weights is not None:
+            num_topk = topk_weights.size(1)
+            combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
+        bias0, bias1 = (list(biases) + [None, None])[:2]
+        self._C.normal_combine(
+            region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
+            num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=send_positions(is_token_in_rank).data_ptr(),
+            num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
+            combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels, stream=self._stream())
+        return combined_x, combined_topk_weights
