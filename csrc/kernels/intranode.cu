@@ -275,10 +275,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs 
   const int k = a.num_topk;
   for (int64_t row = w.first; row < a.num_rows_out; row += w.stride) {
     uint8_t* x_out = static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes;
-    uint8_t* scales_out = static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
+    uint8_t* scales_out =
+        a.recv_x_scales == nullptr ? nullptr : static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
     if (row < num_recv) {
       warp_copy(x_out, base + area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
-      if (a.recv_x_scales != nullptr) {
+      if (scales_out != nullptr) {
         warp_copy(scales_out, base + area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
       }
       if (a.recv_topk_idx != nullptr && w.lane < k) {
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs 
       }
     } else {  // padding rows, as the reference pads them
       warp_zero(x_out, a.x_row_bytes, w.lane);
-      if (a.recv_x_scales != nullptr) warp_zero(scales_out, a.scale_row_bytes, w.lane);
+      if (scales_out != nullptr) warp_zero(scales_out, a.scale_row_bytes, w.lane);
       if (a.recv_topk_idx != nullptr && w.lane < k) {
         a.recv_topk_idx[row * k + w.lane] = -1;
         a.recv_topk_weights[row * k + w.lane] = 0.0f;
