@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ...dispatch_config import MAX_TOPK
 from ..reference.collectives import CommTimeoutError
 from ..reference.layout import channel_layout, rank_matrix
 from ..reference.normal import DispatchResult
@@ -192,6 +193,8 @@ class NativeNormal:
         num_topk = 0
         if topk_weights is not None:
             num_topk = topk_weights.size(1)
+            if num_topk > MAX_TOPK:
+                raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
             combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         bias0, bias1 = (list(biases) + [None, None])[:2]
         self._C.normal_combine(
