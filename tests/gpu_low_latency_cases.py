@@ -66,6 +66,10 @@ class Case:
     def local_experts(self, num_ranks: int) -> int:
         return self.num_experts // num_ranks
 
+    def tokens_of(self, rank: int) -> int:
+        """N of ``rank``: the pattern of ``tokens`` repeats over groups of more ranks (EP4, EP8)."""
+        return self.tokens[rank % len(self.tokens)]
+
     def describe(self, seed: int) -> str:
         return (f"case {self.name} (seed {seed}, T={self.max_tokens}, N={list(self.tokens)}, H={self.hidden}, "
                 f"E={self.num_experts}, K={self.num_topk}, drop={self.drop})")
@@ -119,7 +123,7 @@ def random_tokens(gen: torch.Generator, num_tokens: int, hidden: int) -> torch.T
 
 def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> Inputs:
     gen = generator(seed, rank)
-    n = case.tokens[rank]
+    n = case.tokens_of(rank)
     x = random_tokens(gen, n, case.hidden)
     topk_idx = random_topk_idx(gen, n, case.num_experts, case.num_topk, case.drop)
     return Inputs(x.to(device), topk_idx.to(device), random_weights(gen, n, case.num_topk).to(device))
@@ -557,7 +561,7 @@ def combine_sections(h: Harness, case: Case, inputs: Inputs, tag: str) -> None:
     with h.section("combine_out"):
         got_d, want_d = h.dispatch_both(case, inputs, use_fp8=False)
         expert_out = expert_outputs(want_d)
-        out = torch.full((case.tokens[h.rank], case.hidden), float("nan"), dtype=torch.bfloat16, device=h.device)
+        out = torch.full((case.tokens_of(h.rank), case.hidden), float("nan"), dtype=torch.bfloat16, device=h.device)
         returned = h.combine(h.candidate, got_d, inputs, expert_out, out=out)[0]
         want = h.combine(h.oracle, want_d, inputs, expert_out)[0]
         h.rec.expect(returned is out or (returned.data_ptr() == out.data_ptr() and returned.shape == out.shape),

@@ -1,7 +1,7 @@
 """The cuda-copy transport (csrc/transport/cuda_copy_transport.*) on one GPU: argument errors, local writes
 and atomics, close() and leaks. The 2-GPU exchange (copy-engine writes between CUDA IPC mapped buffers,
 system-scope atomic adds, immediates over the tcp control transport, reorder injection) is in
-tests/test_gpu_transport_exchange.py.
+tests/test_transport_exchange.py.
 """
 
 import gc
@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from tests.gpu_transport_exchange import (POISON, REORDER_ENV, assert_local_requests, assert_requests_checked,
+from tests.transport_exchange import (POISON, REORDER_ENV, assert_local_requests, assert_requests_checked,
                                           skip_without)
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C

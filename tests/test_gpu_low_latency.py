@@ -1,6 +1,7 @@
-"""Native low-latency dispatch/combine (NVLink, CUDA IPC) against the reference engine on 2 GPUs (issue 5).
+"""Native low-latency dispatch/combine (NVLink, CUDA IPC) against the reference engine on 2 GPUs (issue 5),
+or on UCCL_EP_TEST_RANKS GPUs (4 or 8 on a larger machine; each case's per-rank token counts repeat).
 
-One NCCL group of 2 ranks runs every case (H 2048..8192, T 1..256 with N < T and N = 0 on one rank,
+One NCCL group of those ranks runs every case (H 2048..8192, T 1..256 with N < T and N = 0 on one rank,
 top-k 1..11, 16..288 experts, -1 entries in topk_idx; bf16, fp8 with and without round_scale, UE8M0;
 plain, out=, LogFMT and zero-copy combine; hooks, async events, stats, both buffer halves, cleaning,
 masking and CUDA-graph replay): each rank feeds the same fresh random inputs to a native Buffer and a
@@ -25,9 +26,10 @@ from tests.reference_checks import SectionCache, SectionResults, assert_section
 
 CANDIDATE = os.environ.get("UCCL_EP_TEST_CANDIDATE", "native")
 MISSING_PEER_TIMEOUT_S = 3.0
+RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="needs 2 CUDA GPUs")
+needs_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < RANKS,
+                                reason=f"needs {RANKS} CUDA GPUs (UCCL_EP_TEST_RANKS)")
 needs_native = pytest.mark.skipif(CANDIDATE != "native", reason="checks the native engine's own behaviour")
 
 _GPU = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
@@ -35,10 +37,10 @@ _GPU = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cas
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus
 @pytest.mark.parametrize("section", ll.SECTIONS)
 def test_low_latency_matches_reference(section):
-    assert_section(_GPU.get(2), section)
+    assert_section(_GPU.get(RANKS), section)
 
 
 # The same comparison with every peer reached through the CPU proxy (UCCL_EP_FORCE_PROXY=1: the kernels stage
@@ -54,23 +56,23 @@ _PROXY = {
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus
 @needs_native
 @pytest.mark.parametrize("transport_order", list(_PROXY))
 @pytest.mark.parametrize("section", PROXY_SECTIONS)
 def test_low_latency_through_the_proxy_matches_reference(section, transport_order):
-    assert_section(_PROXY[transport_order].get(2), section)
+    assert_section(_PROXY[transport_order].get(RANKS), section)
 
 
 @pytest.mark.gpu
-@needs_two_gpus
+@needs_gpus
 @needs_native
 @pytest.mark.parametrize("enable_shrink", [False, True], ids=["raises", "masks"])
 def test_missing_peer(enable_shrink):
     """Rank 1 never calls low_latency_dispatch: rank 0 raises CommTimeoutError (naming rank 0, the operation
     and rank 1) within timeout + 5 s, or with enable_shrink masks rank 1 and carries on."""
     results = SectionCache(ll.missing_peer_body, backend="nccl", deadline_s=90.0, candidate=CANDIDATE,
-                           enable_shrink=enable_shrink, timeout_s=MISSING_PEER_TIMEOUT_S).get(2)
+                           enable_shrink=enable_shrink, timeout_s=MISSING_PEER_TIMEOUT_S).get(RANKS)
     assert_section(results, "missing_peer_masked" if enable_shrink else "missing_peer_raises")
 
 

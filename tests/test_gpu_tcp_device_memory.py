@@ -1,6 +1,6 @@
 """The tcp transport over GPU memory (csrc/transport/tcp_transport.*, tcp_staging.h) on one GPU: argument
 errors, local writes and atomics, writes between two transports on one GPU, and close() leaking nothing
-(threads, fds, pinned memory). The 2-GPU exchange is in tests/test_gpu_transport_exchange.py.
+(threads, fds, pinned memory). The 2-GPU exchange is in tests/test_transport_exchange.py.
 """
 
 import gc
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from tests.gpu_transport_exchange import (POISON, REORDER_ENV, STAGING, assert_local_requests,
+from tests.transport_exchange import (POISON, REORDER_ENV, STAGING, assert_local_requests,
                                           assert_requests_checked, gpu_count, skip_without)
 from tests.immediates import collect_immediates
 from tests.process_resources import fds_and_threads, settled_fds_and_threads

@@ -44,6 +44,8 @@ def _exchange_body(rank: int, num_ranks: int, group) -> None:
         fifo.push(_C.HostFifo.QUIET)
         _wait(lambda: proxies[0].stats()["quiets"] == 1, "the quiet after the writes")
         proxies[0].check()
+        stats = proxies[0].stats()
+        assert stats["execute_ns"] > 0 and stats["quiet_wait_ns"] > 0, stats
         dist.barrier(group=group)      # every rank's writes have completed
         for peer in range(num_ranks):
             got = scratch[(1 + peer) * SLICE:(2 + peer) * SLICE]

@@ -15,6 +15,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+uint64_t nanoseconds_since(Clock::time_point start) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+}
+
 // Request ids: which FIFO posted the request and what completing it releases.
 //   bits 62..63  type: 0 a data write, 1 an emulated atomic add, 2 a count flag or control write
 //   bits 48..61  FIFO index
@@ -219,6 +223,8 @@ ProxyStats Proxy::stats() const {
   s.barriers = barriers_done_.load();
   s.immediates = st_immediates_.load();
   s.idle_sleeps = st_idle_sleeps_.load();
+  s.execute_ns = st_execute_ns_.load();
+  s.quiet_wait_ns = st_quiet_wait_ns_.load();
   std::lock_guard<std::mutex> lock(ordering_mu_);
   s.ordering = ordering_.stats();
   return s;
@@ -379,6 +385,7 @@ bool Proxy::progress(FifoState& fifo) {
           return did;
         }
         fifo.wait = Wait::kNone;
+        st_quiet_wait_ns_.fetch_add(nanoseconds_since(fifo.wait_since), std::memory_order_relaxed);
         quiets_done_.fetch_add(1, std::memory_order_acq_rel);
         did = true;
         break;
@@ -418,8 +425,10 @@ bool Proxy::progress(FifoState& fifo) {
       fifo.has_pending = true;
       did = true;
     }
+    const Clock::time_point started = Clock::now();
     const Step step = execute(fifo, fifo.pending);
     if (step == Step::kBlocked) return did;
+    st_execute_ns_.fetch_add(nanoseconds_since(started), std::memory_order_relaxed);
     fifo.has_pending = false;
     ++fifo.command_number;
     did = true;

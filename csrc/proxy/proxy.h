@@ -95,6 +95,10 @@ struct ProxyStats {
   uint64_t barriers = 0;
   uint64_t immediates = 0;
   uint64_t idle_sleeps = 0;
+  // Where a round trip's time goes: executing commands (decoding, posting to the transport: a
+  // cudaMemcpyAsync for cuda-copy) and waiting in quiets for the requests before them to complete.
+  uint64_t execute_ns = 0;
+  uint64_t quiet_wait_ns = 0;
   OrderingStats ordering;
 };
 
@@ -209,7 +213,7 @@ class Proxy {
 
   // Statistics (relaxed counters).
   std::atomic<uint64_t> st_commands_{0}, st_posted_{0}, st_completed_{0}, st_inflight_peak_{0}, st_flow_stalls_{0},
-      st_window_stalls_{0}, st_immediates_{0}, st_idle_sleeps_{0};
+      st_window_stalls_{0}, st_immediates_{0}, st_idle_sleeps_{0}, st_execute_ns_{0}, st_quiet_wait_ns_{0};
 };
 
 }  // namespace uccl_ep

@@ -593,6 +593,8 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
         d["barriers"] = s.barriers;
         d["immediates"] = s.immediates;
         d["idle_sleeps"] = s.idle_sleeps;
+        d["execute_ns"] = s.execute_ns;
+        d["quiet_wait_ns"] = s.quiet_wait_ns;
         d["ordering"] = ordering_stats_dict(s.ordering);
         return d;
       })

@@ -1,12 +1,13 @@
-"""The 2-GPU exchange both transports over GPU memory are tested with (cuda-copy, tcp with staging): every
-rank writes random-sized, unaligned pieces of its source area into its slice of every rank's region (itself
+"""The exchange the transports are tested with (cuda-copy and tcp over GPU memory on 2 GPUs; tcp over host
+memory between CPU processes, which runs the same checks in CI): every rank writes random-sized, unaligned pieces of its source area into its slice of every rank's region (itself
 included), some with immediates, and adds signed 64-bit values to every rank's counters; then each rank
 checks its region byte for byte, each immediate against its bytes, the completions and the ordering.
 assert_requests_checked is the one-rank check of bad request arguments both transports share.
 
 Every region is poisoned first (POISON), so bytes that never landed, or landed elsewhere, show. Bodies run
-one process per GPU (tests/multiprocess.py with NCCL); ``kind`` names the transport: "cuda-copy" (regions
-mapped with CUDA IPC) or "tcp" (a tensor on the GPU, staged through pinned host memory).
+one process per rank (tests/multiprocess.py: NCCL for the GPU kinds, gloo for tcp-host); ``kind`` names the
+transport and memory: "cuda-copy" (regions mapped with CUDA IPC), "tcp" (a tensor on the GPU, staged through
+pinned host memory) or "tcp-host" (a tensor in host memory).
 """
 
 import os
@@ -28,8 +29,8 @@ IMM_EVERY = 2            # writes i with i % IMM_EVERY == 0 carry the immediate 
 COUNTERS = 8             # int64 counters every rank adds to on every rank
 ADDS_PER_COUNTER = 150   # adds per (source, destination, counter)
 TIMEOUT_S = 60.0
-KINDS = ("cuda-copy", "tcp")
-FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}   # kind -> build feature
+GPU_KINDS = ("cuda-copy", "tcp")
+FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "tcp-host": "tcp_transport"}
 
 
 def gpu_count():
@@ -85,6 +86,12 @@ def plan(src, dst):
         writes.append((rng.randrange(0, SEND_BYTES - length + 1), cursor, length))
         cursor += length
     return writes
+
+
+def _settle(device):
+    """Waits for torch's stores into GPU memory: the transports copy on streams of their own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _expected_slice(source_bytes, writes, device):
@@ -145,7 +152,7 @@ def assert_local_requests(region, open_transport):
     region[:1000] = torch.arange(1000, dtype=torch.int64, device=region.device).remainder(251).to(torch.uint8)
     counter = region[8192:8200].view(torch.int64)
     counter.fill_(initial_counter(0))
-    torch.cuda.synchronize()
+    _settle(region.device)
     transport = open_transport()
     ids = [transport.write(0, 0, 4096, 1000, imm=9), transport.atomic_add(0, 8192, -7),
            transport.atomic_add(0, 8192, -7), transport.write(0, 0, 0, 0, imm=10), transport.write(0, 1, 6001, 999)]
@@ -178,19 +185,23 @@ class _Endpoint:
         import torch.distributed as dist
 
         self.kind, self.group, self.buffer = kind, group, None
-        if kind == "cuda-copy":
+        if kind == "tcp-host":
+            self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8)
+            self.transport = _C.TcpTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
+                                             reorder_seed=reorder_seed, timeout_s=TIMEOUT_S)
+        elif kind == "cuda-copy":
             from uccl_ep_plugin.engines.native.peers import map_peer_buffer
 
             self.buffer, reason = map_peer_buffer(_C, group, rank, torch.device("cuda", rank), num_bytes)
             assert self.buffer is not None, reason
             self.region = self.buffer.tensor
             self.region.fill_(POISON)
-            torch.cuda.synchronize()  # the region is prepared before any peer can write to it
+            _settle(self.region.device)  # the region is prepared before any peer can write to it
             self.transport = _C.CudaCopyTransport(rank, num_ranks, self.buffer.memory, reorder_seed=reorder_seed,
                                                   timeout_s=TIMEOUT_S)
         else:
             self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8, device=torch.device("cuda", rank))
-            torch.cuda.synchronize()
+            _settle(self.region.device)
             self.transport = _C.TcpTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
                                              reorder_seed=reorder_seed, timeout_s=TIMEOUT_S, device=rank,
                                              staging_bytes=STAGING)
@@ -209,10 +220,10 @@ class _Endpoint:
             self.buffer.release()
 
 
-def _sum_over_ranks(value, group):
+def _sum_over_ranks(value, group, device):
     import torch.distributed as dist
 
-    total = torch.tensor([value], dtype=torch.int64, device="cuda")
+    total = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(total, group=group)
     return total.item()
 
@@ -225,12 +236,12 @@ def exchange_body(rank, num_ranks, group, kind, reorder_seed, env_seed):
     recv_base, _, total = layout(num_ranks)
     end = _Endpoint(kind, rank, num_ranks, group, total, reorder_seed)
     region, transport = end.region, end.transport
-    region[:SEND_BYTES] = source(rank).cuda()
-    torch.cuda.synchronize()   # the transports copy on streams of their own
+    region[:SEND_BYTES] = source(rank).to(region.device)
+    _settle(region.device)
     expect_reorder = reorder_seed >= 0 or env_seed is not None
     assert (transport.reorder_seed is not None) == expect_reorder
 
-    sources = {src: source(src).cuda() for src in range(num_ranks)}
+    sources = {src: source(src).to(region.device) for src in range(num_ranks)}
     outgoing = {dst: plan(rank, dst) for dst in range(num_ranks)}
     incoming = {src: plan(src, rank) for src in range(num_ranks)}
     if kind == "tcp":
@@ -277,7 +288,7 @@ def exchange_body(rank, num_ranks, group, kind, reorder_seed, env_seed):
             f"rank {rank}: the slice of rank {src} differs (missing, misplaced or stray bytes)"
     assert torch.equal(region[:SEND_BYTES], sources[rank]), f"rank {rank}: its source area changed"
     assert transport.poll_immediates() == [], f"rank {rank}: extra immediates"
-    if kind == "tcp":
+    if kind != "cuda-copy":
         assert transport.rejected_requests() == 0
 
     # Order: FIFO per peer without reorder injection; with it, both the writes (completions of those
@@ -288,8 +299,8 @@ def exchange_body(rank, num_ranks, group, kind, reorder_seed, env_seed):
     if not expect_reorder:
         assert writes_shuffled == 0, f"rank {rank}: writes completed out of order without reorder injection"
         assert imms_shuffled == 0, f"rank {rank}: immediates out of order without reorder injection: {seen}"
-    writes_shuffled = _sum_over_ranks(writes_shuffled, group)
-    imms_shuffled = _sum_over_ranks(imms_shuffled, group)
+    writes_shuffled = _sum_over_ranks(writes_shuffled, group, region.device)
+    imms_shuffled = _sum_over_ranks(imms_shuffled, group, region.device)
     if expect_reorder:
         assert writes_shuffled > 0, "reorder injection did not reorder the writes to any peer"
         assert imms_shuffled > 0, "reorder injection did not reorder the immediates from any peer"
@@ -305,7 +316,7 @@ def atomics_body(rank, num_ranks, group, kind, reorder_seed):
     end = _Endpoint(kind, rank, num_ranks, group, total, reorder_seed)
     counters = end.region[counter_base:counter_base + 8 * COUNTERS].view(torch.int64)
     counters.copy_(torch.tensor([initial_counter(k) for k in range(COUNTERS)], dtype=torch.int64))
-    torch.cuda.synchronize()
+    _settle(end.region.device)
     dist.barrier(group=group)      # every rank's counters are set before any add arrives
     transport = end.transport
 
