@@ -15,6 +15,7 @@ import torch.distributed as dist
 from . import engines
 from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
+from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
@@ -165,6 +166,7 @@ class Buffer:
         self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
                          else None)
         self._destroyed = False
+        self._warned_normal_fallback = False
 
     @staticmethod
     def _all_native(choice: engines.EngineChoice, operations) -> bool:
@@ -287,6 +289,16 @@ class Buffer:
             return self._native
         return self._reference
 
+    def _engine_serving(self, handle, engine):
+        """The engine for a call with ``handle``: the one that made it, where the handle says."""
+        return self._reference if getattr(handle, "served_by", None) == self._reference.name else engine
+
+    def _warn_normal_fallback(self, error: Exception) -> None:
+        if not self._warned_normal_fallback:
+            self._warned_normal_fallback = True
+            warnings.warn(f"uccl_ep_plugin: {error}; the reference engine (slow) serves such dispatches and their "
+                          "combines", RuntimeWarning, stacklevel=3)
+
     def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool,
                use_comm_stream: bool = True) -> StreamScope:
         check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
@@ -370,13 +382,20 @@ class Buffer:
                 raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
             check_same_device(self.device, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                               num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        if cached is not None:
+            engine = self._engine_serving(handle, engine)
+        arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+                         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                         num_channels=config.num_channels, cached_handle=cached)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            result = engine.dispatch(x_data, x_scales, is_token_in_rank=is_token_in_rank,
-                                     num_tokens_per_rank=num_tokens_per_rank,
-                                     num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-                                     topk_weights=topk_weights, expert_alignment=expert_alignment,
-                                     num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
-                                     cached_handle=cached)
+            try:
+                result = engine.dispatch(x_data, x_scales, **arguments)
+            except ExchangeTooLarge as error:
+                # Every rank raises alike, before any row moved: the reference engine serves this call.
+                self._warn_normal_fallback(error)
+                engine = self._reference
+                result = engine.dispatch(x_data, x_scales, **arguments)
             if self._traffic is not None:
                 self._traffic.add_dispatch(is_token_in_rank, result.handle[0])
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
@@ -384,8 +403,10 @@ class Buffer:
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
             return recv_x, None, None, None, None, event
+        new_handle = NormalHandle(result.handle, self._owner_id)
+        new_handle.served_by = engine.name
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                NormalHandle(result.handle, self._owner_id), event)
+                new_handle, event)
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
@@ -397,7 +418,7 @@ class Buffer:
 
         Returns ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``.
         """
-        engine = self._engine_for("combine")
+        engine = self._engine_serving(handle, self._engine_for("combine"))
         parts = self._check_normal_handle(handle)
         num_rows, num_tokens = parts[3].size(0), parts[4].size(0)
         check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
+from ..engines.native.normal import exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..proxies import proxy_transport
 from . import baselines
@@ -184,14 +185,15 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         return _close(combined, x.float() * copies, 2e-2)
 
     num_recv = int(expected_recv[rank])
-    engine = buffer.engine_by_operation
+    # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
+    engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
-             normal_bytes(num_recv, workload.hidden, "fp8"), engine["dispatch"]),
+             normal_bytes(num_recv, workload.hidden, "fp8"), engine),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine["dispatch"]),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine["combine"]),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine),
     ]
 
 
@@ -363,6 +365,18 @@ def _path_name(case: Case, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
 
 
+def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
+    """Room for the native normal mode's whole exchange at this workload (every token of every rank to one
+    rank, at worst), or 0 where this build has no native normal mode."""
+    try:
+        from .. import _C  # noqa: WPS433 (a CPU-only install has no extension)
+    except ImportError:
+        return 0
+    if "normal_nvlink" not in _C.build_info().get("features", []):
+        return 0
+    return exchange_bytes(_C, num_ranks * workload.tokens, workload.hidden, workload.topk)
+
+
 def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None:
     """Entry point of one spawned rank."""
     if options.device == "cuda":
@@ -387,7 +401,8 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
             w, r = options.normal, options.num_ranks
             hidden_bytes = w.hidden * 2
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
-                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r))
+                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
+                            _native_normal_bytes(w, r))
             buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report))

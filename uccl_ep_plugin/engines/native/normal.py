@@ -25,6 +25,20 @@ _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
 
 
+class ExchangeTooLarge(Exception):
+    """A dispatch (with the combine of its rows) does not fit the Buffer's num_nvl_bytes. Raised before
+    any kernel of the call moved rows, and on every rank alike (it is decided from values all ranks
+    share), so the Buffer can serve the call with the reference engine instead."""
+
+
+def exchange_bytes(extension, rows: int, hidden: int, num_topk: int) -> int:
+    """num_nvl_bytes for which the native engine serves a dispatch of at most ``rows`` rows to any rank and
+    from any rank (bf16 or fp8 with float scales per 128 channels), and their combine."""
+    dispatch = extension.normal_dispatch_area_bytes(rows, 2 * hidden, 4 * ((hidden + 127) // 128), num_topk)
+    combine = extension.normal_combine_area_bytes(rows, 2 * hidden, num_topk)
+    return extension.NORMAL_CONTROL_BYTES + max(dispatch, combine)
+
+
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
@@ -75,9 +89,9 @@ class NativeNormal:
 
     def _check_fits(self, what: str, needed: int) -> None:
         if needed > self.data_bytes:
-            raise ValueError(f"{what} needs {needed + self._C.NORMAL_CONTROL_BYTES} bytes of num_nvl_bytes (the "
-                             f"whole exchange must fit, plus {self._C.NORMAL_CONTROL_BYTES} control bytes), this "
-                             f"Buffer has num_nvl_bytes={self.num_nvl_bytes}")
+            raise ExchangeTooLarge(f"{what} needs {needed + self._C.NORMAL_CONTROL_BYTES} bytes of num_nvl_bytes "
+                                   f"(the whole exchange must fit, plus {self._C.NORMAL_CONTROL_BYTES} control "
+                                   f"bytes), this Buffer has num_nvl_bytes={self.num_nvl_bytes}")
 
     def destroy(self) -> None:
         if self.state is not None:
@@ -114,11 +128,10 @@ class NativeNormal:
             recv_tokens_per_expert=recv_tokens_per_expert.data_ptr(), stream=self._stream())
         return rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert
 
-    def _check_counts_fit(self, counts: torch.Tensor, x_row_bytes: int, scale_row_bytes: int, num_topk: int) -> None:
-        """With the counts on the host: the dispatch, and a combine of the same rows, fit every rank's data
-        area (every rank holds the same counts, so all raise together)."""
-        most_received = int(counts.sum(0).max())
-        most_sent = int(counts.sum(1).max())
+    def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
+                        num_topk: int) -> None:
+        """The dispatch, and a combine of the same rows, fit every rank's data area. The row counts are the
+        same on every rank (from the shared counts, or bounds from num_worst_tokens), so all raise together."""
         self._check_fits(f"dispatch of up to {most_received} rows to one rank",
                          self._C.normal_dispatch_area_bytes(most_received, x_row_bytes, scale_row_bytes, num_topk))
         self._check_fits(f"combine of up to {most_sent} rows back to one rank",
@@ -143,6 +156,11 @@ class NativeNormal:
             num_rows_out = cached_src_idx.size(0)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
+            if num_worst_tokens > 0:
+                # No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most
+                # num_ranks times that (no receiver took more from it).
+                self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
+                                     scale_row_bytes, num_topk)
             channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
             rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert = self._notify(
                 num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
@@ -154,7 +172,8 @@ class NativeNormal:
                 on_host = torch.cat([rank_prefix_matrix.flatten(), recv_tokens_per_expert]).cpu()
                 self.check()
                 counts = rank_matrix(on_host[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks))
-                self._check_counts_fit(counts, x_row_bytes, scale_row_bytes, num_topk)
+                self._check_rows_fit(int(counts.sum(0).max()), int(counts.sum(1).max()), x_row_bytes,
+                                     scale_row_bytes, num_topk)
                 num_rows_out = int(counts[:, self.rank].sum())
                 num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:].tolist()
 
