@@ -1,6 +1,7 @@
 """initialize_uccl / destroy_uccl (UCCL-EP's proxy lifecycle) between CPU processes: the proxies they
 start move bytes between the ranks' scratch buffers, stop without leaking, and reject bad arguments."""
 
+import os
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C, destroy_uccl, initialize_uccl
+from uccl_ep_plugin.proxies import proxy_cpus
 
 SCRATCH = 1 << 16
 SLICE = 4096
@@ -85,3 +87,59 @@ def _bad_arguments_body(rank: int, num_ranks: int, group) -> None:
 
 def test_initialize_uccl_names_the_bad_argument():
     run_ranks(2, _bad_arguments_body)
+
+
+# ---------------------------------------------------------------------------------------- CPU affinity
+@pytest.mark.parametrize("text,rank0,rank1", [("", [], []), ("0-3,8", [0, 1, 2, 3, 8], [0, 1, 2, 3, 8]),
+                                              ("0-1;2-3", [0, 1], [2, 3]), (" 5 ;6", [5], [6]), ("2-2", [2], [2])])
+def test_proxy_cpus_reads_one_list_or_one_per_local_rank(monkeypatch, text, rank0, rank1):
+    monkeypatch.setenv("UCCL_EP_PROXY_CPUS", text)
+    assert proxy_cpus(0) == rank0 and proxy_cpus(1) == rank1
+    if ";" in text:
+        assert proxy_cpus(2) == rank0, "more ranks than lists: the lists repeat"
+
+
+@pytest.mark.parametrize("text", ["3-1", "a", "1-2-3", "0,,1", "-1"])
+def test_proxy_cpus_names_the_setting_when_malformed(monkeypatch, text):
+    monkeypatch.setenv("UCCL_EP_PROXY_CPUS", text)
+    with pytest.raises(ValueError, match="UCCL_EP_PROXY_CPUS"):
+        proxy_cpus(0)
+
+
+def _proxy_threads_cpus():
+    """{thread name: its allowed CPU list} of this process's proxy threads."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+            if not name.startswith("uccl-ep-proxy"):
+                continue
+            with open(f"/proc/self/task/{tid}/status") as status:
+                allowed = next(line.split(":", 1)[1].strip() for line in status if line.startswith("Cpus_allowed_list"))
+        except (OSError, StopIteration):
+            continue     # a thread that exited meanwhile
+        found[name] = allowed
+    return found
+
+
+def _affinity_body(rank: int, num_ranks: int, group) -> None:
+    import torch.distributed as dist
+    os.environ["UCCL_EP_PROXY_CPUS"] = "0;1"      # rank 0 on CPU 0, rank 1 on CPU 1
+    os.environ["UCCL_EP_PROXY_THREADS"] = "2"
+    scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
+    proxies, workers = initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
+    try:
+        _wait(lambda: len(_proxy_threads_cpus()) == 2, "both proxy threads to start")
+        assert _proxy_threads_cpus() == {"uccl-ep-proxy0": str(rank), "uccl-ep-proxy1": str(rank)}
+    finally:
+        dist.barrier(group=group)
+        destroy_uccl(proxies, workers)
+    os.environ["UCCL_EP_PROXY_CPUS"] = "100000"
+    with pytest.raises(ValueError, match="not a CPU this process may run on"):
+        initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
+
+
+@pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
+def test_proxy_threads_run_on_the_cpus_of_their_rank():
+    run_ranks(2, _affinity_body)

@@ -8,12 +8,14 @@ local. The Buffer starts its own when its low-latency kernels have peers to reac
 ``initialize_uccl`` starts them over a scratch buffer the caller owns, as UCCL-EP's scripts do.
 
 Settings: UCCL_EP_PROXY_THREADS (threads, default 1), UCCL_EP_PROXY_FIFOS (FIFOs, default 1),
-UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` or ``tcp``, for the Buffer's proxy path), the platform
-config's in-flight limits and adaptive sleep, and UCCL_SOCKET_IFNAME for tcp.
+UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` or ``tcp``, for the Buffer's proxy path), UCCL_EP_PROXY_CPUS
+(the CPUs the threads run on), the platform config's in-flight limits and adaptive sleep, and
+UCCL_SOCKET_IFNAME for tcp.
 """
 
 import atexit
 import os
+import re
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,6 +27,7 @@ from .platform_config import resolve_config
 THREADS_ENV = "UCCL_EP_PROXY_THREADS"
 FIFOS_ENV = "UCCL_EP_PROXY_FIFOS"
 TRANSPORT_ENV = "UCCL_EP_PROXY_TRANSPORT"
+CPUS_ENV = "UCCL_EP_PROXY_CPUS"
 FIFO_CAPACITY = 1024
 # transport name -> the build feature it needs
 TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
@@ -36,6 +39,26 @@ def proxy_transport() -> str:
     if name not in TRANSPORT_FEATURES:
         raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
     return name
+
+
+def proxy_cpus(local_rank: int) -> List[int]:
+    """The CPUs for the proxy threads of the rank on GPU ``local_rank``, from UCCL_EP_PROXY_CPUS: a CPU list
+    such as ``0-3,8`` (thread t runs on the t-th CPU, cycling), or one list per local rank separated by
+    ``;`` (``0-3;4-7``: rank 0 takes the first, rank 1 the second, and so on, cycling). Empty: any CPU."""
+    text = os.environ.get(CPUS_ENV, "").strip()
+    if not text:
+        return []
+    groups = [group.strip() for group in text.split(";")]
+    group = groups[local_rank % len(groups)]
+    cpus: List[int] = []
+    for part in group.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        first = int(match.group(1)) if match else -1
+        last = int(match.group(2) or first) if match else -1
+        if not match or last < first:
+            raise ValueError(f"{CPUS_ENV}={text!r}: {part.strip()!r} is not a CPU or a range of CPUs (like 0-3)")
+        cpus.extend(range(first, last + 1))
+    return cpus
 
 
 def _positive_setting(name: str, default: int) -> int:
@@ -70,6 +93,7 @@ class ProxyThreads:
         config = extension.ProxyConfig.from_environ(resolve_config().as_environ())
         config.low_latency = low_latency
         config.timeout_s = timeout_s
+        config.cpu_affinity = proxy_cpus(device.index if device.type == "cuda" else rank)
         self.num_threads = _positive_setting(THREADS_ENV, 1)
         self.num_fifos = _positive_setting(FIFOS_ENV, 1)
         self.transport = transport

@@ -235,6 +235,8 @@ ProxyStats Proxy::stats() const {
 // ---------------------------------------------------------------------------------------
 
 void Proxy::thread_main(uint32_t thread_index) {
+  // Named for top -H, perf and tests ("uccl-ep-proxyN": at most 15 characters).
+  pthread_setname_np(pthread_self(), ("uccl-ep-proxy" + std::to_string(thread_index % 100)).c_str());
   transport_.bind_thread();
   if (!config_.cpu_affinity.empty()) {
     cpu_set_t set;
