@@ -19,6 +19,7 @@ import torch
 
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
+from tests.transport_exchange import settle
 from uccl_ep_plugin import _C
 
 WRITE, WRITE_WITH_COUNT, ATOMIC_ADD, QUIET, BARRIER = 1, 2, 3, 4, 5
@@ -117,12 +118,6 @@ def _proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_se
     proxy = _C.Proxy.over_cuda_copy(rank, num_ranks, buffer.memory, mapped, num_threads=2, config=config,
                                     reorder_seed=reorder_seed, transport_timeout_s=30.0)
     return buffer.tensor, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped, buffer]
-
-
-def _settle(region):
-    """Waits for torch's stores into a GPU region: the transports copy on streams of their own."""
-    if region.is_cuda:
-        torch.cuda.synchronize(region.device)
 
 
 def _rows(it, src, dst, b, e, n):
@@ -232,7 +227,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
                     n = _ntokens(it, rank, dst, b, e)
                     start = L.ll_send_at(dst, b, e, 0)
                     region[start:start + n * ROW] = _rows(it, rank, dst, b, e, n).to(region.device)
-        _settle(region)
+        settle(region)
         dist.barrier(group=group)
         checker = Checker(region, L, rank, it)
         checker.start()
@@ -319,7 +314,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         region[L.ll_recv:L.ll_recv + 2 * EXPERTS * num_ranks * MAX_TOKENS * ROW] = 0
         region[L.bulk_recv:L.bulk_recv + num_ranks * SLICE] = 0
         region[L.flags:L.flags + 8 * 2 * L.num_counters * num_ranks] = 0
-        _settle(region)
+        settle(region)
         dist.barrier(group=group)
 
     stats = proxy.stats()

@@ -88,10 +88,10 @@ def plan(src, dst):
     return writes
 
 
-def _settle(device):
-    """Waits for torch's stores into GPU memory: the transports copy on streams of their own."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def settle(region):
+    """Waits for torch's stores into a GPU region: the transports copy on streams of their own."""
+    if region.is_cuda:
+        torch.cuda.synchronize(region.device)
 
 
 def _expected_slice(source_bytes, writes, device):
@@ -152,7 +152,7 @@ def assert_local_requests(region, open_transport):
     region[:1000] = torch.arange(1000, dtype=torch.int64, device=region.device).remainder(251).to(torch.uint8)
     counter = region[8192:8200].view(torch.int64)
     counter.fill_(initial_counter(0))
-    _settle(region.device)
+    settle(region)
     transport = open_transport()
     ids = [transport.write(0, 0, 4096, 1000, imm=9), transport.atomic_add(0, 8192, -7),
            transport.atomic_add(0, 8192, -7), transport.write(0, 0, 0, 0, imm=10), transport.write(0, 1, 6001, 999)]
@@ -196,12 +196,12 @@ class _Endpoint:
             assert self.buffer is not None, reason
             self.region = self.buffer.tensor
             self.region.fill_(POISON)
-            _settle(self.region.device)  # the region is prepared before any peer can write to it
+            settle(self.region)  # the region is prepared before any peer can write to it
             self.transport = _C.CudaCopyTransport(rank, num_ranks, self.buffer.memory, reorder_seed=reorder_seed,
                                                   timeout_s=TIMEOUT_S)
         else:
             self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8, device=torch.device("cuda", rank))
-            _settle(self.region.device)
+            settle(self.region)
             self.transport = _C.TcpTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
                                              reorder_seed=reorder_seed, timeout_s=TIMEOUT_S, device=rank,
                                              staging_bytes=STAGING)
@@ -237,7 +237,7 @@ def exchange_body(rank, num_ranks, group, kind, reorder_seed, env_seed):
     end = _Endpoint(kind, rank, num_ranks, group, total, reorder_seed)
     region, transport = end.region, end.transport
     region[:SEND_BYTES] = source(rank).to(region.device)
-    _settle(region.device)
+    settle(region)
     expect_reorder = reorder_seed >= 0 or env_seed is not None
     assert (transport.reorder_seed is not None) == expect_reorder
 
@@ -316,7 +316,7 @@ def atomics_body(rank, num_ranks, group, kind, reorder_seed):
     end = _Endpoint(kind, rank, num_ranks, group, total, reorder_seed)
     counters = end.region[counter_base:counter_base + 8 * COUNTERS].view(torch.int64)
     counters.copy_(torch.tensor([initial_counter(k) for k in range(COUNTERS)], dtype=torch.int64))
-    _settle(end.region.device)
+    settle(end.region)
     dist.barrier(group=group)      # every rank's counters are set before any add arrives
     transport = end.transport
 

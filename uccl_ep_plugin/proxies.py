@@ -169,12 +169,8 @@ def _scratch_region(scratch: Union[torch.Tensor, int], scratch_nbytes: int) -> t
         raise TypeError(f"scratch must be a tensor or the address of CUDA memory, got {type(scratch).__name__}")
     if not torch.cuda.is_available():
         raise ValueError("scratch is an address, which must be CUDA memory, and no CUDA device is visible")
-
-    class _Address:   # exposes the caller's memory to torch without copying it
-        __cuda_array_interface__ = {"shape": (scratch_nbytes,), "typestr": "|u1", "data": (scratch, False),
-                                    "version": 3, "strides": None, "stream": None}
-
-    return torch.as_tensor(_Address(), device=torch.device("cuda", torch.cuda.current_device()))
+    from .engines.native.peers import device_bytes  # noqa: WPS433 (that package imports this module)
+    return device_bytes(None, scratch, scratch_nbytes, torch.device("cuda", torch.cuda.current_device()))
 
 
 def initialize_uccl(scratch: Union[torch.Tensor, int], scratch_nbytes: int, rank: int, num_ranks: int, group,

@@ -24,6 +24,11 @@ class _DeviceBytes:
                                          "version": 3, "strides": None, "stream": None}
 
 
+def device_bytes(owner, address: int, num_bytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``num_bytes`` of CUDA memory at ``address`` (no copy); it keeps ``owner`` alive."""
+    return torch.as_tensor(_DeviceBytes(owner, address, num_bytes), device=device)
+
+
 def force_proxy() -> bool:
     return os.environ.get(FORCE_PROXY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -74,5 +79,5 @@ def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes
     if failures:
         memory.release()
         return None, failures[0]
-    tensor = torch.as_tensor(_DeviceBytes(memory, memory.local_base, num_bytes), device=device)
+    tensor = device_bytes(memory, memory.local_base, num_bytes, device)
     return PeerBuffer(memory, tensor), None

@@ -27,8 +27,14 @@ class ProxyPath:
         remote = torch.zeros(num_ranks, dtype=torch.uint8)
         remote[remote_ranks] = 1
         self.via_proxy = remote.to(device)
-        self.num_fifos = self.threads.num_fifos
-        self.fifo_views = self.threads.device_views
+
+    @property
+    def num_fifos(self) -> int:
+        return self.threads.num_fifos
+
+    @property
+    def fifo_views(self) -> int:
+        return self.threads.device_views
 
     def check(self) -> None:
         """Raise what the proxy recorded (a command it could not execute, a transport failure)."""
