@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send(NormalDispatchArgs a) 
       uint8_t* base = data_area(r, dst);
       warp_copy(base + area.x + row * a.x_row_bytes,
                 static_cast<const uint8_t*>(a.x) + token * a.x_row_bytes, a.x_row_bytes, w.lane);
-      if (a.x_scales != nullptr) {
+      if (a.scale_row_bytes > 0) {
         warp_copy(base + area.scales + row * a.scale_row_bytes,
                   static_cast<const uint8_t*>(a.x_scales) + token * a.scale_row_bytes, a.scale_row_bytes, w.lane);
       }
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs 
   for (int64_t row = w.first; row < a.num_rows_out; row += w.stride) {
     uint8_t* x_out = static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes;
     uint8_t* scales_out =
-        a.recv_x_scales == nullptr ? nullptr : static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
+        a.scale_row_bytes == 0 ? nullptr : static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
     if (row < num_recv) {
       warp_copy(x_out, base + area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
       if (scales_out != nullptr) {
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) combine_send(NormalCombineArgs a) {
     uint8_t* base = data_area(r, src);
     warp_copy(base + area.x + dst_row * row_bytes, static_cast<const uint8_t*>(a.x) + row * row_bytes, row_bytes,
               w.lane);
-    if (a.topk_weights != nullptr && w.lane < a.num_topk) {
+    if (w.lane < a.num_topk) {
       reinterpret_cast<float*>(base + area.topk_weights)[dst_row * a.num_topk + w.lane] =
           a.topk_weights[row * a.num_topk + w.lane];
     }
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) combine_receive(NormalCombineArgs a)
       for (int i = 0; i < kBf16PerVector / 2; ++i) out[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
       reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
     }
-    if (a.combined_topk_weights != nullptr && w.lane < a.num_topk) {
+    if (w.lane < a.num_topk) {
       float sum = 0.0f;
       for (int dst = 0; dst < num_ranks; ++dst) {
         if (!in_rank[dst]) continue;
@@ -464,13 +464,17 @@ void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream) 
   check_num_sms(args.num_sms);
   check_topk(args.num_topk);
   require(args.x_row_bytes > 0 && args.x_row_bytes % 4 == 0, "x_row_bytes must be a positive multiple of 4");
-  require((args.x_scales == nullptr) == (args.recv_x_scales == nullptr), "x_scales and recv_x_scales go together");
+  // Empty tensors have null data pointers, so a pointer is required only where rows use it.
   require(args.scale_row_bytes % 4 == 0, "scale_row_bytes must be a multiple of 4");
-  require(args.num_topk == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
+  require(args.scale_row_bytes == 0 || args.num_tokens == 0 || args.x_scales != nullptr,
+          "scale_row_bytes > 0 needs x_scales");
+  require(args.scale_row_bytes == 0 || args.num_rows_out == 0 || args.recv_x_scales != nullptr,
+          "scale_row_bytes > 0 needs recv_x_scales");
+  require(args.num_topk == 0 || args.num_tokens == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
           "num_topk > 0 needs topk_idx and topk_weights");
+  require(args.recv_topk_idx == nullptr || args.num_topk > 0, "recv_topk_idx needs num_topk > 0");
   require((args.recv_topk_idx == nullptr) == (args.recv_topk_weights == nullptr),
           "recv_topk_idx and recv_topk_weights go together");
-  require(args.recv_topk_idx == nullptr || args.num_topk > 0, "recv_topk_idx needs num_topk > 0");
   require(args.num_topk == 0 || args.num_local_experts >= 1, "num_local_experts must be >= 1 with top-k");
   require(args.num_tokens >= 0 && args.num_rows_out >= 0, "num_tokens and num_rows_out must be >= 0");
   launch_exchange(normal_kernels::dispatch_send, normal_kernels::dispatch_receive, args, args.num_sms, args.num_sms,
@@ -483,8 +487,10 @@ void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream) {
   check_topk(args.num_topk);
   require(args.hidden > 0 && args.hidden % normal_kernels::kBf16PerVector == 0,
           "hidden must be a positive multiple of 8 (16-byte bf16 rows)");
-  require((args.topk_weights == nullptr) == (args.combined_topk_weights == nullptr),
-          "topk_weights and combined_topk_weights go together");
+  // Empty tensors have null data pointers, so a pointer is required only where rows use it.
+  require(args.num_topk == 0 || args.num_rows == 0 || args.topk_weights != nullptr, "num_topk > 0 needs topk_weights");
+  require(args.num_topk == 0 || args.num_tokens == 0 || args.combined_topk_weights != nullptr,
+          "num_topk > 0 needs combined_topk_weights");
   require(args.num_rows >= 0 && args.num_tokens >= 0, "num_rows and num_tokens must be >= 0");
   launch_exchange(normal_kernels::combine_send, normal_kernels::combine_receive, args, args.num_sms, args.num_sms,
                   stream);

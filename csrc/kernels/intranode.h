@@ -126,7 +126,7 @@ struct NormalDispatchArgs {
   const void* x_scales;              // [N, scale_row_bytes] or null
   int64_t scale_row_bytes;
   const int64_t* topk_idx;           // [N, K] global experts (-1: none), or null (K = 0)
-  const float* topk_weights;         // [N, K] or null
+  const float* topk_weights;         // [N, K]; null when K = 0 or N = 0
   int32_t num_topk;
   int32_t num_local_experts;
   const int32_t* send_pos;           // [N, R]: token's position among this rank's tokens for that rank, or -1
@@ -146,7 +146,7 @@ struct NormalCombineArgs {
   const void* x;                     // bf16 [num_rows, hidden]: the dispatch's received rows
   int32_t num_rows;
   int32_t hidden;
-  const float* topk_weights;         // [num_rows, K] or null
+  const float* topk_weights;         // [num_rows, K]; null when K = 0 or no rows
   int32_t num_topk;
   const int32_t* rank_prefix_matrix; // [R, R] from the handle
   const bool* is_token_in_rank;      // [N, R]
@@ -155,7 +155,7 @@ struct NormalCombineArgs {
   const void* bias0;                 // bf16 [N, hidden] or null
   const void* bias1;
   void* combined_x;                  // bf16 [N, hidden]
-  float* combined_topk_weights;      // [N, K] or null
+  float* combined_topk_weights;      // [N, K]; null when K = 0 or N = 0
   int32_t num_sms;
 };
 

@@ -103,9 +103,9 @@ class _CapturedCase:
 
 
 def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
-    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine (it never
-    syncs the host), else eager calls with a barrier before each."""
-    if device.type != "cuda" or case.engine != "native":
+    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine's calls that
+    never sync the host, else eager calls with a barrier before each."""
+    if device.type != "cuda" or case.engine != "native" or not case.capturable:
         return _timed_eager(case, options, group, device), "eager"
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
     dist.barrier(group)
@@ -187,13 +187,16 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     num_recv = int(expected_recv[rank])
     # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
     engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
+    # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
+    dispatch_kernels = ("notify_dispatch_send", "notify_dispatch_receive", "dispatch_send", "dispatch_receive")
+    combine_kernels = ("combine_send", "combine_receive")
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
-             normal_bytes(num_recv, workload.hidden, "fp8"), engine),
+             normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False),
     ]
 
 
