@@ -20,6 +20,8 @@ from tests.multiprocess import run_ranks
 FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 ENGINE_ENV = "UCCL_EP_ENGINE"
+COPY_ENV = "UCCL_EP_NORMAL_COPY"
+HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
 
@@ -78,9 +80,9 @@ def _environment(name: str, value: str):
             os.environ[name] = old
 
 
-def _make_buffer(group, engine: str, num_nvl_bytes: int):
+def _make_buffer(group, engine: str, num_nvl_bytes: int, copy_mode: str = "engine"):
     import uccl_ep_plugin as ep
-    with _environment(ENGINE_ENV, engine):
+    with _environment(ENGINE_ENV, engine), _environment(COPY_ENV, copy_mode):
         buffer = ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True)
     if engine == "native":
         for operation in ("dispatch", "combine"):
@@ -153,9 +155,9 @@ def _combine(buffer, x, handle, topk_weights, biases, case: Case):
 
 
 def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch.device,
-              num_worst_tokens: int = 0) -> None:
+              num_worst_tokens: int = 0, copy_mode: str = "engine") -> None:
     import uccl_ep_plugin as ep
-    tag = f"{case.name} (seed {seed}, worst {num_worst_tokens})"
+    tag = f"{case.name} (seed {seed}, worst {num_worst_tokens}, {copy_mode} copies)"
     x, topk_idx, topk_weights, gen = _inputs(case, rank, seed, device)
     layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
 
@@ -169,6 +171,9 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         _assert_equal(got[index], want[index], f"{tag}: {what}")
     assert got[3] == want[3], f"{tag}: num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
     _assert_equal(tuple(got[4]), tuple(want[4]), f"{tag}: handle")
+    # The copy engines serve exactly the dispatches whose counts reached the host (and their combines).
+    by_copy_engine = hasattr(got[4][0], HOST_PREFIX)
+    assert by_copy_engine == (copy_mode == "engine" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
 
     # Cached dispatch: the handle reused, only x moves (fresh values).
     x2 = _inputs(case, rank, seed + 500, device)[0]
@@ -195,17 +200,18 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
-def _compare_body(rank: int, num_ranks: int, group) -> None:
+def _compare_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
         for seed, case in enumerate(CASES):
-            _run_case(native, reference, case, rank, seed, device)
+            _run_case(native, reference, case, rank, seed, device, copy_mode=copy_mode)
         # num_worst_tokens: outputs padded to that many rows, no count list.
         for seed, case in enumerate(CASES[:2], start=100):
-            _run_case(native, reference, case, rank, seed, device, num_worst_tokens=2 * max(case.tokens) + 5)
+            _run_case(native, reference, case, rank, seed, device, num_worst_tokens=2 * max(case.tokens) + 5,
+                      copy_mode=copy_mode)
     finally:
         native.destroy()
         reference.destroy()
@@ -288,8 +294,9 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-def test_native_normal_matches_reference():
-    run_ranks(2, _compare_body, backend="nccl")
+@pytest.mark.parametrize("copy_mode", ["engine", "sm"])
+def test_native_normal_matches_reference(copy_mode):
+    run_ranks(2, _compare_body, backend="nccl", copy_mode=copy_mode)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

@@ -105,6 +105,45 @@ UCCL_EP_HOST_DEVICE inline NormalCombineArea normal_combine_area(int64_t rows, i
   return a;
 }
 
+// Counts from a rank_prefix_matrix (inclusive prefix over sources: [i][j] = tokens ranks 0..i send
+// to rank j), on the host or the device.
+UCCL_EP_HOST_DEVICE inline int64_t normal_rows_before(const int32_t* rank_prefix_matrix, int num_ranks, int src,
+                                                      int dst) {  // rows of sources below src at dst
+  return src > 0 ? rank_prefix_matrix[(src - 1) * num_ranks + dst] : 0;
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_sent(const int32_t* rank_prefix_matrix, int num_ranks, int src, int dst) {
+  return rank_prefix_matrix[src * num_ranks + dst] - normal_rows_before(rank_prefix_matrix, num_ranks, src, dst);
+}
+
+// Copy-engine staging (intranode_copy.h): in a rank's data area, one block per other rank, in
+// rank order, each sized for the rows the owner sends that rank. Dispatch: the owner gathers those
+// rows into the blocks (a NormalDispatchArea each) and the receivers pull them. Combine: the
+// receivers push the rows back (a NormalCombineArea each), and the owner reduces them.
+enum class NormalStaging : int32_t { kDispatch = 0, kCombine = 1 };
+
+struct NormalRowBytes {
+  int64_t x_row_bytes;
+  int64_t scale_row_bytes;  // dispatch only
+  int64_t num_topk;
+};
+
+UCCL_EP_HOST_DEVICE inline int64_t normal_staging_block_bytes(NormalStaging kind, int64_t rows, NormalRowBytes b) {
+  return kind == NormalStaging::kDispatch ? normal_dispatch_area(rows, b.x_row_bytes, b.scale_row_bytes, b.num_topk).total
+                                          : normal_combine_area(rows, b.x_row_bytes, b.num_topk).total;
+}
+
+// Where `peer`'s block starts in `owner`'s staging; peer = num_ranks gives the staging's size.
+UCCL_EP_HOST_DEVICE inline int64_t normal_staging_offset(NormalStaging kind, const int32_t* rank_prefix_matrix,
+                                                         int num_ranks, int owner, int peer, NormalRowBytes b) {
+  int64_t offset = 0;
+  for (int other = 0; other < peer; ++other) {
+    if (other != owner) {
+      offset += normal_staging_block_bytes(kind, normal_sent(rank_prefix_matrix, num_ranks, owner, other), b);
+    }
+  }
+  return offset;
+}
+
 struct NormalNotifyArgs {
   NormalRegion region;
   const int32_t* num_tokens_per_rank;    // [R]
@@ -164,5 +203,13 @@ struct NormalCombineArgs {
 void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);
+
+// Steps 2 and 4 of an exchange on their own (the copy-engine path puts copies between them).
+void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream);
+void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream);
+
+// The argument checks of the launchers above (the copy-engine path shares them).
+void check_normal_dispatch_args(const NormalDispatchArgs& args);
+void check_normal_combine_args(const NormalCombineArgs& args);
 
 }  // namespace uccl_ep

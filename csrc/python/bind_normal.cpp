@@ -1,11 +1,16 @@
-// Python bindings of the NVLink normal-mode path: NormalRegion and the notify, dispatch and
-// combine launchers (csrc/kernels/intranode.h). Pointers and streams are plain integers; 0 is null.
+// Python bindings of the NVLink normal-mode path: NormalRegion, the notify, dispatch and combine
+// launchers (csrc/kernels/intranode.h) and the copy-engine path (intranode_copy.h). Pointers and
+// streams are plain integers; 0 is null.
 #if defined(UCCL_EP_WITH_CUDA)
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 
+#include <vector>
+
 #include "kernels/intranode.h"
+#include "kernels/intranode_copy.h"
 
 namespace py = pybind11;
 
@@ -15,6 +20,8 @@ template <typename T>
 T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
+
+uccl_ep::gpuStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<uccl_ep::gpuStream_t>(stream); }
 
 uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t control, std::uintptr_t status,
                                   int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
@@ -39,60 +46,59 @@ void notify_dispatch(const uccl_ep::NormalRegion& region, std::uintptr_t num_tok
                                        ptr<int32_t>(recv_channel_prefix_matrix),
                                        ptr<int32_t>(recv_tokens_per_expert)};
   py::gil_scoped_release no_gil;
-  uccl_ep::launch_notify_dispatch(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+  uccl_ep::launch_notify_dispatch(args, as_stream(stream));
 }
 
-void dispatch(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes, std::uintptr_t x_scales,
-              int64_t scale_row_bytes, std::uintptr_t topk_idx, std::uintptr_t topk_weights, int32_t num_topk,
-              int32_t num_local_experts, std::uintptr_t send_pos, std::uintptr_t rank_prefix_matrix,
-              int32_t num_tokens, int32_t num_rows_out, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
-              std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights, std::uintptr_t recv_src_idx,
-              int32_t num_sms, std::uintptr_t stream) {
-  const uccl_ep::NormalDispatchArgs args{region,
-                                         ptr<const void>(x),
-                                         x_row_bytes,
-                                         ptr<const void>(x_scales),
-                                         scale_row_bytes,
-                                         ptr<const int64_t>(topk_idx),
-                                         ptr<const float>(topk_weights),
-                                         num_topk,
-                                         num_local_experts,
-                                         ptr<const int32_t>(send_pos),
-                                         ptr<const int32_t>(rank_prefix_matrix),
-                                         num_tokens,
-                                         num_rows_out,
-                                         ptr<void>(recv_x),
-                                         ptr<void>(recv_x_scales),
-                                         ptr<int64_t>(recv_topk_idx),
-                                         ptr<float>(recv_topk_weights),
-                                         ptr<int32_t>(recv_src_idx),
-                                         num_sms};
-  py::gil_scoped_release no_gil;
-  uccl_ep::launch_normal_dispatch(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
+                                          std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t topk_idx,
+                                          std::uintptr_t topk_weights, int32_t num_topk, int32_t num_local_experts,
+                                          std::uintptr_t send_pos, std::uintptr_t rank_prefix_matrix,
+                                          int32_t num_tokens, int32_t num_rows_out, std::uintptr_t recv_x,
+                                          std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx,
+                                          std::uintptr_t recv_topk_weights, std::uintptr_t recv_src_idx,
+                                          int32_t num_sms) {
+  return uccl_ep::NormalDispatchArgs{region,
+                                     ptr<const void>(x),
+                                     x_row_bytes,
+                                     ptr<const void>(x_scales),
+                                     scale_row_bytes,
+                                     ptr<const int64_t>(topk_idx),
+                                     ptr<const float>(topk_weights),
+                                     num_topk,
+                                     num_local_experts,
+                                     ptr<const int32_t>(send_pos),
+                                     ptr<const int32_t>(rank_prefix_matrix),
+                                     num_tokens,
+                                     num_rows_out,
+                                     ptr<void>(recv_x),
+                                     ptr<void>(recv_x_scales),
+                                     ptr<int64_t>(recv_topk_idx),
+                                     ptr<float>(recv_topk_weights),
+                                     ptr<int32_t>(recv_src_idx),
+                                     num_sms};
 }
 
-void combine(const uccl_ep::NormalRegion& region, std::uintptr_t x, int32_t num_rows, int32_t hidden,
-             std::uintptr_t topk_weights, int32_t num_topk, std::uintptr_t rank_prefix_matrix,
-             std::uintptr_t is_token_in_rank, std::uintptr_t send_pos, int32_t num_tokens, std::uintptr_t bias0,
-             std::uintptr_t bias1, std::uintptr_t combined_x, std::uintptr_t combined_topk_weights, int32_t num_sms,
-             std::uintptr_t stream) {
-  const uccl_ep::NormalCombineArgs args{region,
-                                        ptr<const void>(x),
-                                        num_rows,
-                                        hidden,
-                                        ptr<const float>(topk_weights),
-                                        num_topk,
-                                        ptr<const int32_t>(rank_prefix_matrix),
-                                        ptr<const bool>(is_token_in_rank),
-                                        ptr<const int32_t>(send_pos),
-                                        num_tokens,
-                                        ptr<const void>(bias0),
-                                        ptr<const void>(bias1),
-                                        ptr<void>(combined_x),
-                                        ptr<float>(combined_topk_weights),
-                                        num_sms};
-  py::gil_scoped_release no_gil;
-  uccl_ep::launch_normal_combine(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+uccl_ep::NormalCombineArgs combine_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int32_t num_rows,
+                                        int32_t hidden, std::uintptr_t topk_weights, int32_t num_topk,
+                                        std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank,
+                                        std::uintptr_t send_pos, int32_t num_tokens, std::uintptr_t bias0,
+                                        std::uintptr_t bias1, std::uintptr_t combined_x,
+                                        std::uintptr_t combined_topk_weights, int32_t num_sms) {
+  return uccl_ep::NormalCombineArgs{region,
+                                    ptr<const void>(x),
+                                    num_rows,
+                                    hidden,
+                                    ptr<const float>(topk_weights),
+                                    num_topk,
+                                    ptr<const int32_t>(rank_prefix_matrix),
+                                    ptr<const bool>(is_token_in_rank),
+                                    ptr<const int32_t>(send_pos),
+                                    num_tokens,
+                                    ptr<const void>(bias0),
+                                    ptr<const void>(bias1),
+                                    ptr<void>(combined_x),
+                                    ptr<float>(combined_topk_weights),
+                                    num_sms};
 }
 
 }  // namespace
@@ -125,16 +131,62 @@ void bind_normal(py::module_& m) {
         py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
         py::arg("rank_prefix_matrix"), py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"),
         py::arg("stream"), "Enqueue the notify exchange (layout counts) on `stream`.");
-  m.def("normal_dispatch", &dispatch, py::arg("region"), py::arg("x"), py::arg("x_row_bytes"), py::arg("x_scales"),
-        py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
-        py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("num_tokens"),
-        py::arg("num_rows_out"), py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"),
-        py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"), py::arg("stream"),
-        "Enqueue the dispatch exchange on `stream`.");
-  m.def("normal_combine", &combine, py::arg("region"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"),
-        py::arg("topk_weights"), py::arg("num_topk"), py::arg("rank_prefix_matrix"), py::arg("is_token_in_rank"),
-        py::arg("send_pos"), py::arg("num_tokens"), py::arg("bias0"), py::arg("bias1"), py::arg("combined_x"),
-        py::arg("combined_topk_weights"), py::arg("num_sms"), py::arg("stream"),
-        "Enqueue the combine exchange on `stream`.");
+  py::class_<uccl_ep::NormalDispatchArgs>(m, "NormalDispatchArgs", "One normal-mode dispatch (pointers as integers).")
+      .def(py::init(&dispatch_args), py::arg("region"), py::arg("x"), py::arg("x_row_bytes"), py::arg("x_scales"),
+           py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
+           py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("num_tokens"),
+           py::arg("num_rows_out"), py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"),
+           py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"));
+  py::class_<uccl_ep::NormalCombineArgs>(m, "NormalCombineArgs", "One normal-mode combine (pointers as integers).")
+      .def(py::init(&combine_args), py::arg("region"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"),
+           py::arg("topk_weights"), py::arg("num_topk"), py::arg("rank_prefix_matrix"), py::arg("is_token_in_rank"),
+           py::arg("send_pos"), py::arg("num_tokens"), py::arg("bias0"), py::arg("bias1"), py::arg("combined_x"),
+           py::arg("combined_topk_weights"), py::arg("num_sms"));
+  m.def(
+      "normal_dispatch",
+      [](const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
+        uccl_ep::launch_normal_dispatch(args, as_stream(stream));
+      },
+      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "Enqueue the dispatch exchange on `stream`, SMs moving the rows.");
+  m.def(
+      "normal_combine",
+      [](const uccl_ep::NormalCombineArgs& args, std::uintptr_t stream) {
+        uccl_ep::launch_normal_combine(args, as_stream(stream));
+      },
+      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "Enqueue the combine exchange on `stream`, SMs moving the rows.");
+
+  py::enum_<uccl_ep::NormalStaging>(m, "NormalStaging")
+      .value("DISPATCH", uccl_ep::NormalStaging::kDispatch)
+      .value("COMBINE", uccl_ep::NormalStaging::kCombine);
+  m.def(
+      "normal_staging_bytes",
+      [](uccl_ep::NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix, int num_ranks, int owner,
+         int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
+        return uccl_ep::normal_staging_bytes(kind, rank_prefix_matrix, num_ranks, owner,
+                                             uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk});
+      },
+      py::arg("kind"), py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("owner"), py::arg("x_row_bytes"),
+      py::arg("scale_row_bytes"), py::arg("num_topk"),
+      "Bytes of `owner`'s data area the copy-engine path needs (rank_prefix_matrix flattened, on the host).");
+  py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
+                                        "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
+      .def(py::init<int, std::vector<std::uintptr_t>>(), py::arg("device"), py::arg("peer_bases"))
+      .def(
+          "dispatch",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.dispatch(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "combine",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalCombineArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.combine(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // UCCL_EP_WITH_CUDA

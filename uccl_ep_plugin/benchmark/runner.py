@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
-from ..engines.native.normal import exchange_bytes
+from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..proxies import proxy_transport
 from . import baselines
@@ -188,8 +188,11 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
     engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
-    dispatch_kernels = ("notify_dispatch_send", "notify_dispatch_receive", "dispatch_send", "dispatch_receive")
-    combine_kernels = ("combine_send", "combine_receive")
+    # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
+    by_sm = copy_mode() == "sm"
+    dispatch_kernels = (("notify_dispatch_send", "notify_dispatch_receive", "dispatch_send", "dispatch_receive")
+                        if by_sm else ())
+    combine_kernels = ("combine_send", "combine_receive") if by_sm else ()
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False),
@@ -364,6 +367,8 @@ def _path_name(case: Case, device: torch.device) -> str:
     if case.engine == "native":
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
+        if case.mode == "normal":
+            return "nvlink-ce" if copy_mode() == "engine" else "nvlink-sm"   # copy engines or SMs move the rows
         return "nvlink"
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
 

@@ -6,9 +6,16 @@ Results equal the reference engine's bit for bit. A dispatch without handle sync
 to read the counts, unless ``num_worst_tokens > 0``; cached dispatch and combine never sync. A
 kernel that waits too long for a peer, or finds that some rank's share does not fit, records it in
 host-mapped memory and exits; the call that reads the counts, or else the next call, raises it.
+
+Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` (default) lets the copy engines carry
+the NVLink traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a
+dispatch that read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and
+its combine go the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens),
+use SM copies (csrc/kernels/intranode.h).
 """
 
-from typing import Optional, Sequence, Tuple
+import os
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +30,21 @@ _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify
 _SEND_PHASES = (1, 3, 5)
 _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
+COPY_ENV = "UCCL_EP_NORMAL_COPY"
+_COPY_MODES = ("engine", "sm")
+# The host copy of a rank_prefix_matrix, kept on the tensor itself so it travels with the handle.
+_HOST_PREFIX = "_uccl_ep_host_prefix"
+
+
+def copy_mode() -> str:
+    mode = os.environ.get(COPY_ENV, "engine").strip().lower() or "engine"
+    if mode not in _COPY_MODES:
+        raise ValueError(f"{COPY_ENV}={mode!r}: expected one of {', '.join(_COPY_MODES)}")
+    return mode
+
+
+def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
+    return getattr(rank_prefix_matrix, _HOST_PREFIX, None)
 
 
 class ExchangeTooLarge(Exception):
@@ -67,6 +89,10 @@ class NativeNormal:
         self.region = extension.NormalRegion(
             peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
             data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
+        self.copy_engine = None
+        if copy_mode() == "engine":
+            self.copy_engine = extension.NormalCopyEngine(
+                device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -94,6 +120,9 @@ class NativeNormal:
                                    f"bytes), this Buffer has num_nvl_bytes={self.num_nvl_bytes}")
 
     def destroy(self) -> None:
+        if self.copy_engine is not None:
+            self.copy_engine.release()
+            self.copy_engine = None
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -129,13 +158,29 @@ class NativeNormal:
         return rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert
 
     def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
-                        num_topk: int) -> None:
-        """The dispatch, and a combine of the same rows, fit every rank's data area. The row counts are the
-        same on every rank (from the shared counts, or bounds from num_worst_tokens), so all raise together."""
+                        hidden: int, num_topk: int) -> None:
+        """The SM path's dispatch, and a combine of the same rows, fit every rank's data area. The row counts
+        are the same on every rank (from the shared counts, or bounds from num_worst_tokens), so all raise
+        together."""
         self._check_fits(f"dispatch of up to {most_received} rows to one rank",
                          self._C.normal_dispatch_area_bytes(most_received, x_row_bytes, scale_row_bytes, num_topk))
         self._check_fits(f"combine of up to {most_sent} rows back to one rank",
-                         self._C.normal_combine_area_bytes(most_sent, x_row_bytes, num_topk))
+                         self._C.normal_combine_area_bytes(most_sent, 2 * hidden, num_topk))
+
+    def _staging_fits(self, host_prefix: List[int], kind, x_row_bytes: int, scale_row_bytes: int,
+                      num_topk: int) -> bool:
+        return all(self._C.normal_staging_bytes(kind, host_prefix, self.num_ranks, owner, x_row_bytes,
+                                                scale_row_bytes, num_topk) <= self.data_bytes
+                   for owner in range(self.num_ranks))
+
+    def _copy_engine_serves(self, host_prefix: Optional[List[int]], x_row_bytes: int, scale_row_bytes: int,
+                            hidden: int, num_topk: int) -> bool:
+        """Whether the copy engines carry a dispatch with these counts (and so its combine): decided from
+        values every rank shares, so every rank takes the same path."""
+        staging = self._C.NormalStaging
+        return (self.copy_engine is not None and host_prefix is not None
+                and self._staging_fits(host_prefix, staging.DISPATCH, x_row_bytes, scale_row_bytes, num_topk)
+                and self._staging_fits(host_prefix, staging.COMBINE, 2 * hidden, 0, num_topk))
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
@@ -143,24 +188,28 @@ class NativeNormal:
                  num_worst_tokens: int, num_channels: int,
                  cached_handle: Optional[Sequence[torch.Tensor]]) -> DispatchResult:
         self.check()
-        x_row_bytes = x.size(1) * x.element_size()
+        hidden = x.size(1)
+        x_row_bytes = hidden * x.element_size()
         if x_scales is not None:
             x_scales = x_scales.contiguous()
         scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         num_recv_tokens_per_expert_list = []
         local_experts = 0
+        host_prefix, by_copy_engine = None, False
         if cached_handle is not None:
             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
                 cached_handle
             num_rows_out = cached_src_idx.size(0)
+            host_prefix = _host_prefix(rank_prefix_matrix)
+            by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
             if num_worst_tokens > 0:
                 # No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most
                 # num_ranks times that (no receiver took more from it).
                 self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
-                                     scale_row_bytes, num_topk)
+                                     scale_row_bytes, hidden, num_topk)
             channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
             rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert = self._notify(
                 num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
@@ -171,14 +220,19 @@ class NativeNormal:
                 # The one host sync: the counts size the outputs.
                 on_host = torch.cat([rank_prefix_matrix.flatten(), recv_tokens_per_expert]).cpu()
                 self.check()
+                host_prefix = on_host[:self.num_ranks ** 2].tolist()
                 counts = rank_matrix(on_host[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks))
-                self._check_rows_fit(int(counts.sum(0).max()), int(counts.sum(1).max()), x_row_bytes,
-                                     scale_row_bytes, num_topk)
                 num_rows_out = int(counts[:, self.rank].sum())
                 num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:].tolist()
+                by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+                if by_copy_engine:
+                    setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
+                else:
+                    self._check_rows_fit(int(counts.sum(0).max()), int(counts.sum(1).max()), x_row_bytes,
+                                         scale_row_bytes, hidden, num_topk)
 
         options = dict(device=self.device)
-        recv_x = torch.empty((num_rows_out, x.size(1)), dtype=x.dtype, **options)
+        recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
         recv_x_scales = (None if x_scales is None else
                          torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
         recv_topk_idx = recv_topk_weights = None
@@ -188,15 +242,18 @@ class NativeNormal:
         recv_src_idx = (cached_handle[3] if cached_handle is not None else
                         torch.empty(num_rows_out, dtype=torch.int32, **options))
         send_pos = send_positions(is_token_in_rank)
-        self._C.normal_dispatch(
+        args = self._C.NormalDispatchArgs(
             region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
             scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
             num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
             rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
             recv_x=recv_x.data_ptr(), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
             recv_topk_weights=_ptr(recv_topk_weights),
-            recv_src_idx=0 if cached_handle is not None else recv_src_idx.data_ptr(),
-            num_sms=2 * num_channels, stream=self._stream())
+            recv_src_idx=0 if cached_handle is not None else recv_src_idx.data_ptr(), num_sms=2 * num_channels)
+        if by_copy_engine:
+            self.copy_engine.dispatch(args, host_prefix, self._stream())
+        else:
+            self._C.normal_dispatch(args, self._stream())
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
@@ -216,10 +273,16 @@ class NativeNormal:
                 raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
             combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         bias0, bias1 = (list(biases) + [None, None])[:2]
-        self._C.normal_combine(
+        args = self._C.NormalCombineArgs(
             region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
             num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
             is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=send_positions(is_token_in_rank).data_ptr(),
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
-            combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels, stream=self._stream())
+            combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
+        host_prefix = _host_prefix(rank_prefix_matrix)
+        if (self.copy_engine is not None and host_prefix is not None
+                and self._staging_fits(host_prefix, self._C.NormalStaging.COMBINE, 2 * hidden, 0, num_topk)):
+            self.copy_engine.combine(args, host_prefix, self._stream())
+        else:
+            self._C.normal_combine(args, self._stream())
         return combined_x, combined_topk_weights
