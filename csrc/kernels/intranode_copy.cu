@@ -28,7 +28,7 @@ __global__ void wait_exchange(NormalRegion r, bool sources_arrived, int32_t phas
 }
 
 // Dispatch, before the arrival: the rows for every other rank into this rank's staging.
-__global__ void __launch_bounds__(kThreads) gather_for_peers(NormalDispatchArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispatchArgs a) {
   const NormalRegion& r = a.region;
   if (!wait_destinations_free(r, kNormalDispatchSend)) return;
   __shared__ uint8_t* block[kNormalMaxRanks];
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) gather_for_peers(NormalDispatchArgs 
 
 // Dispatch, after the arrival (beside the pulls): this rank's rows to itself, and the top-k and
 // source index of the pulled rows, read from the peers' staging.
-__global__ void __launch_bounds__(kThreads) receive_own_rows(NormalDispatchArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) receive_own_rows(NormalDispatchArgs 
 
 // Combine, after the arrival: each token's rows, its own straight from x, the others' from the
 // blocks the peers pushed into this rank's staging.
-__global__ void __launch_bounds__(kThreads) reduce_from_staging(NormalCombineArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalCombineRecv)) return;
   __shared__ CombineSources from;
@@ -189,7 +189,7 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kThreads, 0, stream>>>(a);
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   launch_normal_announce_arrival(a.region, stream);
 
@@ -212,7 +212,7 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   }
   UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
 
-  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kThreads, 0, stream>>>(a);
+  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
   launch_normal_announce_freed(a.region, stream);
@@ -247,7 +247,7 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     }
   }
   launch_normal_announce_arrival(a.region, stream);
-  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kThreads, 0, stream>>>(a);
+  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   launch_normal_announce_freed(a.region, stream);
 }

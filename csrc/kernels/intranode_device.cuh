@@ -11,7 +11,9 @@ namespace uccl_ep {
 namespace normal_kernels {
 
 constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / kWarpSize;
+// The copy-engine path's SM kernels (local copies and sums): one block of these per SM they are
+// given, enough warps in flight to cover memory latency.
+constexpr int kWideThreads = 1024;
 constexpr int kBf16PerVector = 8;  // bf16 values in one 16-byte vector
 
 static_assert(kNormalMaxTopk <= kWarpSize, "one lane per top-k entry");
@@ -96,9 +98,10 @@ struct WarpPosition {
 };
 
 __device__ __forceinline__ WarpPosition warp_position() {
+  const int warps_per_block = static_cast<int>(blockDim.x) / kWarpSize;
   return WarpPosition{static_cast<int>(threadIdx.x % kWarpSize),
-                      static_cast<int>(blockIdx.x * kWarps + threadIdx.x / kWarpSize),
-                      static_cast<int>(gridDim.x * kWarps)};
+                      static_cast<int>(blockIdx.x * warps_per_block + threadIdx.x / kWarpSize),
+                      static_cast<int>(gridDim.x * warps_per_block)};
 }
 
 // A warp copies `bytes` (a multiple of 4) through L2: in 16-byte vectors, several loads in flight
@@ -107,7 +110,7 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
   const auto d = reinterpret_cast<uintptr_t>(dst);
   const auto s = reinterpret_cast<uintptr_t>(src);
   if (((d | s | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    constexpr int kUnroll = 4;
+    constexpr int kUnroll = 8;
     const int64_t vectors = bytes / 16;
     const auto* from = reinterpret_cast<const int4*>(src);
     auto* to = reinterpret_cast<int4*>(dst);
@@ -209,18 +212,36 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
   for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
-    for (int64_t v = w.lane; v < vectors; v += kWarpSize) {
-      float sum[kBf16PerVector] = {};
+    // kUnroll vectors per lane at once: their loads from every rank are in flight together.
+    constexpr int kUnroll = 2;
+    for (int64_t v0 = w.lane; v0 < vectors; v0 += kUnroll * kWarpSize) {
+      float sum[kUnroll][kBf16PerVector] = {};
       for (int dst = 0; dst < num_ranks; ++dst) {
         if (!in_rank[dst]) continue;
-        add_bf16_vector(sum, load_l2_16(from.x[dst] + pos[dst] * row_bytes + v * 16));
+        const uint8_t* row = from.x[dst] + pos[dst] * row_bytes;
+        int4 values[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * kWarpSize < vectors) values[u] = load_l2_16(row + (v0 + u * kWarpSize) * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * kWarpSize < vectors) add_bf16_vector(sum[u], values[u]);
+        }
       }
-      if (a.bias0 != nullptr) add_bf16_vector(sum, reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
-      if (a.bias1 != nullptr) add_bf16_vector(sum, reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
-      int4 packed;
-      auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
-      for (int i = 0; i < kBf16PerVector / 2; ++i) out[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
-      reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kWarpSize;
+        if (v >= vectors) continue;
+        if (a.bias0 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
+        if (a.bias1 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
+        int4 packed;
+        auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
+        for (int i = 0; i < kBf16PerVector / 2; ++i) {
+          out[i] = __floats2bfloat162_rn(sum[u][2 * i], sum[u][2 * i + 1]);
+        }
+        reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
+      }
     }
     if (w.lane < a.num_topk) {
       float sum = 0.0f;
