@@ -1,27 +1,13 @@
-"""CPU checks of the native normal mode's host-side pieces: send positions, the data-area byte layout,
-and which build feature the engine choice asks for."""
+"""Checks of the native normal mode's pieces: the send-layout kernel (on one GPU) against the reference
+tables, the data-area byte layout, and which build feature the engine choice asks for."""
 
 import pytest
 import torch
 
 from uccl_ep_plugin import engines
 from uccl_ep_plugin.engines import native
-from uccl_ep_plugin.engines.native.normal import send_positions
+from uccl_ep_plugin.engines.reference.layout import channel_layout
 from uccl_ep_plugin.engines.reference.normal import _routed_pairs
-
-
-def test_send_positions_follow_the_reference_row_order():
-    gen = torch.Generator().manual_seed(5)
-    for num_tokens, num_ranks in ((0, 2), (1, 3), (37, 4)):
-        in_rank = torch.rand((num_tokens, num_ranks), generator=gen) < 0.5
-        positions = send_positions(in_rank)
-        assert positions.dtype == torch.int32 and tuple(positions.shape) == (num_tokens, num_ranks)
-        assert torch.equal(positions < 0, ~in_rank)
-        dst_rank, token = _routed_pairs(in_rank)
-        for rank in range(num_ranks):
-            # The reference sends a rank's tokens in token order: position k is the k-th of them.
-            sent = token[dst_rank == rank]
-            assert torch.equal(positions[sent, rank], torch.arange(sent.numel(), dtype=torch.int32))
 
 
 def _extension_with_normal():
@@ -32,6 +18,37 @@ def _extension_with_normal():
     if "normal_nvlink" not in _C.build_info()["features"]:
         pytest.skip("this build has no normal_nvlink (CPU-only build)")
     return _C
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_send_layout_kernel_matches_the_reference_tables():
+    ext = _extension_with_normal()
+    device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(5)
+    poison = -7
+    for num_tokens, num_ranks, num_channels in ((0, 2, 3), (1, 3, 10), (37, 4, 5), (1000, 2, 1), (4113, 8, 24),
+                                                (2050, 5, 2048)):
+        in_rank = (torch.rand((num_tokens, num_ranks), generator=gen) < 0.6).to(device)
+        send_pos, send_head = (torch.full((num_tokens, num_ranks), poison, dtype=torch.int32, device=device)
+                               for _ in range(2))
+        prefix = torch.full((num_ranks, num_channels), poison, dtype=torch.int32, device=device)
+        ext.normal_send_layout(is_token_in_rank=in_rank.data_ptr(), num_tokens=num_tokens, num_ranks=num_ranks,
+                               num_channels=num_channels, send_pos=send_pos.data_ptr(),
+                               channel_prefix_matrix=prefix.data_ptr(), send_head=send_head.data_ptr(),
+                               stream=torch.cuda.current_stream(device).cuda_stream)
+        torch.cuda.synchronize(device)
+        tag = f"N={num_tokens} R={num_ranks} C={num_channels}"
+        want_prefix, want_head = channel_layout(in_rank.cpu(), num_channels)
+        assert torch.equal(prefix.cpu(), want_prefix.to(torch.int32)), tag
+        assert torch.equal(send_head.cpu(), want_head.to(torch.int32)), tag
+        positions = send_pos.cpu()
+        assert torch.equal(positions < 0, ~in_rank.cpu()), tag
+        dst_rank, token = _routed_pairs(in_rank.cpu())
+        for rank in range(num_ranks):
+            # The reference sends a rank's tokens in token order: position k is the k-th of them.
+            sent = token[dst_rank == rank]
+            assert torch.equal(positions[sent, rank], torch.arange(sent.numel(), dtype=torch.int32)), tag
 
 
 def test_data_area_fields_are_16_byte_aligned_arrays():

@@ -31,6 +31,65 @@ __global__ void announce_freed(NormalRegion r) {
   }
 }
 
+// ------------------------------------------------------------------------------ send layout
+// One block per rank scans that rank's column of is_token_in_rank: a token's position among the
+// tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
+// (channel_prefix_matrix), and the position within its channel (send_head).
+__global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs a) {
+  const int rank = blockIdx.x, num_ranks = a.num_ranks;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int64_t per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
+  __shared__ int32_t warp_totals[kWideThreads / kWarpSize];
+  int32_t carry = 0;  // tokens sent to `rank` before this chunk (the same in every thread)
+  for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
+    const int64_t token = first + threadIdx.x;
+    const int32_t sent = token < a.num_tokens && a.is_token_in_rank[token * num_ranks + rank] ? 1 : 0;
+    int32_t inclusive = sent;
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+      const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += below;
+    }
+    if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t total = lane < num_warps ? warp_totals[lane] : 0;
+      for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+        const int32_t below = __shfl_up_sync(0xffffffffu, total, offset);
+        if (lane >= offset) total += below;
+      }
+      if (lane < num_warps) warp_totals[lane] = total;
+    }
+    __syncthreads();
+    const int32_t before = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - sent;
+    if (token < a.num_tokens) {
+      a.send_pos[token * num_ranks + rank] = sent ? before : -1;
+      const bool channel_ends = (token + 1) % per_channel == 0 || token == a.num_tokens - 1;
+      if (a.channel_prefix_matrix != nullptr && channel_ends) {
+        a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + token / per_channel] = before + sent;
+      }
+    }
+    carry += warp_totals[num_warps - 1];
+    __syncthreads();  // warp_totals is reused
+  }
+  if (a.channel_prefix_matrix == nullptr) return;
+  // Channels whose token range starts past the last token (their range is empty) end at the total.
+  for (int channel = threadIdx.x; channel < a.num_channels; channel += blockDim.x) {
+    if (channel * per_channel >= a.num_tokens) {
+      a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + channel] = carry;
+    }
+  }
+  if (a.send_head == nullptr) return;
+  __syncthreads();  // the channel ends above are visible to the whole block
+  for (int64_t token = threadIdx.x; token < a.num_tokens; token += blockDim.x) {
+    const int32_t pos = a.send_pos[token * num_ranks + rank];
+    const int64_t channel = token / per_channel;
+    const int32_t channel_start =
+        channel > 0 ? a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + channel - 1] : 0;
+    a.send_head[token * num_ranks + rank] = pos < 0 ? -1 : pos - channel_start;
+  }
+}
+
 // ------------------------------------------------------------------------------ notify
 __global__ void __launch_bounds__(kThreads) notify_dispatch_send(NormalNotifyArgs a) {
   const NormalRegion& r = a.region;
@@ -268,6 +327,19 @@ void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stre
 
 void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream) {
   normal_kernels::announce_freed<<<1, kNormalMaxRanks, 0, stream>>>(region);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream) {
+  require(args.num_ranks >= 1 && args.num_ranks <= kNormalMaxRanks,
+          "num_ranks must be in [1, " + std::to_string(kNormalMaxRanks) + "], got " + std::to_string(args.num_ranks));
+  require(args.num_tokens >= 0, "num_tokens must be >= 0");
+  require(args.num_channels >= 1, "num_channels must be >= 1");
+  require(args.num_tokens == 0 || (args.is_token_in_rank != nullptr && args.send_pos != nullptr),
+          "is_token_in_rank and send_pos are required");
+  require(args.send_head == nullptr || args.channel_prefix_matrix != nullptr,
+          "send_head needs channel_prefix_matrix");
+  normal_kernels::send_layout<<<args.num_ranks, normal_kernels::kWideThreads, 0, stream>>>(args);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 

@@ -144,6 +144,20 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_staging_offset(NormalStaging kind, con
   return offset;
 }
 
+// What a rank sends, from is_token_in_rank [N, R]: send_pos [N, R] (a token's position among the
+// tokens sent to that rank, -1 if not sent). Optionally DeepEP's per-channel tables (tokens split
+// into num_channels ranges of ceil(N / C)): channel_prefix_matrix [R, C] (tokens sent to each rank
+// from channels 0..c) and send_head [N, R] (position within its channel's tokens for that rank).
+struct NormalSendLayoutArgs {
+  const bool* is_token_in_rank;
+  int64_t num_tokens;
+  int32_t num_ranks;
+  int32_t num_channels;
+  int32_t* send_pos;
+  int32_t* channel_prefix_matrix;  // or null
+  int32_t* send_head;              // or null; needs channel_prefix_matrix
+};
+
 struct NormalNotifyArgs {
   NormalRegion region;
   const int32_t* num_tokens_per_rank;    // [R]
@@ -200,6 +214,7 @@ struct NormalCombineArgs {
 
 // Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument before any
 // launch, GpuError if a launch fails.
+void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream);
 void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);

@@ -124,6 +124,19 @@ void bind_normal(py::module_& m) {
       },
       py::arg("rows"), py::arg("x_row_bytes"), py::arg("num_topk"),
       "Bytes of the data area a combine returning `rows` rows needs.");
+  m.def(
+      "normal_send_layout",
+      [](std::uintptr_t is_token_in_rank, int64_t num_tokens, int32_t num_ranks, int32_t num_channels,
+         std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix, std::uintptr_t send_head, std::uintptr_t stream) {
+        const uccl_ep::NormalSendLayoutArgs args{ptr<const bool>(is_token_in_rank), num_tokens, num_ranks, num_channels,
+                                                 ptr<int32_t>(send_pos), ptr<int32_t>(channel_prefix_matrix),
+                                                 ptr<int32_t>(send_head)};
+        uccl_ep::launch_normal_send_layout(args, as_stream(stream));
+      },
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("num_channels"),
+      py::arg("send_pos"), py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Enqueue send_pos [N, R] and, when given, channel_prefix_matrix [R, C] and send_head [N, R].");
   m.def("normal_notify_slot_ints", &uccl_ep::normal_notify_slot_ints, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"));
   m.def("notify_dispatch", &notify_dispatch, py::arg("region"), py::arg("num_tokens_per_rank"),

@@ -21,7 +21,7 @@ import torch
 
 from ...dispatch_config import MAX_TOPK
 from ..reference.collectives import CommTimeoutError
-from ..reference.layout import channel_layout, rank_matrix
+from ..reference.layout import rank_matrix
 from ..reference.normal import DispatchResult
 
 _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
@@ -63,12 +63,6 @@ def exchange_bytes(extension, rows: int, hidden: int, num_topk: int) -> int:
 
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.data_ptr()
-
-
-def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """int32 ``[N, R]``: a token's position among this rank's tokens for each rank, -1 where it is not sent."""
-    running = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
-    return torch.where(is_token_in_rank, running, torch.full_like(running, -1)).contiguous()
 
 
 class NativeNormal:
@@ -133,20 +127,37 @@ class NativeNormal:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
+    def _send_layout(self, is_token_in_rank: torch.Tensor, num_channels: int = 0):
+        """send_pos [N, R]; with num_channels, also (channel_prefix_matrix [R, C], send_head [N, R])."""
+        num_tokens = is_token_in_rank.size(0)
+        options = dict(dtype=torch.int32, device=self.device)
+        send_pos = torch.empty((num_tokens, self.num_ranks), **options)
+        channel_prefix_matrix = send_head = None
+        if num_channels:
+            channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
+            send_head = torch.empty((num_tokens, self.num_ranks), **options)
+        self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
+                                   num_ranks=self.num_ranks, num_channels=max(num_channels, 1),
+                                   send_pos=send_pos.data_ptr(), channel_prefix_matrix=_ptr(channel_prefix_matrix),
+                                   send_head=_ptr(send_head), stream=self._stream())
+        return send_pos, channel_prefix_matrix, send_head
+
     # ------------------------------------------------------------------ operations
     def _notify(self, num_tokens_per_rank: torch.Tensor, channel_prefix_matrix: torch.Tensor,
                 num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rank_prefix_matrix, recv_channel_prefix_matrix and received tokens per local expert (aligned)."""
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(counts, recv_channel_prefix_matrix)``: counts holds rank_prefix_matrix (flattened), then the
+        tokens each local expert receives (aligned), so one copy brings both to the host."""
         num_channels = channel_prefix_matrix.size(1)
         local_experts = num_tokens_per_expert.numel() // self.num_ranks
         slot_bytes = 4 * self._C.normal_notify_slot_ints(self.num_ranks, num_channels, local_experts)
         self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
                          self.num_ranks * slot_bytes)
         options = dict(dtype=torch.int32, device=self.device)
-        rank_prefix_matrix = torch.empty((self.num_ranks, self.num_ranks), **options)
+        counts = torch.empty(self.num_ranks ** 2 + local_experts, **options)
+        rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
+        recv_tokens_per_expert = counts[self.num_ranks ** 2:]
         recv_channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
-        recv_tokens_per_expert = torch.empty(local_experts, **options)
         self._C.notify_dispatch(
             region=self.region, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
             channel_prefix_matrix=channel_prefix_matrix.data_ptr(),
@@ -155,7 +166,7 @@ class NativeNormal:
             rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
             recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
             recv_tokens_per_expert=recv_tokens_per_expert.data_ptr(), stream=self._stream())
-        return rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert
+        return counts, recv_channel_prefix_matrix
 
     def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
                         hidden: int, num_topk: int) -> None:
@@ -210,24 +221,25 @@ class NativeNormal:
                 # num_ranks times that (no receiver took more from it).
                 self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
                                      scale_row_bytes, hidden, num_topk)
-            channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
-            rank_prefix_matrix, recv_channel_prefix_matrix, recv_tokens_per_expert = self._notify(
+            send_pos, channel_prefix_matrix, send_head = self._send_layout(is_token_in_rank, num_channels)
+            counts, recv_channel_prefix_matrix = self._notify(
                 num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
                 num_worst_tokens)
+            rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
             if num_worst_tokens > 0:
                 num_rows_out = num_worst_tokens
             else:
                 # The one host sync: the counts size the outputs.
-                on_host = torch.cat([rank_prefix_matrix.flatten(), recv_tokens_per_expert]).cpu()
+                on_host = counts.cpu().tolist()
                 self.check()
-                host_prefix = on_host[:self.num_ranks ** 2].tolist()
-                counts = rank_matrix(on_host[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks))
-                num_rows_out = int(counts[:, self.rank].sum())
-                num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:].tolist()
+                host_prefix = on_host[:self.num_ranks ** 2]
+                num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
+                num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
                 by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
                 if by_copy_engine:
                     setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
                 else:
+                    counts = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
                     self._check_rows_fit(int(counts.sum(0).max()), int(counts.sum(1).max()), x_row_bytes,
                                          scale_row_bytes, hidden, num_topk)
 
@@ -241,7 +253,8 @@ class NativeNormal:
             recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
         recv_src_idx = (cached_handle[3] if cached_handle is not None else
                         torch.empty(num_rows_out, dtype=torch.int32, **options))
-        send_pos = send_positions(is_token_in_rank)
+        if cached_handle is not None:
+            send_pos = self._send_layout(is_token_in_rank)[0]
         args = self._C.NormalDispatchArgs(
             region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
             scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
@@ -276,7 +289,7 @@ class NativeNormal:
         args = self._C.NormalCombineArgs(
             region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
             num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
-            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=send_positions(is_token_in_rank).data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_layout(is_token_in_rank)[0].data_ptr(),
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
             combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
         host_prefix = _host_prefix(rank_prefix_matrix)
