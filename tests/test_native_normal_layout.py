@@ -59,7 +59,7 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     # 3 rows of 32 bytes, 2 weights each: 96 + 32 (24)
     assert ext.normal_combine_area_bytes(3, 32, 2) == 96 + 32
     assert ext.normal_notify_slot_ints(2, 10, 144) == 156
-    assert ext.NORMAL_CONTROL_BYTES == 2 * 8 * ext.NORMAL_MAX_RANKS
+    assert ext.NORMAL_CONTROL_BYTES == 3 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk words
 
 
 class _FakeExtension:

@@ -3,7 +3,8 @@
 //
 // Every rank's buffer (num_nvl_bytes) is a control area of kNormalControlBytes, then a data area.
 // Control area: uint64 arrived[kNormalMaxRanks] (indexed by the writing source), then uint64
-// freed[kNormalMaxRanks] (indexed by the rank that finished reading).
+// freed[kNormalMaxRanks] (indexed by the rank that finished reading), then uint64
+// chunks[kNormalMaxRanks] (indexed by the source: the copy-engine combine's pushed chunks).
 //
 // All normal-mode traffic is a sequence of exchanges (notify, dispatch, combine) that every rank
 // runs in the same order. Exchange number e (from 1) is its epoch, counted on the device
@@ -33,7 +34,11 @@ namespace uccl_ep {
 
 constexpr int kNormalMaxRanks = 256;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
-constexpr int64_t kNormalControlBytes = 2 * kNormalMaxRanks * sizeof(uint64_t);
+constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
+// The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
+constexpr int kNormalCombineChunks = 4;
+// A chunk word holds epoch * kNormalChunkStride + chunks landed (monotonic over exchanges).
+constexpr uint64_t kNormalChunkStride = 64;
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
 constexpr int kNormalExchangesWord = 0;
 constexpr int kNormalAbortedWord = 2;

@@ -2,6 +2,7 @@
 // are in intranode_copy.h).
 #include "kernels/intranode_copy.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -31,6 +32,11 @@ __global__ void wait_exchange(NormalRegion r, bool sources_arrived, int32_t phas
 __global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispatchArgs a) {
   const NormalRegion& r = a.region;
   if (!wait_destinations_free(r, kNormalDispatchSend)) return;
+  // The host checks the same counts before it pulls; here only: gather nothing that would not fit.
+  if (normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix, r.num_ranks, r.rank, r.num_ranks,
+                            dispatch_row_bytes(a)) > r.data_bytes) {
+    return;
+  }
   __shared__ uint8_t* block[kNormalMaxRanks];
   __shared__ NormalDispatchArea area[kNormalMaxRanks];
   for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
@@ -93,29 +99,53 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
   }
 }
 
-// Combine, after the arrival: each token's rows, its own straight from x, the others' from the
-// blocks the peers pushed into this rank's staging.
+// Combine: a pushed chunk has landed in `owner`'s staging (stream order: after its copies).
+__global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r) + 1;  // this exchange's arrival comes after its last chunk
+  store_release_system(chunk_word(r, owner, r.rank), epoch * kNormalChunkStride + chunk + 1);
+}
+
+// Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
+// into this rank's staging, summed as soon as the chunks holding them have landed.
 __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a) {
   const NormalRegion& r = a.region;
-  if (!wait_sources_arrived(r, kNormalCombineRecv)) return;
+  const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
+  __shared__ int64_t chunk_rows[kNormalMaxRanks];
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
-  for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
-    if (dst == r.rank) {
-      const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, r.num_ranks, r.rank, r.rank);
+  for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+    const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
+    chunk_rows[dst] = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+    if (dst == me) {
+      const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
       from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
       from.topk_weights[dst] = a.topk_weights + own_first * a.num_topk;
     } else {
-      const uint8_t* base = data_area(r, r.rank) + normal_staging_offset(NormalStaging::kCombine, a.rank_prefix_matrix,
-                                                                          r.num_ranks, r.rank, dst, combine_row_bytes(a));
-      const NormalCombineArea area =
-          normal_combine_area(normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst), row_bytes, a.num_topk);
+      const uint8_t* base = data_area(r, me) + normal_staging_offset(NormalStaging::kCombine, a.rank_prefix_matrix,
+                                                                      num_ranks, me, dst, combine_row_bytes(a));
+      const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
       from.x[dst] = base + area.x;
       from.topk_weights[dst] = reinterpret_cast<const float*>(base + area.topk_weights);
     }
   }
   __syncthreads();
-  reduce_combined_tokens(a, from);
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r);  // this rank announced its arrival before this kernel
+  reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
+    int ready = 1;
+    if (lane == 0) {
+      for (int dst = 0; dst < num_ranks && ready; ++dst) {
+        if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
+        const uint64_t chunk = a.send_pos[token * num_ranks + dst] / chunk_rows[dst];
+        ready = wait_at_least(r, chunk_word(r, me, dst), epoch * kNormalChunkStride + chunk + 1, kNormalCombineRecv,
+                              dst);
+      }
+    }
+    ready = __shfl_sync(0xffffffffu, ready, 0);
+    __syncwarp();
+    return ready != 0;
+  });
 }
 
 }  // namespace normal_kernels
@@ -177,7 +207,20 @@ void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vecto
           "rank_prefix_matrix must have num_ranks * num_ranks entries");
 }
 
-void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
+void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, gpuStream_t stream) {
+  check_normal_dispatch_args(a);
+  require(side_ != nullptr, "this NormalCopyEngine was released");
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  launch_normal_announce_arrival(a.region, stream);
+}
+
+void NormalCopyEngine::abandon_dispatch(const NormalRegion& region, gpuStream_t stream) {
+  launch_normal_announce_freed(region, stream);
+}
+
+void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
+                                        gpuStream_t stream) {
   check_normal_dispatch_args(a);
   check_usable(a.region, prefix);
   const int num_ranks = a.region.num_ranks, me = a.region.rank;
@@ -189,10 +232,6 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-  launch_normal_announce_arrival(a.region, stream);
-
   UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
   normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, side_>>>(a.region, true, kNormalDispatchRecv);
@@ -218,6 +257,12 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   launch_normal_announce_freed(a.region, stream);
 }
 
+void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
+  check_usable(a.region, prefix);
+  dispatch_send(a, stream);
+  dispatch_receive(a, prefix, stream);
+}
+
 void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
   check_normal_combine_args(a);
   check_usable(a.region, prefix);
@@ -233,17 +278,28 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   }
   normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, stream>>>(a.region, false, kNormalCombineSend);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  for (int owner = 0; owner < num_ranks; ++owner) {
-    const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
-    if (owner == me || rows == 0) continue;
-    const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me);
-    uint8_t* block =
-        staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
-    const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
-    copy_async(block + area.x, static_cast<const uint8_t*>(a.x) + first * row_bytes, rows * row_bytes, stream);
-    if (a.num_topk > 0) {
-      copy_async(block + area.topk_weights, a.topk_weights + first * a.num_topk,
-                 rows * a.num_topk * static_cast<int64_t>(sizeof(float)), stream);
+  // Chunk by chunk, every owner's first chunk before anyone's second: the sums start early everywhere.
+  for (int chunk = 0; chunk < kNormalCombineChunks; ++chunk) {
+    for (int owner = 0; owner < num_ranks; ++owner) {
+      const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
+      const int64_t chunk_rows = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+      const int64_t begin = chunk * chunk_rows;
+      if (owner == me || begin >= rows) continue;
+      const int64_t count = std::min(chunk_rows, rows - begin);
+      const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me) + begin;
+      uint8_t* block =
+          staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
+      const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
+      copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + first * row_bytes,
+                 count * row_bytes, stream);
+      if (a.num_topk > 0) {
+        const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
+        copy_async(block + area.topk_weights + begin * weight_bytes,
+                   reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk), count * weight_bytes,
+                   stream);
+      }
+      normal_kernels::announce_chunk<<<1, 1, 0, stream>>>(a.region, owner, chunk);
+      UCCL_EP_GPU_CHECK(gpu_last_error());
     }
   }
   launch_normal_announce_arrival(a.region, stream);

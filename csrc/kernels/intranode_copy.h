@@ -10,8 +10,10 @@
 //     recv_x_scales, one copy each per peer, while SMs copy this rank's own rows and the pulled
 //     rows' top-k and source index (small) from the peers' staging; freed follows both.
 //   combine: wait until every rank freed the previous exchange, push the rows received from each
-//     peer (a contiguous block of x) and their top-k weights back into that peer's staging,
-//     announce arrival; SMs then sum each token's rows (its own straight from x), then freed.
+//     peer (a contiguous block of x) and their top-k weights back into that peer's staging in
+//     kNormalCombineChunks chunks, each announced in the peer's chunk word, then announce arrival;
+//     SMs sum each token's rows (its own straight from x) once the chunks holding them have
+//     landed, then freed.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +31,18 @@ class NormalCopyEngine {
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
 
-  // rank_prefix_matrix_host: the [R, R] matrix of args.rank_prefix_matrix, read on the host.
-  // args.num_rows_out must be the rows this rank receives (no padding). Enqueued on `stream`.
+  // A dispatch in two halves, so the gather runs while the host reads the counts:
+  //  - dispatch_send: the gather and the arrival, from args.rank_prefix_matrix on the device (the
+  //    output pointers are not used yet). A rank whose staging would not fit gathers nothing.
+  //  - then exactly one of dispatch_receive (the pulls and own rows; rank_prefix_matrix_host is the
+  //    [R, R] matrix read on the host, args.num_rows_out the rows this rank receives) or
+  //    abandon_dispatch (every rank alike, when the host decided against this path: the exchange
+  //    ends with nothing read).
+  // dispatch does both halves (a cached dispatch: its counts are known on the host already).
+  void dispatch_send(const NormalDispatchArgs& args, gpuStream_t stream);
+  void dispatch_receive(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
+                        gpuStream_t stream);
+  void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.

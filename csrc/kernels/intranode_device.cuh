@@ -33,6 +33,11 @@ __device__ __forceinline__ uint64_t* freed_word(const NormalRegion& r, int rank,
   return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + kNormalMaxRanks + reader;
 }
 
+// In `rank`'s control area: the chunks `src` pushed to it (epoch * kNormalChunkStride + chunks).
+__device__ __forceinline__ uint64_t* chunk_word(const NormalRegion& r, int rank, int src) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + 2 * kNormalMaxRanks + src;
+}
+
 __device__ __forceinline__ uint64_t exchanges_done(const NormalRegion& r) {
   return *reinterpret_cast<const volatile uint64_t*>(r.control + kNormalExchangesWord);
 }
@@ -204,7 +209,11 @@ __device__ __forceinline__ void add_bf16_vector(float (&sum)[kBf16PerVector], in
 }
 
 // A warp per token sums its rows like the reference: from 0, ranks in order, then the biases.
-__device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& a, const CombineSources& from) {
+// `rows_ready(token, lane)` (the whole warp calls it) waits until the token's rows have landed;
+// false stops the warp (a failure was recorded).
+template <typename RowsReady>
+__device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& a, const CombineSources& from,
+                                                       RowsReady rows_ready) {
   const int num_ranks = a.region.num_ranks;
   const WarpPosition w = warp_position();
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
@@ -212,6 +221,7 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
   for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
+    if (!rows_ready(token, w.lane)) return;
     // kUnroll vectors per lane at once: their loads from every rank are in flight together.
     constexpr int kUnroll = 2;
     for (int64_t v0 = w.lane; v0 < vectors; v0 += kUnroll * kWarpSize) {

@@ -200,6 +200,25 @@ void bind_normal(py::module_& m) {
             self.combine(args, rank_prefix_matrix, as_stream(stream));
           },
           py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "dispatch_send",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
+            self.dispatch_send(args, as_stream(stream));
+          },
+          py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "dispatch_receive",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.dispatch_receive(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abandon_dispatch",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t stream) {
+            self.abandon_dispatch(region, as_stream(stream));
+          },
+          py::arg("region"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // UCCL_EP_WITH_CUDA

@@ -84,6 +84,7 @@ class NativeNormal:
             peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
             data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
         self.copy_engine = None
+        self._pinned_counts: Optional[torch.Tensor] = None   # where dispatches read their counts
         if copy_mode() == "engine":
             self.copy_engine = extension.NormalCopyEngine(
                 device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
@@ -117,6 +118,7 @@ class NativeNormal:
         if self.copy_engine is not None:
             self.copy_engine.release()
             self.copy_engine = None
+        self._pinned_counts = None
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -193,6 +195,19 @@ class NativeNormal:
                 and self._staging_fits(host_prefix, staging.DISPATCH, x_row_bytes, scale_row_bytes, num_topk)
                 and self._staging_fits(host_prefix, staging.COMBINE, 2 * hidden, 0, num_topk))
 
+    def _read_counts(self, counts: torch.Tensor, while_copying) -> List[int]:
+        """``counts`` on the host: the one host sync of a dispatch. ``while_copying()`` enqueues work that
+        runs after the copy on the stream, while the host waits for the copy only."""
+        if self._pinned_counts is None or self._pinned_counts.numel() < counts.numel():
+            self._pinned_counts = torch.empty(counts.numel(), dtype=torch.int32, pin_memory=True)
+        on_host = self._pinned_counts[:counts.numel()]
+        on_host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        while_copying()
+        copied.synchronize()
+        return on_host.tolist()
+
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
@@ -207,13 +222,26 @@ class NativeNormal:
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         num_recv_tokens_per_expert_list = []
         local_experts = 0
-        host_prefix, by_copy_engine = None, False
+
+        def arguments(rank_prefix_matrix, send_pos, num_rows_out=0, outputs=(None,) * 5):
+            recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+            return self._C.NormalDispatchArgs(
+                region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
+                scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+                num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
+                rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
+                recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
+                recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
+                num_sms=2 * num_channels)
+
+        host_prefix, by_copy_engine, gathered = None, False, False
         if cached_handle is not None:
             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
                 cached_handle
             num_rows_out = cached_src_idx.size(0)
             host_prefix = _host_prefix(rank_prefix_matrix)
             by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+            send_pos = self._send_layout(is_token_in_rank)[0]
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
             if num_worst_tokens > 0:
@@ -229,8 +257,14 @@ class NativeNormal:
             if num_worst_tokens > 0:
                 num_rows_out = num_worst_tokens
             else:
-                # The one host sync: the counts size the outputs.
-                on_host = counts.cpu().tolist()
+                # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
+                gathered = self.copy_engine is not None
+
+                def gather() -> None:
+                    if gathered:
+                        self.copy_engine.dispatch_send(arguments(rank_prefix_matrix, send_pos), self._stream())
+
+                on_host = self._read_counts(counts, gather)
                 self.check()
                 host_prefix = on_host[:self.num_ranks ** 2]
                 num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
@@ -239,8 +273,10 @@ class NativeNormal:
                 if by_copy_engine:
                     setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
                 else:
-                    counts = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
-                    self._check_rows_fit(int(counts.sum(0).max()), int(counts.sum(1).max()), x_row_bytes,
+                    if gathered:   # every rank decided alike: end the gather's exchange, nothing pulled
+                        self.copy_engine.abandon_dispatch(self.region, self._stream())
+                    sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
+                    self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
                                          scale_row_bytes, hidden, num_topk)
 
         options = dict(device=self.device)
@@ -253,17 +289,12 @@ class NativeNormal:
             recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
         recv_src_idx = (cached_handle[3] if cached_handle is not None else
                         torch.empty(num_rows_out, dtype=torch.int32, **options))
-        if cached_handle is not None:
-            send_pos = self._send_layout(is_token_in_rank)[0]
-        args = self._C.NormalDispatchArgs(
-            region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
-            scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
-            rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
-            recv_x=recv_x.data_ptr(), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
-            recv_topk_weights=_ptr(recv_topk_weights),
-            recv_src_idx=0 if cached_handle is not None else recv_src_idx.data_ptr(), num_sms=2 * num_channels)
-        if by_copy_engine:
+        args = arguments(rank_prefix_matrix, send_pos, num_rows_out,
+                         (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                          None if cached_handle is not None else recv_src_idx))
+        if by_copy_engine and gathered:
+            self.copy_engine.dispatch_receive(args, host_prefix, self._stream())
+        elif by_copy_engine:
             self.copy_engine.dispatch(args, host_prefix, self._stream())
         else:
             self._C.normal_dispatch(args, self._stream())
