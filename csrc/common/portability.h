@@ -54,6 +54,9 @@ inline const char* gpu_error_name(gpuError_t err) { return hipGetErrorName(err);
 inline const char* gpu_error_string(gpuError_t err) { return hipGetErrorString(err); }
 inline gpuError_t gpu_set_device(int device) { return hipSetDevice(device); }
 inline gpuError_t gpu_get_device(int* device) { return hipGetDevice(device); }
+inline gpuError_t gpu_multiprocessor_count(int* count, int device) {
+  return hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device);
+}
 inline gpuError_t gpu_stream_create_nonblocking(gpuStream_t* stream) {
   return hipStreamCreateWithFlags(stream, hipStreamNonBlocking);
 }
@@ -79,6 +82,9 @@ inline const char* gpu_error_name(gpuError_t err) { return cudaGetErrorName(err)
 inline const char* gpu_error_string(gpuError_t err) { return cudaGetErrorString(err); }
 inline gpuError_t gpu_set_device(int device) { return cudaSetDevice(device); }
 inline gpuError_t gpu_get_device(int* device) { return cudaGetDevice(device); }
+inline gpuError_t gpu_multiprocessor_count(int* count, int device) {
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
 inline gpuError_t gpu_stream_create_nonblocking(gpuStream_t* stream) {
   return cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking);
 }

@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
 // Combine: a pushed chunk has landed in `owner`'s staging (stream order: after its copies).
 __global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
   if (aborted(r)) return;
-  const uint64_t epoch = exchanges_done(r) + 1;  // this exchange's arrival comes after its last chunk
+  const uint64_t epoch = exchanges_done(r);  // the arrival, announced before the pushes, counted it
   store_release_system(chunk_word(r, owner, r.rank), epoch * kNormalChunkStride + chunk + 1);
 }
 
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
   }
   __syncthreads();
   if (aborted(r)) return;
-  const uint64_t epoch = exchanges_done(r);  // this rank announced its arrival before this kernel
+  const uint64_t epoch = exchanges_done(r);  // counted by the arrival before this kernel
   reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
     int ready = 1;
     if (lane == 0) {
@@ -175,7 +175,10 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
-  gpuError_t status = gpu_stream_create_nonblocking(&side_);
+  int sms = 0;
+  gpuError_t status = gpu_multiprocessor_count(&sms, device_);
+  max_busy_sms_ = sms > 2 ? sms - 2 : 1;
+  if (status == kGpuSuccess) status = gpu_stream_create_nonblocking(&side_);
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
   if (status == kGpuSuccess) status = gpu_event_create(&join_);
   if (status != kGpuSuccess) release();
@@ -278,6 +281,11 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   }
   normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, stream>>>(a.region, false, kNormalCombineSend);
   UCCL_EP_GPU_CHECK(gpu_last_error());
+  // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
+  // first: the pushes on the side stream and the sums on this one then share its epoch.
+  launch_normal_announce_arrival(a.region, stream);
+  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
   // Chunk by chunk, every owner's first chunk before anyone's second: the sums start early everywhere.
   for (int chunk = 0; chunk < kNormalCombineChunks; ++chunk) {
     for (int owner = 0; owner < num_ranks; ++owner) {
@@ -291,20 +299,23 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
           staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
       const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
       copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + first * row_bytes,
-                 count * row_bytes, stream);
+                 count * row_bytes, side_);
       if (a.num_topk > 0) {
         const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
         copy_async(block + area.topk_weights + begin * weight_bytes,
                    reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk), count * weight_bytes,
-                   stream);
+                   side_);
       }
-      normal_kernels::announce_chunk<<<1, 1, 0, stream>>>(a.region, owner, chunk);
+      normal_kernels::announce_chunk<<<1, 1, 0, side_>>>(a.region, owner, chunk);
       UCCL_EP_GPU_CHECK(gpu_last_error());
     }
   }
-  launch_normal_announce_arrival(a.region, stream);
-  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
+  // Its warps wait for chunks that one-thread kernels announce: leave SMs for those.
+  normal_kernels::reduce_from_staging<<<std::min(a.num_sms, max_busy_sms_), normal_kernels::kWideThreads, 0,
+                                        stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
   launch_normal_announce_freed(a.region, stream);
 }
 

@@ -56,6 +56,7 @@ class NormalCopyEngine {
   uint8_t* staging(int owner) const;
 
   int device_;
+  int max_busy_sms_ = 1;  // blocks a waiting kernel may take, SMs left for the one-thread announcements
   std::vector<std::uintptr_t> peer_bases_;
   gpuStream_t side_ = nullptr;  // the pulls, beside the SMs' own-row copies
   gpuEvent_t fork_ = nullptr;
