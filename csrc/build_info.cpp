@@ -61,6 +61,9 @@ BuildInfo get_build_info() {
   info.features.push_back("cuda_copy_transport");
   info.features.push_back("tcp_device_memory");
 #endif
+#if defined(UCCL_EP_WITH_CUDA)
+  info.features.push_back("normal_nvlink");  // csrc/kernels/intranode.cu: CUDA only so far
+#endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");
   info.features.push_back("proxy");

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from . import engines
 from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
-from .engines.native import LOW_LATENCY_OPERATIONS, NativeEngine
+from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
+from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
@@ -133,12 +134,12 @@ class Buffer:
                         if self.device.type == "cuda" and
                         any(engine == "native" and op not in choice.reasons
                             for op, engine in choice.by_operation.items()) else None)
-        if self._native is not None and low_latency_mode and num_rdma_bytes > 0 and all(
-                choice.by_operation[op] == "native" and op not in choice.reasons for op in LOW_LATENCY_OPERATIONS):
-            for op, why in self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes, timeout_s).items():
-                choice.reasons[op] = why
-                if choice.mode != "native":
-                    choice.by_operation[op] = "reference"
+        if self._native is not None and self._all_native(choice, NORMAL_OPERATIONS):
+            self._mark_unserved(choice, self._native.setup_normal(self.group, self.rank, num_nvl_bytes, timeout_s))
+        if self._native is not None and low_latency_mode and num_rdma_bytes > 0 and self._all_native(
+                choice, LOW_LATENCY_OPERATIONS):
+            self._mark_unserved(choice, self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes,
+                                                                       timeout_s))
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
@@ -154,7 +155,9 @@ class Buffer:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._nvl_buffer = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        native_normal_buffer = None if self._native is None else self._native.normal_buffer
+        self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
+                            else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
         native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
         self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
                              else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
@@ -163,6 +166,20 @@ class Buffer:
         self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
                          else None)
         self._destroyed = False
+        self._warned_normal_fallback = False
+
+    @staticmethod
+    def _all_native(choice: engines.EngineChoice, operations) -> bool:
+        return all(choice.by_operation[op] == "native" and op not in choice.reasons for op in operations)
+
+    @staticmethod
+    def _mark_unserved(choice: engines.EngineChoice, reasons: dict) -> None:
+        """Record why the native engine cannot serve some operations after all: they fall back to the
+        reference engine, or with UCCL_EP_ENGINE=native stay native and raise when called."""
+        for op, why in reasons.items():
+            choice.reasons[op] = why
+            if choice.mode != "native":
+                choice.by_operation[op] = "reference"
 
     # ------------------------------------------------------------------ lifecycle and queries
     def destroy(self) -> None:
@@ -170,8 +187,8 @@ class Buffer:
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
                                "released when the Buffer is garbage-collected")
-        if self._native_low_latency() is not None:
-            # Peers map this rank's buffer: all of them finish with it before anyone frees theirs.
+        if self._native is not None and self._native.maps_peer_memory:
+            # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
             torch.cuda.synchronize(self.device)
             self._reference.barrier("destroy")
         self._release()
@@ -272,6 +289,16 @@ class Buffer:
             return self._native
         return self._reference
 
+    def _engine_serving(self, handle, engine):
+        """The engine for a call with ``handle``: the one that made it, where the handle says."""
+        return self._reference if getattr(handle, "served_by", None) == self._reference.name else engine
+
+    def _warn_normal_fallback(self, error: Exception) -> None:
+        if not self._warned_normal_fallback:
+            self._warned_normal_fallback = True
+            warnings.warn(f"uccl_ep_plugin: {error}; the reference engine (slow) serves such dispatches and their "
+                          "combines", RuntimeWarning, stacklevel=3)
+
     def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool,
                use_comm_stream: bool = True) -> StreamScope:
         check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
@@ -355,13 +382,20 @@ class Buffer:
                 raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
             check_same_device(self.device, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                               num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        if cached is not None:
+            engine = self._engine_serving(handle, engine)
+        arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+                         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                         num_channels=config.num_channels, cached_handle=cached)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            result = engine.dispatch(x_data, x_scales, is_token_in_rank=is_token_in_rank,
-                                     num_tokens_per_rank=num_tokens_per_rank,
-                                     num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
-                                     topk_weights=topk_weights, expert_alignment=expert_alignment,
-                                     num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
-                                     cached_handle=cached)
+            try:
+                result = engine.dispatch(x_data, x_scales, **arguments)
+            except ExchangeTooLarge as error:
+                # Every rank raises alike, before any row moved: the reference engine serves this call.
+                self._warn_normal_fallback(error)
+                engine = self._reference
+                result = engine.dispatch(x_data, x_scales, **arguments)
             if self._traffic is not None:
                 self._traffic.add_dispatch(is_token_in_rank, result.handle[0])
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
@@ -369,8 +403,10 @@ class Buffer:
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
             return recv_x, None, None, None, None, event
+        new_handle = NormalHandle(result.handle, self._owner_id)
+        new_handle.served_by = engine.name
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                NormalHandle(result.handle, self._owner_id), event)
+                new_handle, event)
 
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
@@ -382,7 +418,7 @@ class Buffer:
 
         Returns ``(combined_x [N, H], combined_topk_weights [N, K] or None, event)``.
         """
-        engine = self._engine_for("combine")
+        engine = self._engine_serving(handle, self._engine_for("combine"))
         parts = self._check_normal_handle(handle)
         num_rows, num_tokens = parts[3].size(0), parts[4].size(0)
         check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))
@@ -390,10 +426,11 @@ class Buffer:
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
         biases = self._check_bias(bias, num_tokens, x.size(1))
-        self._check_config(config, self.get_combine_config)
+        config = self._check_config(config, self.get_combine_config)
         check_same_device(self.device, x=x, topk_weights=topk_weights)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases)
+            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
+                                                               num_channels=config.num_channels)
         event = scope.finish((combined_x, combined_topk_weights))
         return combined_x, combined_topk_weights, event
 

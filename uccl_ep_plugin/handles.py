@@ -27,7 +27,12 @@ class NormalHandle(_TaggedHandle):
     - ``recv_src_idx[k]``: index of received row ``k`` in its source rank's ``x`` (int32).
     - ``is_token_in_rank[n, j]``: whether token ``n`` of this rank went to rank ``j`` (bool ``[N, R]``).
     - ``send_head[n, j]``: position of token ``n`` in channel ``c(n)``'s stream to rank ``j``, ``-1`` if not sent.
+
+    ``served_by`` (an attribute, not an item): the engine that made it ("native" or "reference"); a cached
+    dispatch or a combine with it goes to the same engine. None on a handle rebuilt as a plain tuple.
     """
+
+    served_by: Optional[str] = None
 
 
 class LowLatencyHandle(_TaggedHandle):

@@ -45,20 +45,60 @@ inline uint64_t host_fetch_add_relaxed(uint64_t* addr, uint64_t value) {
 // ---------------------------------------------------------------------------------------
 #if defined(__HIP_PLATFORM_AMD__)
 using gpuStream_t = hipStream_t;
+using gpuEvent_t = hipEvent_t;
 using gpuError_t = hipError_t;
 constexpr gpuError_t kGpuSuccess = hipSuccess;
 constexpr const char* kGpuApiName = "HIP";
 inline gpuError_t gpu_last_error() { return hipGetLastError(); }
 inline const char* gpu_error_name(gpuError_t err) { return hipGetErrorName(err); }
 inline const char* gpu_error_string(gpuError_t err) { return hipGetErrorString(err); }
+inline gpuError_t gpu_set_device(int device) { return hipSetDevice(device); }
+inline gpuError_t gpu_get_device(int* device) { return hipGetDevice(device); }
+inline gpuError_t gpu_multiprocessor_count(int* count, int device) {
+  return hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device);
+}
+inline gpuError_t gpu_stream_create_nonblocking(gpuStream_t* stream) {
+  return hipStreamCreateWithFlags(stream, hipStreamNonBlocking);
+}
+inline gpuError_t gpu_stream_destroy(gpuStream_t stream) { return hipStreamDestroy(stream); }
+inline gpuError_t gpu_event_create(gpuEvent_t* event) { return hipEventCreateWithFlags(event, hipEventDisableTiming); }
+inline gpuError_t gpu_event_destroy(gpuEvent_t event) { return hipEventDestroy(event); }
+inline gpuError_t gpu_event_record(gpuEvent_t event, gpuStream_t stream) { return hipEventRecord(event, stream); }
+inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
+  return hipStreamWaitEvent(stream, event, 0);
+}
+// Between any two device pointers of this process, a peer's IPC mapping included (a copy engine moves it).
+inline gpuError_t gpu_copy_device_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
+  return hipMemcpyAsync(dst, src, bytes, hipMemcpyDeviceToDevice, stream);
+}
 #else
 using gpuStream_t = cudaStream_t;
+using gpuEvent_t = cudaEvent_t;
 using gpuError_t = cudaError_t;
 constexpr gpuError_t kGpuSuccess = cudaSuccess;
 constexpr const char* kGpuApiName = "CUDA";
 inline gpuError_t gpu_last_error() { return cudaGetLastError(); }
 inline const char* gpu_error_name(gpuError_t err) { return cudaGetErrorName(err); }
 inline const char* gpu_error_string(gpuError_t err) { return cudaGetErrorString(err); }
+inline gpuError_t gpu_set_device(int device) { return cudaSetDevice(device); }
+inline gpuError_t gpu_get_device(int* device) { return cudaGetDevice(device); }
+inline gpuError_t gpu_multiprocessor_count(int* count, int device) {
+  return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device);
+}
+inline gpuError_t gpu_stream_create_nonblocking(gpuStream_t* stream) {
+  return cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking);
+}
+inline gpuError_t gpu_stream_destroy(gpuStream_t stream) { return cudaStreamDestroy(stream); }
+inline gpuError_t gpu_event_create(gpuEvent_t* event) { return cudaEventCreateWithFlags(event, cudaEventDisableTiming); }
+inline gpuError_t gpu_event_destroy(gpuEvent_t event) { return cudaEventDestroy(event); }
+inline gpuError_t gpu_event_record(gpuEvent_t event, gpuStream_t stream) { return cudaEventRecord(event, stream); }
+inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
+  return cudaStreamWaitEvent(stream, event, 0);
+}
+// Between any two device pointers of this process, a peer's IPC mapping included (a copy engine moves it).
+inline gpuError_t gpu_copy_device_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
 #endif
 
 // Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the

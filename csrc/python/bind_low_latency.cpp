@@ -84,6 +84,7 @@ void bind_low_latency(py::module_& m) {
       .def("release", &PeerMemory::release, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("local_base", &PeerMemory::local_base)
       .def_property_readonly("peer_bases", &PeerMemory::peer_bases)
+      .def("peer_base", &PeerMemory::peer_base, py::arg("rank"), "`rank`'s buffer as mapped here (a host integer).")
       .def_property_readonly("num_bytes", &PeerMemory::num_bytes)
       .def_property_readonly("pci_bus_id", &PeerMemory::pci_bus_id);
 

@@ -16,6 +16,7 @@ void bind_transport(py::module_& m);  // bind_transport.cpp
 void bind_proxy(py::module_& m);      // bind_proxy.cpp
 #if defined(UCCL_EP_WITH_CUDA)
 void bind_low_latency(py::module_& m);  // bind_low_latency.cpp
+void bind_normal(py::module_& m);       // bind_normal.cpp
 #endif
 
 namespace {
@@ -124,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
 
 #if defined(UCCL_EP_WITH_CUDA)
   bind_low_latency(m);
+  bind_normal(m);
   m.def("channel_stress_gpu", &channel_stress_gpu, py::arg("num_fifos"), py::arg("blocks_per_fifo"),
         py::arg("threads_per_block"), py::arg("commands_per_thread"), py::arg("capacity"), py::arg("timeout_s"),
         "GPU threads push numbered commands into FIFOs in pinned mapped host memory, one checking host "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
+from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..proxies import proxy_transport
 from . import baselines
@@ -102,9 +103,9 @@ class _CapturedCase:
 
 
 def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
-    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine (it never
-    syncs the host), else eager calls with a barrier before each."""
-    if device.type != "cuda" or case.engine != "native":
+    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine's calls that
+    never sync the host, else eager calls with a barrier before each."""
+    if device.type != "cuda" or case.engine != "native" or not case.capturable:
         return _timed_eager(case, options, group, device), "eager"
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
     dist.barrier(group)
@@ -184,14 +185,21 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         return _close(combined, x.float() * copies, 2e-2)
 
     num_recv = int(expected_recv[rank])
-    engine = buffer.engine_by_operation
+    # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
+    engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
+    # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
+    # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
+    by_sm = copy_mode() == "sm"
+    dispatch_kernels = (("notify_dispatch_send", "notify_dispatch_receive", "dispatch_send", "dispatch_receive")
+                        if by_sm else ())
+    combine_kernels = ("combine_send", "combine_receive") if by_sm else ()
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
-             normal_bytes(num_recv, workload.hidden, "fp8"), engine["dispatch"]),
+             normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine["dispatch"]),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine["combine"]),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False),
     ]
 
 
@@ -359,8 +367,22 @@ def _path_name(case: Case, device: torch.device) -> str:
     if case.engine == "native":
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
+        if case.mode == "normal":
+            return "nvlink-ce" if copy_mode() == "engine" else "nvlink-sm"   # copy engines or SMs move the rows
         return "nvlink"
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
+
+
+def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
+    """Room for the native normal mode's whole exchange at this workload (every token of every rank to one
+    rank, at worst), or 0 where this build has no native normal mode."""
+    try:
+        from .. import _C  # noqa: WPS433 (a CPU-only install has no extension)
+    except ImportError:
+        return 0
+    if "normal_nvlink" not in _C.build_info().get("features", []):
+        return 0
+    return exchange_bytes(_C, num_ranks * workload.tokens, workload.hidden, workload.topk)
 
 
 def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None:
@@ -387,7 +409,8 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
             w, r = options.normal, options.num_ranks
             hidden_bytes = w.hidden * 2
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
-                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r))
+                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
+                            _native_normal_bytes(w, r))
             buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report))

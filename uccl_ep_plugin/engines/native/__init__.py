@@ -10,14 +10,16 @@ import torch
 
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
+from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
 from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, proxy_transport
 from .proxy_path import ProxyPath
 
 # operation -> build feature it needs
-IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "low_latency_dispatch": "low_latency_nvlink",
-               "low_latency_combine": "low_latency_nvlink"}
+IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "dispatch": "normal_nvlink", "combine": "normal_nvlink",
+               "low_latency_dispatch": "low_latency_nvlink", "low_latency_combine": "low_latency_nvlink"}
 LOW_LATENCY_OPERATIONS = ("low_latency_dispatch", "low_latency_combine")
+NORMAL_OPERATIONS = ("dispatch", "combine")
 
 
 def _load_extension():
@@ -55,6 +57,40 @@ class NativeEngine:
         self.num_ranks = num_ranks
         self.device = device
         self.low_latency: Optional[NativeLowLatency] = None
+        self.normal: Optional[NativeNormal] = None
+
+    def setup_normal(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
+        """Map every rank's ``num_nvl_bytes`` buffer (collective). Returns ``{operation: reason}`` for the
+        normal-mode operations that cannot run natively after all (the same on every rank)."""
+        if num_bytes <= self._C.NORMAL_CONTROL_BYTES:
+            return dict.fromkeys(NORMAL_OPERATIONS, f"num_nvl_bytes={num_bytes} leaves no room for rows (the native "
+                                                    f"normal mode needs more than {self._C.NORMAL_CONTROL_BYTES})")
+        if self.num_ranks > self._C.NORMAL_MAX_RANKS:
+            return dict.fromkeys(NORMAL_OPERATIONS, f"the native normal mode serves at most "
+                                                    f"{self._C.NORMAL_MAX_RANKS} ranks")
+        with torch.cuda.device(self.device):
+            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
+            if peer_buffer is None:
+                return dict.fromkeys(NORMAL_OPERATIONS, reason)
+            self.normal = NativeNormal(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s)
+        return {}
+
+    @property
+    def normal_buffer(self) -> Optional[torch.Tensor]:
+        return None if self.normal is None else self.normal.peer_buffer.tensor
+
+    @property
+    def maps_peer_memory(self) -> bool:
+        """Whether peers map this rank's buffers (then all ranks must finish before any frees them)."""
+        return self.low_latency is not None or self.normal is not None
+
+    def dispatch(self, x, x_scales, **kwargs):
+        with torch.cuda.device(self.device):
+            return self.normal.dispatch(x, x_scales, **kwargs)
+
+    def combine(self, x, handle, topk_weights, biases, num_channels: int):
+        with torch.cuda.device(self.device):
+            return self.normal.combine(x, handle, topk_weights, biases, num_channels)
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map every rank's low-latency buffer (collective). Returns ``{operation: reason}`` for the
@@ -98,6 +134,10 @@ class NativeEngine:
         return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:
+        if self.normal is not None:
+            with torch.cuda.device(self.device):
+                self.normal.destroy()
+            self.normal = None
         if self.low_latency is not None:
             with torch.cuda.device(self.device):
                 self.low_latency.destroy()

@@ -26,7 +26,8 @@ class ReferenceEngine:
     def dispatch(self, x, x_scales, **kwargs) -> normal.DispatchResult:
         return normal.dispatch(self.comm, x, x_scales, **kwargs)
 
-    def combine(self, x, handle, topk_weights, biases):
+    # num_channels sizes the native kernels' grid only.
+    def combine(self, x, handle, topk_weights, biases, num_channels):
         return normal.combine(self.comm, x, handle, topk_weights, biases)
 
     # The buffer half (buffer_idx) and the handle's src_info/sizes matter to the native kernels only: the

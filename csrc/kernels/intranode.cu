@@ -1,0 +1,405 @@
+// Normal-mode dispatch and combine over mapped peer memory, SMs moving every row (protocol in
+// intranode.h). The copy-engine path (intranode_copy.cu) shares the notify and the checks.
+//
+// Work split: a warp per token (dispatch send, combine receive) or per received row (dispatch
+// receive, combine send); warps of all blocks take units in turn. Every block of a send or
+// receive kernel waits for the same flags itself, so no block depends on another.
+#include "kernels/intranode.h"
+
+#include <string>
+
+#include "kernels/intranode_device.cuh"
+
+namespace uccl_ep {
+namespace normal_kernels {
+
+__global__ void announce_arrival(NormalRegion r) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r) + 1;
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    store_release_system(arrived_word(r, peer, r.rank), epoch);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
+}
+
+__global__ void announce_freed(NormalRegion r) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r);
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    store_release_system(freed_word(r, peer, r.rank), epoch);
+  }
+}
+
+// ------------------------------------------------------------------------------ send layout
+// One block per rank scans that rank's column of is_token_in_rank: a token's position among the
+// tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
+// (channel_prefix_matrix), and the position within its channel (send_head).
+__global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs a) {
+  const int rank = blockIdx.x, num_ranks = a.num_ranks;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  const int64_t per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
+  __shared__ int32_t warp_totals[kWideThreads / kWarpSize];
+  int32_t carry = 0;  // tokens sent to `rank` before this chunk (the same in every thread)
+  for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
+    const int64_t token = first + threadIdx.x;
+    const int32_t sent = token < a.num_tokens && a.is_token_in_rank[token * num_ranks + rank] ? 1 : 0;
+    int32_t inclusive = sent;
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+      const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += below;
+    }
+    if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t total = lane < num_warps ? warp_totals[lane] : 0;
+      for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+        const int32_t below = __shfl_up_sync(0xffffffffu, total, offset);
+        if (lane >= offset) total += below;
+      }
+      if (lane < num_warps) warp_totals[lane] = total;
+    }
+    __syncthreads();
+    const int32_t before = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - sent;
+    if (token < a.num_tokens) {
+      a.send_pos[token * num_ranks + rank] = sent ? before : -1;
+      const bool channel_ends = (token + 1) % per_channel == 0 || token == a.num_tokens - 1;
+      if (a.channel_prefix_matrix != nullptr && channel_ends) {
+        a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + token / per_channel] = before + sent;
+      }
+    }
+    carry += warp_totals[num_warps - 1];
+    __syncthreads();  // warp_totals is reused
+  }
+  if (a.channel_prefix_matrix == nullptr) return;
+  // Channels whose token range starts past the last token (their range is empty) end at the total.
+  for (int channel = threadIdx.x; channel < a.num_channels; channel += blockDim.x) {
+    if (channel * per_channel >= a.num_tokens) {
+      a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + channel] = carry;
+    }
+  }
+  if (a.send_head == nullptr) return;
+  __syncthreads();  // the channel ends above are visible to the whole block
+  for (int64_t token = threadIdx.x; token < a.num_tokens; token += blockDim.x) {
+    const int32_t pos = a.send_pos[token * num_ranks + rank];
+    const int64_t channel = token / per_channel;
+    const int32_t channel_start =
+        channel > 0 ? a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + channel - 1] : 0;
+    a.send_head[token * num_ranks + rank] = pos < 0 ? -1 : pos - channel_start;
+  }
+}
+
+// ------------------------------------------------------------------------------ notify
+__global__ void __launch_bounds__(kThreads) notify_dispatch_send(NormalNotifyArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_destinations_free(r, kNormalNotifySend)) return;
+  const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
+  const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
+  for (int dst = 0; dst < num_ranks; ++dst) {
+    int32_t* slot = reinterpret_cast<int32_t*>(data_area(r, dst)) + r.rank * slot_ints;
+    for (int i = threadIdx.x; i < slot_ints; i += blockDim.x) {
+      int32_t value;
+      if (i < num_ranks) {
+        value = a.num_tokens_per_rank[i];
+      } else if (i < num_ranks + num_channels) {
+        value = a.channel_prefix_matrix[dst * num_channels + (i - num_ranks)];
+      } else {
+        value = a.num_tokens_per_expert[dst * local + (i - num_ranks - num_channels)];
+      }
+      slot[i] = value;
+    }
+  }
+  __threadfence_system();
+}
+
+__global__ void __launch_bounds__(kThreads) notify_dispatch_receive(NormalNotifyArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_sources_arrived(r, kNormalNotifyRecv)) return;
+  const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
+  const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
+  const int32_t* slots = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
+  for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+    int32_t running = 0;
+    for (int src = 0; src < num_ranks; ++src) {
+      running += __ldcg(slots + src * slot_ints + dst);
+      a.rank_prefix_matrix[src * num_ranks + dst] = running;
+    }
+    // Every rank sees the same counts, so every rank records this and all stop together.
+    if (a.num_worst_tokens > 0 && running > a.num_worst_tokens) {
+      record_failure(r, kNormalTooManyRows, kNormalNotifyRecv, dst, running);
+    }
+  }
+  for (int i = threadIdx.x; i < num_ranks * num_channels; i += blockDim.x) {
+    const int src = i / num_channels, channel = i % num_channels;
+    a.recv_channel_prefix_matrix[i] =
+        channel == 0 ? 0 : __ldcg(slots + src * slot_ints + num_ranks + channel - 1);
+  }
+  for (int expert = threadIdx.x; expert < local; expert += blockDim.x) {
+    int32_t total = 0;
+    for (int src = 0; src < num_ranks; ++src) total += __ldcg(slots + src * slot_ints + num_ranks + num_channels + expert);
+    a.recv_tokens_per_expert[expert] = (total + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
+  }
+}
+
+// ------------------------------------------------------------------------------ dispatch
+__device__ __forceinline__ NormalDispatchArea dispatch_area_of(const NormalDispatchArgs& a, int rank) {
+  const int64_t rows = received_rows(a.rank_prefix_matrix, a.region.num_ranks, rank);
+  return normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+}
+
+// Whether every rank's data area holds what it receives: the same answer on every rank.
+__device__ bool dispatch_fits(const NormalDispatchArgs& a) {
+  for (int rank = 0; rank < a.region.num_ranks; ++rank) {
+    if (dispatch_area_of(a, rank).total > a.region.data_bytes) return false;
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_send(NormalDispatchArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_destinations_free(r, kNormalDispatchSend)) return;
+  if (!dispatch_fits(a)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalDispatchSend, -1, 0);
+    return;
+  }
+  const WarpPosition w = warp_position();
+  const int num_ranks = r.num_ranks;
+  for (int token = w.first; token < a.num_tokens; token += w.stride) {
+    for (int dst = 0; dst < num_ranks; ++dst) {
+      const int32_t pos = a.send_pos[static_cast<int64_t>(token) * num_ranks + dst];
+      if (pos < 0) continue;
+      const int64_t row = normal_rows_before(a.rank_prefix_matrix, num_ranks, r.rank, dst) + pos;
+      const NormalDispatchArea area = dispatch_area_of(a, dst);
+      write_dispatch_row(a, token, dst, dispatch_row_in_area(data_area(r, dst), area, row, a), w.lane);
+    }
+  }
+  __threadfence_system();
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
+  if (!dispatch_fits(a)) return;  // the send kernel recorded it
+  const WarpPosition w = warp_position();
+  const int64_t received = received_rows(a.rank_prefix_matrix, r.num_ranks, r.rank);
+  const int64_t num_recv = received < a.num_rows_out ? received : a.num_rows_out;
+  const NormalDispatchArea area = dispatch_area_of(a, r.rank);
+  const uint8_t* base = data_area(r, r.rank);
+  const int k = a.num_topk;
+  for (int64_t row = w.first; row < a.num_rows_out; row += w.stride) {
+    uint8_t* x_out = static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes;
+    uint8_t* scales_out =
+        a.scale_row_bytes == 0 ? nullptr : static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
+    if (row < num_recv) {
+      warp_copy(x_out, base + area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
+      if (scales_out != nullptr) {
+        warp_copy(scales_out, base + area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
+      }
+      if (a.recv_topk_idx != nullptr && w.lane < k) {
+        a.recv_topk_idx[row * k + w.lane] =
+            __ldcg(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
+        a.recv_topk_weights[row * k + w.lane] =
+            __ldcg(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
+      }
+      if (a.recv_src_idx != nullptr && w.lane == 0) {
+        a.recv_src_idx[row] = __ldcg(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
+      }
+    } else {  // padding rows, as the reference pads them
+      warp_zero(x_out, a.x_row_bytes, w.lane);
+      if (scales_out != nullptr) warp_zero(scales_out, a.scale_row_bytes, w.lane);
+      if (a.recv_topk_idx != nullptr && w.lane < k) {
+        a.recv_topk_idx[row * k + w.lane] = -1;
+        a.recv_topk_weights[row * k + w.lane] = 0.0f;
+      }
+      if (a.recv_src_idx != nullptr && w.lane == 0) a.recv_src_idx[row] = -1;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ combine
+__device__ __forceinline__ NormalCombineArea combine_area_of(const NormalCombineArgs& a, int rank) {
+  return normal_combine_area(sent_rows(a.rank_prefix_matrix, a.region.num_ranks, rank),
+                             static_cast<int64_t>(a.hidden) * 2, a.num_topk);
+}
+
+__device__ bool combine_fits(const NormalCombineArgs& a) {
+  for (int rank = 0; rank < a.region.num_ranks; ++rank) {
+    if (combine_area_of(a, rank).total > a.region.data_bytes) return false;
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) combine_send(NormalCombineArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_destinations_free(r, kNormalCombineSend)) return;
+  if (!combine_fits(a)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalCombineSend, -1, 0);
+    return;
+  }
+  const WarpPosition w = warp_position();
+  const int num_ranks = r.num_ranks;
+  const int64_t received = received_rows(a.rank_prefix_matrix, num_ranks, r.rank);
+  const int64_t num_valid = received < a.num_rows ? received : a.num_rows;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  for (int64_t row = w.first; row < num_valid; row += w.stride) {
+    int src = 0;
+    while (row >= a.rank_prefix_matrix[src * num_ranks + r.rank]) ++src;
+    const int64_t index = row - normal_rows_before(a.rank_prefix_matrix, num_ranks, src, r.rank);
+    // The source orders its combine area like its sends: by receiver, then token.
+    int64_t dst_row = index;
+    for (int before = 0; before < r.rank; ++before) dst_row += normal_sent(a.rank_prefix_matrix, num_ranks, src, before);
+    const NormalCombineArea area = combine_area_of(a, src);
+    uint8_t* base = data_area(r, src);
+    warp_copy(base + area.x + dst_row * row_bytes, static_cast<const uint8_t*>(a.x) + row * row_bytes, row_bytes,
+              w.lane);
+    if (w.lane < a.num_topk) {
+      reinterpret_cast<float*>(base + area.topk_weights)[dst_row * a.num_topk + w.lane] =
+          a.topk_weights[row * a.num_topk + w.lane];
+    }
+  }
+  __threadfence_system();
+}
+
+__global__ void __launch_bounds__(kThreads) combine_receive(NormalCombineArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_sources_arrived(r, kNormalCombineRecv)) return;
+  if (!combine_fits(a)) return;  // the send kernel recorded it
+  // This rank's area holds the rows it sent, back from each receiver in turn.
+  __shared__ CombineSources from;
+  if (threadIdx.x == 0) {
+    const NormalCombineArea area = combine_area_of(a, r.rank);
+    const uint8_t* base = data_area(r, r.rank);
+    int64_t first_row = 0;
+    for (int dst = 0; dst < r.num_ranks; ++dst) {
+      from.x[dst] = base + area.x + first_row * a.hidden * 2;
+      from.topk_weights[dst] = reinterpret_cast<const float*>(base + area.topk_weights) + first_row * a.num_topk;
+      first_row += normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst);
+    }
+  }
+  __syncthreads();
+  reduce_combined_tokens(a, from, [](int64_t, int) { return true; });  // the whole exchange has arrived
+}
+
+}  // namespace normal_kernels
+
+// ------------------------------------------------------------------------------ launchers
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+void check_region(const NormalRegion& r) {
+  require(r.num_ranks >= 1 && r.num_ranks <= kNormalMaxRanks,
+          "num_ranks must be in [1, " + std::to_string(kNormalMaxRanks) + "], got " + std::to_string(r.num_ranks));
+  require(r.rank >= 0 && r.rank < r.num_ranks, "rank " + std::to_string(r.rank) + " is outside the group");
+  require(r.peer_bases != nullptr && r.control != nullptr && r.status != nullptr,
+          "NormalRegion: peer_bases, control and status are required");
+  require(r.timeout_ns > 0, "timeout_ns must be positive");
+}
+
+void check_num_sms(int32_t num_sms) { require(num_sms >= 1, "num_sms must be >= 1, got " + std::to_string(num_sms)); }
+
+void check_topk(int32_t num_topk) {
+  require(num_topk >= 0 && num_topk <= kNormalMaxTopk,
+          "num_topk must be in [0, " + std::to_string(kNormalMaxTopk) + "], got " + std::to_string(num_topk));
+}
+
+// The four launches of one exchange (see intranode.h).
+template <typename Args>
+void launch_exchange(void (*send)(Args), void (*receive)(Args), const Args& args, int send_blocks,
+                     int receive_blocks, gpuStream_t stream) {
+  send<<<send_blocks, normal_kernels::kThreads, 0, stream>>>(args);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  launch_normal_announce_arrival(args.region, stream);
+  receive<<<receive_blocks, normal_kernels::kThreads, 0, stream>>>(args);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  launch_normal_announce_freed(args.region, stream);
+}
+
+}  // namespace
+
+void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
+  normal_kernels::announce_arrival<<<1, kNormalMaxRanks, 0, stream>>>(region);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream) {
+  normal_kernels::announce_freed<<<1, kNormalMaxRanks, 0, stream>>>(region);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream) {
+  require(args.num_ranks >= 1 && args.num_ranks <= kNormalMaxRanks,
+          "num_ranks must be in [1, " + std::to_string(kNormalMaxRanks) + "], got " + std::to_string(args.num_ranks));
+  require(args.num_tokens >= 0, "num_tokens must be >= 0");
+  require(args.num_channels >= 1, "num_channels must be >= 1");
+  require(args.num_tokens == 0 || (args.is_token_in_rank != nullptr && args.send_pos != nullptr),
+          "is_token_in_rank and send_pos are required");
+  require(args.send_head == nullptr || args.channel_prefix_matrix != nullptr,
+          "send_head needs channel_prefix_matrix");
+  normal_kernels::send_layout<<<args.num_ranks, normal_kernels::kWideThreads, 0, stream>>>(args);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
+  check_region(args.region);
+  require(args.num_channels >= 1, "num_channels must be >= 1");
+  require(args.num_local_experts >= 1, "num_local_experts must be >= 1");
+  require(args.expert_alignment >= 1, "expert_alignment must be >= 1");
+  require(args.num_worst_tokens >= 0, "num_worst_tokens must be >= 0");
+  const int64_t slot_bytes =
+      4 * normal_notify_slot_ints(args.region.num_ranks, args.num_channels, args.num_local_experts);
+  require(slot_bytes * args.region.num_ranks <= args.region.data_bytes,
+          "the data area cannot hold the notify slots (" + std::to_string(slot_bytes * args.region.num_ranks) +
+              " bytes)");
+  launch_exchange(normal_kernels::notify_dispatch_send, normal_kernels::notify_dispatch_receive, args, 1, 1, stream);
+}
+
+void check_normal_dispatch_args(const NormalDispatchArgs& args) {
+  check_region(args.region);
+  check_num_sms(args.num_sms);
+  check_topk(args.num_topk);
+  require(args.x_row_bytes > 0 && args.x_row_bytes % 4 == 0, "x_row_bytes must be a positive multiple of 4");
+  // Empty tensors have null data pointers, so a pointer is required only where rows use it.
+  require(args.scale_row_bytes % 4 == 0, "scale_row_bytes must be a multiple of 4");
+  require(args.scale_row_bytes == 0 || args.num_tokens == 0 || args.x_scales != nullptr,
+          "scale_row_bytes > 0 needs x_scales");
+  require(args.scale_row_bytes == 0 || args.num_rows_out == 0 || args.recv_x_scales != nullptr,
+          "scale_row_bytes > 0 needs recv_x_scales");
+  require(args.num_topk == 0 || args.num_tokens == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
+          "num_topk > 0 needs topk_idx and topk_weights");
+  require(args.recv_topk_idx == nullptr || args.num_topk > 0, "recv_topk_idx needs num_topk > 0");
+  require((args.recv_topk_idx == nullptr) == (args.recv_topk_weights == nullptr),
+          "recv_topk_idx and recv_topk_weights go together");
+  require(args.num_topk == 0 || args.num_local_experts >= 1, "num_local_experts must be >= 1 with top-k");
+  require(args.num_tokens >= 0 && args.num_rows_out >= 0, "num_tokens and num_rows_out must be >= 0");
+}
+
+void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream) {
+  check_normal_dispatch_args(args);
+  launch_exchange(normal_kernels::dispatch_send, normal_kernels::dispatch_receive, args, args.num_sms, args.num_sms,
+                  stream);
+}
+
+void check_normal_combine_args(const NormalCombineArgs& args) {
+  check_region(args.region);
+  check_num_sms(args.num_sms);
+  check_topk(args.num_topk);
+  require(args.hidden > 0 && args.hidden % normal_kernels::kBf16PerVector == 0,
+          "hidden must be a positive multiple of 8 (16-byte bf16 rows)");
+  // Empty tensors have null data pointers, so a pointer is required only where rows use it.
+  require(args.num_topk == 0 || args.num_rows == 0 || args.topk_weights != nullptr, "num_topk > 0 needs topk_weights");
+  require(args.num_topk == 0 || args.num_tokens == 0 || args.combined_topk_weights != nullptr,
+          "num_topk > 0 needs combined_topk_weights");
+  require(args.num_rows >= 0 && args.num_tokens >= 0, "num_rows and num_tokens must be >= 0");
+}
+
+void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream) {
+  check_normal_combine_args(args);
+  launch_exchange(normal_kernels::combine_send, normal_kernels::combine_receive, args, args.num_sms, args.num_sms,
+                  stream);
+}
+
+}  // namespace uccl_ep

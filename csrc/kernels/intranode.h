@@ -1,0 +1,235 @@
+// Normal-mode (high-throughput) dispatch and combine between GPUs of one host that map each
+// other's buffer with CUDA IPC. First version: simple and correct; speed comes later.
+//
+// Every rank's buffer (num_nvl_bytes) is a control area of kNormalControlBytes, then a data area.
+// Control area: uint64 arrived[kNormalMaxRanks] (indexed by the writing source), then uint64
+// freed[kNormalMaxRanks] (indexed by the rank that finished reading), then uint64
+// chunks[kNormalMaxRanks] (indexed by the source: the copy-engine combine's pushed chunks).
+//
+// All normal-mode traffic is a sequence of exchanges (notify, dispatch, combine) that every rank
+// runs in the same order. Exchange number e (from 1) is its epoch, counted on the device
+// (NormalRegion::control) so that CUDA-graph replays advance it too. One exchange is four launches:
+//   1. send (grid): wait until every destination has freed exchange e-1 (its freed word in this
+//      rank's control area reaches e-1), store into the destinations' data areas, fence.
+//   2. announce arrival (one block): store e into arrived[this rank] of every destination (release,
+//      system scope), then count the exchange as done.
+//   3. receive (grid): wait until arrived[source] reaches e for every source, read the data area.
+//   4. announce freed (one block): store e into freed[this rank] of every source.
+// A data area is therefore written again only after its reader finished the previous exchange,
+// so the whole data area serves every exchange, and flags never need zeroing.
+//
+// Waits give up after timeout_ns: the first failure goes to a status block in mapped host memory,
+// and the aborted control word makes every later kernel of this Buffer return at once (the Python
+// side raises; the Buffer must then be recreated). Size failures that every rank detects from the
+// same rank_prefix_matrix (too many rows for num_worst_tokens, a data area too small) are recorded
+// the same way, so all ranks stop together instead of some waiting forever.
+#pragma once
+
+#include <cstdint>
+
+#include "common/portability.h"
+#include "kernels/low_latency.h"  // LowLatencyStatus: the failure record both modes share
+
+namespace uccl_ep {
+
+constexpr int kNormalMaxRanks = 256;
+constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
+constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
+// The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
+constexpr int kNormalCombineChunks = 4;
+// A chunk word holds epoch * kNormalChunkStride + chunks landed (monotonic over exchanges).
+constexpr uint64_t kNormalChunkStride = 64;
+// Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
+constexpr int kNormalExchangesWord = 0;
+constexpr int kNormalAbortedWord = 2;
+
+enum NormalError : int32_t {
+  kNormalTimeout = 1,        // a peer's flag did not arrive in time
+  kNormalTooManyRows = 2,    // a rank would receive more than num_worst_tokens rows (detail: rows)
+  kNormalAreaTooSmall = 3,   // a rank's data area cannot hold an exchange (detail: 0)
+};
+
+enum NormalPhase : int32_t {
+  kNormalNotifySend = 1,     // waiting for a peer to free the previous exchange
+  kNormalNotifyRecv = 2,
+  kNormalDispatchSend = 3,
+  kNormalDispatchRecv = 4,
+  kNormalCombineSend = 5,
+  kNormalCombineRecv = 6,
+};
+
+struct NormalRegion {
+  const uint64_t* peer_bases;  // device [num_ranks]: each rank's buffer as mapped in this process
+  uint64_t* control;           // device: exchanges done, aborted (see the word indices above)
+  LowLatencyStatus* status;    // mapped host memory
+  int64_t data_bytes;          // bytes of every rank's data area
+  int64_t timeout_ns;
+  int32_t rank;
+  int32_t num_ranks;
+};
+
+UCCL_EP_HOST_DEVICE inline int64_t normal_align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// notify: the slot a source fills in a destination's data area holds int32 counts: tokens the
+// source sends to each rank [num_ranks], its channel_prefix_matrix row for the destination
+// [num_channels], its tokens per expert of the destination [num_local_experts].
+UCCL_EP_HOST_DEVICE inline int64_t normal_notify_slot_ints(int64_t num_ranks, int64_t num_channels,
+                                                           int64_t num_local_experts) {
+  return num_ranks + num_channels + num_local_experts;
+}
+
+// dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
+// grouped by source rank, then in token order): x, scales, top-k ids (int64), top-k weights
+// (float), source token index (int32).
+struct NormalDispatchArea {
+  int64_t x, scales, topk_idx, topk_weights, src_idx, total;
+};
+UCCL_EP_HOST_DEVICE inline NormalDispatchArea normal_dispatch_area(int64_t rows, int64_t x_row_bytes,
+                                                                  int64_t scale_row_bytes, int64_t num_topk) {
+  NormalDispatchArea a;
+  a.x = 0;
+  a.scales = a.x + normal_align16(rows * x_row_bytes);
+  a.topk_idx = a.scales + normal_align16(rows * scale_row_bytes);
+  a.topk_weights = a.topk_idx + normal_align16(rows * num_topk * 8);
+  a.src_idx = a.topk_weights + normal_align16(rows * num_topk * 4);
+  a.total = a.src_idx + normal_align16(rows * 4);
+  return a;
+}
+
+// combine: a source rank's data area holds the rows it sent, back from their receivers, ordered
+// like its sends (by receiver, then token): bf16 x, then top-k weights (float).
+struct NormalCombineArea {
+  int64_t x, topk_weights, total;
+};
+UCCL_EP_HOST_DEVICE inline NormalCombineArea normal_combine_area(int64_t rows, int64_t x_row_bytes,
+                                                                int64_t num_topk) {
+  NormalCombineArea a;
+  a.x = 0;
+  a.topk_weights = normal_align16(rows * x_row_bytes);
+  a.total = a.topk_weights + normal_align16(rows * num_topk * 4);
+  return a;
+}
+
+// Counts from a rank_prefix_matrix (inclusive prefix over sources: [i][j] = tokens ranks 0..i send
+// to rank j), on the host or the device.
+UCCL_EP_HOST_DEVICE inline int64_t normal_rows_before(const int32_t* rank_prefix_matrix, int num_ranks, int src,
+                                                      int dst) {  // rows of sources below src at dst
+  return src > 0 ? rank_prefix_matrix[(src - 1) * num_ranks + dst] : 0;
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_sent(const int32_t* rank_prefix_matrix, int num_ranks, int src, int dst) {
+  return rank_prefix_matrix[src * num_ranks + dst] - normal_rows_before(rank_prefix_matrix, num_ranks, src, dst);
+}
+
+// Copy-engine staging (intranode_copy.h): in a rank's data area, one block per other rank, in
+// rank order, each sized for the rows the owner sends that rank. Dispatch: the owner gathers those
+// rows into the blocks (a NormalDispatchArea each) and the receivers pull them. Combine: the
+// receivers push the rows back (a NormalCombineArea each), and the owner reduces them.
+enum class NormalStaging : int32_t { kDispatch = 0, kCombine = 1 };
+
+struct NormalRowBytes {
+  int64_t x_row_bytes;
+  int64_t scale_row_bytes;  // dispatch only
+  int64_t num_topk;
+};
+
+UCCL_EP_HOST_DEVICE inline int64_t normal_staging_block_bytes(NormalStaging kind, int64_t rows, NormalRowBytes b) {
+  return kind == NormalStaging::kDispatch ? normal_dispatch_area(rows, b.x_row_bytes, b.scale_row_bytes, b.num_topk).total
+                                          : normal_combine_area(rows, b.x_row_bytes, b.num_topk).total;
+}
+
+// Where `peer`'s block starts in `owner`'s staging; peer = num_ranks gives the staging's size.
+UCCL_EP_HOST_DEVICE inline int64_t normal_staging_offset(NormalStaging kind, const int32_t* rank_prefix_matrix,
+                                                         int num_ranks, int owner, int peer, NormalRowBytes b) {
+  int64_t offset = 0;
+  for (int other = 0; other < peer; ++other) {
+    if (other != owner) {
+      offset += normal_staging_block_bytes(kind, normal_sent(rank_prefix_matrix, num_ranks, owner, other), b);
+    }
+  }
+  return offset;
+}
+
+// What a rank sends, from is_token_in_rank [N, R]: send_pos [N, R] (a token's position among the
+// tokens sent to that rank, -1 if not sent). Optionally DeepEP's per-channel tables (tokens split
+// into num_channels ranges of ceil(N / C)): channel_prefix_matrix [R, C] (tokens sent to each rank
+// from channels 0..c) and send_head [N, R] (position within its channel's tokens for that rank).
+struct NormalSendLayoutArgs {
+  const bool* is_token_in_rank;
+  int64_t num_tokens;
+  int32_t num_ranks;
+  int32_t num_channels;
+  int32_t* send_pos;
+  int32_t* channel_prefix_matrix;  // or null
+  int32_t* send_head;              // or null; needs channel_prefix_matrix
+};
+
+struct NormalNotifyArgs {
+  NormalRegion region;
+  const int32_t* num_tokens_per_rank;    // [R]
+  const int32_t* channel_prefix_matrix;  // [R, C], this rank's (inclusive prefix per channel)
+  const int32_t* num_tokens_per_expert;  // [R * El]
+  int32_t num_channels;
+  int32_t num_local_experts;
+  int32_t expert_alignment;
+  int32_t num_worst_tokens;              // 0: no bound
+  int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
+  int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
+  int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment
+};
+
+struct NormalDispatchArgs {
+  NormalRegion region;
+  const void* x;                     // [N, x_row_bytes]
+  int64_t x_row_bytes;
+  const void* x_scales;              // [N, scale_row_bytes] or null
+  int64_t scale_row_bytes;
+  const int64_t* topk_idx;           // [N, K] global experts (-1: none), or null (K = 0)
+  const float* topk_weights;         // [N, K]; null when K = 0 or N = 0
+  int32_t num_topk;
+  int32_t num_local_experts;
+  const int32_t* send_pos;           // [N, R]: token's position among this rank's tokens for that rank, or -1
+  const int32_t* rank_prefix_matrix; // [R, R]
+  int32_t num_tokens;
+  int32_t num_rows_out;              // rows of every output (received rows, then padding)
+  void* recv_x;
+  void* recv_x_scales;               // or null
+  int64_t* recv_topk_idx;            // local experts or -1; or null
+  float* recv_topk_weights;          // or null
+  int32_t* recv_src_idx;             // or null (cached dispatch keeps the handle's)
+  int32_t num_sms;
+};
+
+struct NormalCombineArgs {
+  NormalRegion region;
+  const void* x;                     // bf16 [num_rows, hidden]: the dispatch's received rows
+  int32_t num_rows;
+  int32_t hidden;
+  const float* topk_weights;         // [num_rows, K]; null when K = 0 or no rows
+  int32_t num_topk;
+  const int32_t* rank_prefix_matrix; // [R, R] from the handle
+  const bool* is_token_in_rank;      // [N, R]
+  const int32_t* send_pos;           // [N, R]
+  int32_t num_tokens;
+  const void* bias0;                 // bf16 [N, hidden] or null
+  const void* bias1;
+  void* combined_x;                  // bf16 [N, hidden]
+  float* combined_topk_weights;      // [N, K]; null when K = 0 or N = 0
+  int32_t num_sms;
+};
+
+// Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument before any
+// launch, GpuError if a launch fails.
+void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream);
+void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
+void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
+void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);
+
+// Steps 2 and 4 of an exchange on their own (the copy-engine path puts copies between them).
+void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream);
+void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream);
+
+// The argument checks of the launchers above (the copy-engine path shares them).
+void check_normal_dispatch_args(const NormalDispatchArgs& args);
+void check_normal_combine_args(const NormalCombineArgs& args);
+
+}  // namespace uccl_ep

@@ -1,0 +1,322 @@
+// Normal-mode dispatch and combine with the copy engines carrying the NVLink traffic (the steps
+// are in intranode_copy.h).
+#include "kernels/intranode_copy.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "kernels/intranode_device.cuh"
+
+namespace uccl_ep {
+namespace normal_kernels {
+
+__device__ __forceinline__ NormalRowBytes dispatch_row_bytes(const NormalDispatchArgs& a) {
+  return NormalRowBytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk};
+}
+__device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineArgs& a) {
+  return NormalRowBytes{static_cast<int64_t>(a.hidden) * 2, 0, a.num_topk};
+}
+
+// One block waits for the flags of this exchange: every source's arrival, or every rank's freed.
+__global__ void wait_exchange(NormalRegion r, bool sources_arrived, int32_t phase) {
+  if (sources_arrived) {
+    wait_sources_arrived(r, phase);
+  } else {
+    wait_destinations_free(r, phase);
+  }
+}
+
+// Dispatch, before the arrival: the rows for every other rank into this rank's staging.
+__global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispatchArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_destinations_free(r, kNormalDispatchSend)) return;
+  // The host checks the same counts before it pulls; here only: gather nothing that would not fit.
+  if (normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix, r.num_ranks, r.rank, r.num_ranks,
+                            dispatch_row_bytes(a)) > r.data_bytes) {
+    return;
+  }
+  __shared__ uint8_t* block[kNormalMaxRanks];
+  __shared__ NormalDispatchArea area[kNormalMaxRanks];
+  for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
+    block[dst] = data_area(r, r.rank) + normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix,
+                                                               r.num_ranks, r.rank, dst, dispatch_row_bytes(a));
+    area[dst] = normal_dispatch_area(normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst), a.x_row_bytes,
+                                     a.scale_row_bytes, a.num_topk);
+  }
+  __syncthreads();
+  const WarpPosition w = warp_position();
+  for (int token = w.first; token < a.num_tokens; token += w.stride) {
+    for (int dst = 0; dst < r.num_ranks; ++dst) {
+      const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
+      if (dst == r.rank || pos < 0) continue;
+      write_dispatch_row(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a), w.lane);
+    }
+  }
+  __threadfence_system();
+}
+
+// Dispatch, after the arrival (beside the pulls): this rank's rows to itself, and the top-k and
+// source index of the pulled rows, read from the peers' staging.
+__global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a) {
+  const NormalRegion& r = a.region;
+  if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
+  const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
+  const WarpPosition w = warp_position();
+  const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
+  for (int token = w.first; token < a.num_tokens; token += w.stride) {
+    const int32_t pos = a.send_pos[static_cast<int64_t>(token) * num_ranks + me];
+    if (pos < 0) continue;
+    const int64_t row = own_first + pos;
+    const DispatchRowOut out{
+        static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes,
+        static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes,
+        a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
+        a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
+        a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
+    write_dispatch_row(a, token, me, out, w.lane);
+  }
+  if (a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
+  for (int src = 0; src < num_ranks; ++src) {
+    if (src == me) continue;
+    const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, src, me);
+    const int64_t first = normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me);
+    const uint8_t* base = data_area(r, src) + normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix,
+                                                                     num_ranks, src, me, dispatch_row_bytes(a));
+    const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, k);
+    for (int64_t row = w.first; row < rows; row += w.stride) {
+      if (a.recv_topk_idx != nullptr && w.lane < k) {
+        a.recv_topk_idx[(first + row) * k + w.lane] =
+            __ldcg(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
+        a.recv_topk_weights[(first + row) * k + w.lane] =
+            __ldcg(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
+      }
+      if (a.recv_src_idx != nullptr && w.lane == 0) {
+        a.recv_src_idx[first + row] = __ldcg(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
+      }
+    }
+  }
+}
+
+// Combine: a pushed chunk has landed in `owner`'s staging (stream order: after its copies).
+__global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r);  // the arrival, announced before the pushes, counted it
+  store_release_system(chunk_word(r, owner, r.rank), epoch * kNormalChunkStride + chunk + 1);
+}
+
+// Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
+// into this rank's staging, summed as soon as the chunks holding them have landed.
+__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a) {
+  const NormalRegion& r = a.region;
+  const int num_ranks = r.num_ranks, me = r.rank;
+  __shared__ CombineSources from;
+  __shared__ int64_t chunk_rows[kNormalMaxRanks];
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+    const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
+    chunk_rows[dst] = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+    if (dst == me) {
+      const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
+      from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
+      from.topk_weights[dst] = a.topk_weights + own_first * a.num_topk;
+    } else {
+      const uint8_t* base = data_area(r, me) + normal_staging_offset(NormalStaging::kCombine, a.rank_prefix_matrix,
+                                                                      num_ranks, me, dst, combine_row_bytes(a));
+      const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
+      from.x[dst] = base + area.x;
+      from.topk_weights[dst] = reinterpret_cast<const float*>(base + area.topk_weights);
+    }
+  }
+  __syncthreads();
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r);  // counted by the arrival before this kernel
+  reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
+    int ready = 1;
+    if (lane == 0) {
+      for (int dst = 0; dst < num_ranks && ready; ++dst) {
+        if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
+        const uint64_t chunk = a.send_pos[token * num_ranks + dst] / chunk_rows[dst];
+        ready = wait_at_least(r, chunk_word(r, me, dst), epoch * kNormalChunkStride + chunk + 1, kNormalCombineRecv,
+                              dst);
+      }
+    }
+    ready = __shfl_sync(0xffffffffu, ready, 0);
+    __syncwarp();
+    return ready != 0;
+  });
+}
+
+}  // namespace normal_kernels
+
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+void copy_async(void* dst, const void* src, int64_t bytes, gpuStream_t stream) {
+  if (bytes > 0) UCCL_EP_GPU_CHECK(gpu_copy_device_async(dst, src, static_cast<size_t>(bytes), stream));
+}
+
+}  // namespace
+
+int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host, int num_ranks,
+                             int owner, NormalRowBytes row_bytes) {
+  require(static_cast<int64_t>(rank_prefix_matrix_host.size()) == static_cast<int64_t>(num_ranks) * num_ranks,
+          "rank_prefix_matrix must have num_ranks * num_ranks entries");
+  require(owner >= 0 && owner < num_ranks, "owner " + std::to_string(owner) + " is outside the group");
+  return normal_staging_offset(kind, rank_prefix_matrix_host.data(), num_ranks, owner, num_ranks, row_bytes);
+}
+
+NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases)
+    : device_(device), peer_bases_(std::move(peer_bases)) {
+  int previous = 0;
+  UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
+  UCCL_EP_GPU_CHECK(gpu_set_device(device_));
+  int sms = 0;
+  gpuError_t status = gpu_multiprocessor_count(&sms, device_);
+  max_busy_sms_ = sms > 2 ? sms - 2 : 1;
+  if (status == kGpuSuccess) status = gpu_stream_create_nonblocking(&side_);
+  if (status == kGpuSuccess) status = gpu_event_create(&fork_);
+  if (status == kGpuSuccess) status = gpu_event_create(&join_);
+  if (status != kGpuSuccess) release();
+  (void)gpu_set_device(previous);
+  UCCL_EP_GPU_CHECK(status);
+}
+
+NormalCopyEngine::~NormalCopyEngine() { release(); }
+
+void NormalCopyEngine::release() {
+  // Nothing is in flight here that the caller did not order before: its stream waits for join_.
+  if (join_ != nullptr) (void)gpu_event_destroy(join_);
+  if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
+  if (side_ != nullptr) (void)gpu_stream_destroy(side_);
+  join_ = fork_ = nullptr;
+  side_ = nullptr;
+}
+
+uint8_t* NormalCopyEngine::staging(int owner) const {
+  return reinterpret_cast<uint8_t*>(peer_bases_[owner]) + kNormalControlBytes;
+}
+
+void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vector<int32_t>& prefix) const {
+  require(side_ != nullptr, "this NormalCopyEngine was released");
+  require(static_cast<int>(peer_bases_.size()) == region.num_ranks,
+          "the copy engine maps " + std::to_string(peer_bases_.size()) + " ranks, the region has " +
+              std::to_string(region.num_ranks));
+  require(static_cast<int64_t>(prefix.size()) == static_cast<int64_t>(region.num_ranks) * region.num_ranks,
+          "rank_prefix_matrix must have num_ranks * num_ranks entries");
+}
+
+void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, gpuStream_t stream) {
+  check_normal_dispatch_args(a);
+  require(side_ != nullptr, "this NormalCopyEngine was released");
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  launch_normal_announce_arrival(a.region, stream);
+}
+
+void NormalCopyEngine::abandon_dispatch(const NormalRegion& region, gpuStream_t stream) {
+  launch_normal_announce_freed(region, stream);
+}
+
+void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
+                                        gpuStream_t stream) {
+  check_normal_dispatch_args(a);
+  check_usable(a.region, prefix);
+  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  const NormalRowBytes row_bytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk};
+  require(a.num_rows_out == prefix[(num_ranks - 1) * num_ranks + me],
+          "num_rows_out must be the rows this rank receives (" +
+              std::to_string(prefix[(num_ranks - 1) * num_ranks + me]) + ")");
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
+            "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
+  }
+  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
+  normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, side_>>>(a.region, true, kNormalDispatchRecv);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  for (int src = 0; src < num_ranks; ++src) {
+    const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
+    if (src == me || rows == 0) continue;
+    const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
+    const uint8_t* block =
+        staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src, me, row_bytes);
+    const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+    copy_async(static_cast<uint8_t*>(a.recv_x) + first * a.x_row_bytes, block + area.x, rows * a.x_row_bytes, side_);
+    if (a.scale_row_bytes > 0) {
+      copy_async(static_cast<uint8_t*>(a.recv_x_scales) + first * a.scale_row_bytes, block + area.scales,
+                 rows * a.scale_row_bytes, side_);
+    }
+  }
+  UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
+
+  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
+  launch_normal_announce_freed(a.region, stream);
+}
+
+void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
+  check_usable(a.region, prefix);
+  dispatch_send(a, stream);
+  dispatch_receive(a, prefix, stream);
+}
+
+void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
+  check_normal_combine_args(a);
+  check_usable(a.region, prefix);
+  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const NormalRowBytes bytes{row_bytes, 0, a.num_topk};
+  require(a.num_rows >= prefix[(num_ranks - 1) * num_ranks + me],
+          "x must hold the rows this rank received (" + std::to_string(prefix[(num_ranks - 1) * num_ranks + me]) +
+              "), it has " + std::to_string(a.num_rows));
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    require(normal_staging_bytes(NormalStaging::kCombine, prefix, num_ranks, owner, bytes) <= a.region.data_bytes,
+            "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
+  }
+  normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, stream>>>(a.region, false, kNormalCombineSend);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
+  // first: the pushes on the side stream and the sums on this one then share its epoch.
+  launch_normal_announce_arrival(a.region, stream);
+  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
+  // Chunk by chunk, every owner's first chunk before anyone's second: the sums start early everywhere.
+  for (int chunk = 0; chunk < kNormalCombineChunks; ++chunk) {
+    for (int owner = 0; owner < num_ranks; ++owner) {
+      const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
+      const int64_t chunk_rows = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+      const int64_t begin = chunk * chunk_rows;
+      if (owner == me || begin >= rows) continue;
+      const int64_t count = std::min(chunk_rows, rows - begin);
+      const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me) + begin;
+      uint8_t* block =
+          staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
+      const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
+      copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + first * row_bytes,
+                 count * row_bytes, side_);
+      if (a.num_topk > 0) {
+        const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
+        copy_async(block + area.topk_weights + begin * weight_bytes,
+                   reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk), count * weight_bytes,
+                   side_);
+      }
+      normal_kernels::announce_chunk<<<1, 1, 0, side_>>>(a.region, owner, chunk);
+      UCCL_EP_GPU_CHECK(gpu_last_error());
+    }
+  }
+  UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
+  // Its warps wait for chunks that one-thread kernels announce: leave SMs for those.
+  normal_kernels::reduce_from_staging<<<std::min(a.num_sms, max_busy_sms_), normal_kernels::kWideThreads, 0,
+                                        stream>>>(a);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
+  launch_normal_announce_freed(a.region, stream);
+}
+
+}  // namespace uccl_ep

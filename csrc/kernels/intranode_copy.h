@@ -1,0 +1,70 @@
+// Normal-mode dispatch and combine whose NVLink traffic the copy engines carry, leaving the SMs
+// local work only. Used when every rank's counts are known on the host (a dispatch that read
+// them, or a handle that kept them); the SM path (intranode.h) serves the rest.
+//
+// Both are one exchange of the protocol in intranode.h, over the staging of each rank's data
+// area (NormalStaging):
+//   dispatch: SMs gather the rows this rank sends each peer into its staging (x, scales, top-k
+//     converted to the peer's local experts, source index), announce arrival; then a side stream
+//     waits for the peers' arrival and pulls their blocks for this rank straight into recv_x and
+//     recv_x_scales, one copy each per peer, while SMs copy this rank's own rows and the pulled
+//     rows' top-k and source index (small) from the peers' staging; freed follows both.
+//   combine: wait until every rank freed the previous exchange, push the rows received from each
+//     peer (a contiguous block of x) and their top-k weights back into that peer's staging in
+//     kNormalCombineChunks chunks, each announced in the peer's chunk word, then announce arrival;
+//     SMs sum each token's rows (its own straight from x) once the chunks holding them have
+//     landed, then freed.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/intranode.h"
+
+namespace uccl_ep {
+
+class NormalCopyEngine {
+ public:
+  // peer_bases[r]: rank r's buffer as mapped in this process (host addresses).
+  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases);
+  ~NormalCopyEngine();
+  NormalCopyEngine(const NormalCopyEngine&) = delete;
+  NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
+
+  // A dispatch in two halves, so the gather runs while the host reads the counts:
+  //  - dispatch_send: the gather and the arrival, from args.rank_prefix_matrix on the device (the
+  //    output pointers are not used yet). A rank whose staging would not fit gathers nothing.
+  //  - then exactly one of dispatch_receive (the pulls and own rows; rank_prefix_matrix_host is the
+  //    [R, R] matrix read on the host, args.num_rows_out the rows this rank receives) or
+  //    abandon_dispatch (every rank alike, when the host decided against this path: the exchange
+  //    ends with nothing read).
+  // dispatch does both halves (a cached dispatch: its counts are known on the host already).
+  void dispatch_send(const NormalDispatchArgs& args, gpuStream_t stream);
+  void dispatch_receive(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
+                        gpuStream_t stream);
+  void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
+  void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
+                gpuStream_t stream);
+  // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
+  void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
+               gpuStream_t stream);
+  // Frees the side stream and events; later calls raise. Idempotent.
+  void release();
+
+ private:
+  void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
+  uint8_t* staging(int owner) const;
+
+  int device_;
+  int max_busy_sms_ = 1;  // blocks a waiting kernel may take, SMs left for the one-thread announcements
+  std::vector<std::uintptr_t> peer_bases_;
+  gpuStream_t side_ = nullptr;  // the pulls, beside the SMs' own-row copies
+  gpuEvent_t fork_ = nullptr;
+  gpuEvent_t join_ = nullptr;
+};
+
+// Bytes of `owner`'s data area that an exchange of this kind with these counts needs.
+int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host, int num_ranks,
+                             int owner, NormalRowBytes row_bytes);
+
+}  // namespace uccl_ep

@@ -1,0 +1,268 @@
+// Device helpers of the normal-mode kernels (intranode.cu: SM copies; intranode_copy.cu: copy
+// engines): flags and waits of the exchange protocol (intranode.h), warp copies, and the per-row
+// work both paths share.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/intranode.h"
+
+namespace uccl_ep {
+namespace normal_kernels {
+
+constexpr int kThreads = 512;
+// The copy-engine path's SM kernels (local copies and sums): one block of these per SM they are
+// given, enough warps in flight to cover memory latency.
+constexpr int kWideThreads = 1024;
+constexpr int kBf16PerVector = 8;  // bf16 values in one 16-byte vector
+
+static_assert(kNormalMaxTopk <= kWarpSize, "one lane per top-k entry");
+
+__device__ __forceinline__ uint8_t* rank_base(const NormalRegion& r, int rank) {
+  return reinterpret_cast<uint8_t*>(r.peer_bases[rank]);
+}
+__device__ __forceinline__ uint8_t* data_area(const NormalRegion& r, int rank) {
+  return rank_base(r, rank) + kNormalControlBytes;
+}
+// In `rank`'s control area: the epoch `src` last announced to it.
+__device__ __forceinline__ uint64_t* arrived_word(const NormalRegion& r, int rank, int src) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + src;
+}
+// In `rank`'s control area: the last exchange `reader` finished reading.
+__device__ __forceinline__ uint64_t* freed_word(const NormalRegion& r, int rank, int reader) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + kNormalMaxRanks + reader;
+}
+
+// In `rank`'s control area: the chunks `src` pushed to it (epoch * kNormalChunkStride + chunks).
+__device__ __forceinline__ uint64_t* chunk_word(const NormalRegion& r, int rank, int src) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + 2 * kNormalMaxRanks + src;
+}
+
+__device__ __forceinline__ uint64_t exchanges_done(const NormalRegion& r) {
+  return *reinterpret_cast<const volatile uint64_t*>(r.control + kNormalExchangesWord);
+}
+__device__ __forceinline__ bool aborted(const NormalRegion& r) {
+  return *reinterpret_cast<const volatile uint64_t*>(r.control + kNormalAbortedWord) != 0;
+}
+
+__device__ inline void record_failure(const NormalRegion& r, int32_t code, int32_t phase, int32_t peer, int32_t detail) {
+  *reinterpret_cast<volatile uint64_t*>(r.control + kNormalAbortedWord) = 1;
+  if (compare_and_swap_system(&r.status->code, 0, code) == 0) {
+    r.status->phase = phase;
+    r.status->peer = peer;
+    r.status->detail = detail;
+    __threadfence_system();
+  }
+}
+
+// One thread waits until the word `peer` writes reaches `target`; false on abort or timeout.
+__device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word, uint64_t target, int32_t phase,
+                              int32_t peer) {
+  const uint64_t start = device_time_ns();
+  while (load_acquire_system(word) < target) {
+    if (aborted(r)) return false;
+    if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
+      record_failure(r, kNormalTimeout, phase, peer, 0);
+      return false;
+    }
+    device_pause();
+  }
+  return true;
+}
+
+// The whole block waits for every rank's word (`word_of(peer)`) to reach `target`; the answer is
+// the same for every thread of the block.
+template <typename WordOf>
+__device__ inline bool block_wait_all(const NormalRegion& r, WordOf word_of, uint64_t target, int32_t phase) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    if (!wait_at_least(r, word_of(peer), target, phase, peer)) failed = 1;
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// Step 1 of an exchange: every destination has freed the previous one.
+__device__ inline bool wait_destinations_free(const NormalRegion& r, int32_t phase) {
+  const uint64_t epoch = exchanges_done(r) + 1;
+  return block_wait_all(r, [&](int peer) { return freed_word(r, r.rank, peer); }, epoch - 1, phase);
+}
+
+// Step 3: every source has announced this exchange.
+__device__ inline bool wait_sources_arrived(const NormalRegion& r, int32_t phase) {
+  return block_wait_all(r, [&](int peer) { return arrived_word(r, r.rank, peer); }, exchanges_done(r), phase);
+}
+
+// ------------------------------------------------------------------------------ copies
+struct WarpPosition {
+  int lane;
+  int first;   // first unit of this warp
+  int stride;  // warps in the grid
+};
+
+__device__ __forceinline__ WarpPosition warp_position() {
+  const int warps_per_block = static_cast<int>(blockDim.x) / kWarpSize;
+  return WarpPosition{static_cast<int>(threadIdx.x % kWarpSize),
+                      static_cast<int>(blockIdx.x * warps_per_block + threadIdx.x / kWarpSize),
+                      static_cast<int>(gridDim.x * warps_per_block)};
+}
+
+// A warp copies `bytes` (a multiple of 4) through L2: in 16-byte vectors, several loads in flight
+// before their stores, when everything is aligned to them; else in 4-byte words.
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+  const auto d = reinterpret_cast<uintptr_t>(dst);
+  const auto s = reinterpret_cast<uintptr_t>(src);
+  if (((d | s | static_cast<uintptr_t>(bytes)) & 15) == 0) {
+    constexpr int kUnroll = 8;
+    const int64_t vectors = bytes / 16;
+    const auto* from = reinterpret_cast<const int4*>(src);
+    auto* to = reinterpret_cast<int4*>(dst);
+    int64_t i = lane;
+    for (; i + (kUnroll - 1) * kWarpSize < vectors; i += kUnroll * kWarpSize) {
+      int4 values[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) values[u] = load_l2_16(from + i + u * kWarpSize);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) to[i + u * kWarpSize] = values[u];
+    }
+    for (; i < vectors; i += kWarpSize) to[i] = load_l2_16(from + i);
+  } else {
+    for (int64_t i = lane; i < bytes / 4; i += kWarpSize) {
+      reinterpret_cast<int32_t*>(dst)[i] = __ldcg(reinterpret_cast<const int32_t*>(src) + i);
+    }
+  }
+}
+
+// A warp zeroes `bytes` (a multiple of 4).
+__device__ __forceinline__ void warp_zero(void* dst, int64_t bytes, int lane) {
+  for (int64_t i = lane; i < bytes / 4; i += kWarpSize) reinterpret_cast<int32_t*>(dst)[i] = 0;
+}
+
+__device__ __forceinline__ int64_t received_rows(const int32_t* rank_prefix_matrix, int num_ranks, int rank) {
+  return rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank];
+}
+
+// Rows `src` sends in all.
+__device__ __forceinline__ int64_t sent_rows(const int32_t* rank_prefix_matrix, int num_ranks, int src) {
+  int64_t rows = 0;
+  for (int dst = 0; dst < num_ranks; ++dst) rows += normal_sent(rank_prefix_matrix, num_ranks, src, dst);
+  return rows;
+}
+
+// ------------------------------------------------------------------------------ shared row work
+// Where one dispatched row goes: x (required), scales (when scale_row_bytes > 0), top-k ids and
+// weights, source index (each skipped when null).
+struct DispatchRowOut {
+  uint8_t* x;
+  uint8_t* scales;
+  int64_t* topk_idx;
+  float* topk_weights;
+  int32_t* src_idx;
+};
+
+// Row `row` of a NormalDispatchArea at `base`.
+__device__ __forceinline__ DispatchRowOut dispatch_row_in_area(uint8_t* base, const NormalDispatchArea& area,
+                                                              int64_t row, const NormalDispatchArgs& a) {
+  return DispatchRowOut{base + area.x + row * a.x_row_bytes, base + area.scales + row * a.scale_row_bytes,
+                        a.num_topk > 0 ? reinterpret_cast<int64_t*>(base + area.topk_idx) + row * a.num_topk : nullptr,
+                        reinterpret_cast<float*>(base + area.topk_weights) + row * a.num_topk,
+                        reinterpret_cast<int32_t*>(base + area.src_idx) + row};
+}
+
+// A warp writes token `token`'s row as rank `dst` receives it: its top-k ids become `dst`'s local
+// experts (-1 for the others, their weights 0).
+__device__ __forceinline__ void write_dispatch_row(const NormalDispatchArgs& a, int token, int dst,
+                                                   const DispatchRowOut& out, int lane) {
+  warp_copy(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes, a.x_row_bytes,
+            lane);
+  if (a.scale_row_bytes > 0) {
+    warp_copy(out.scales, static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
+              a.scale_row_bytes, lane);
+  }
+  if (out.topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t entry = static_cast<int64_t>(token) * a.num_topk + lane;
+    const int64_t expert = a.topk_idx[entry];
+    const int64_t local = expert - static_cast<int64_t>(dst) * a.num_local_experts;
+    const bool keep = expert >= 0 && local >= 0 && local < a.num_local_experts;
+    out.topk_idx[lane] = keep ? local : -1;
+    out.topk_weights[lane] = keep ? a.topk_weights[entry] : 0.0f;
+  }
+  if (out.src_idx != nullptr && lane == 0) *out.src_idx = token;
+}
+
+// The rows summed into one combined token: for each rank the token went to, where that rank's
+// rows start (x and top-k weights); the token's row there is its send position.
+struct CombineSources {
+  const uint8_t* x[kNormalMaxRanks];
+  const float* topk_weights[kNormalMaxRanks];
+};
+
+__device__ __forceinline__ void add_bf16_vector(float (&sum)[kBf16PerVector], int4 vector) {
+  const auto* values = reinterpret_cast<const __nv_bfloat162*>(&vector);
+  for (int i = 0; i < kBf16PerVector / 2; ++i) {
+    const float2 pair = __bfloat1622float2(values[i]);
+    sum[2 * i] += pair.x;
+    sum[2 * i + 1] += pair.y;
+  }
+}
+
+// A warp per token sums its rows like the reference: from 0, ranks in order, then the biases.
+// `rows_ready(token, lane)` (the whole warp calls it) waits until the token's rows have landed;
+// false stops the warp (a failure was recorded).
+template <typename RowsReady>
+__device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& a, const CombineSources& from,
+                                                       RowsReady rows_ready) {
+  const int num_ranks = a.region.num_ranks;
+  const WarpPosition w = warp_position();
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int64_t vectors = a.hidden / kBf16PerVector;
+  for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
+    const bool* in_rank = a.is_token_in_rank + token * num_ranks;
+    const int32_t* pos = a.send_pos + token * num_ranks;
+    if (!rows_ready(token, w.lane)) return;
+    // kUnroll vectors per lane at once: their loads from every rank are in flight together.
+    constexpr int kUnroll = 2;
+    for (int64_t v0 = w.lane; v0 < vectors; v0 += kUnroll * kWarpSize) {
+      float sum[kUnroll][kBf16PerVector] = {};
+      for (int dst = 0; dst < num_ranks; ++dst) {
+        if (!in_rank[dst]) continue;
+        const uint8_t* row = from.x[dst] + pos[dst] * row_bytes;
+        int4 values[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * kWarpSize < vectors) values[u] = load_l2_16(row + (v0 + u * kWarpSize) * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (v0 + u * kWarpSize < vectors) add_bf16_vector(sum[u], values[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * kWarpSize;
+        if (v >= vectors) continue;
+        if (a.bias0 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
+        if (a.bias1 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
+        int4 packed;
+        auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
+        for (int i = 0; i < kBf16PerVector / 2; ++i) {
+          out[i] = __floats2bfloat162_rn(sum[u][2 * i], sum[u][2 * i + 1]);
+        }
+        reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
+      }
+    }
+    if (w.lane < a.num_topk) {
+      float sum = 0.0f;
+      for (int dst = 0; dst < num_ranks; ++dst) {
+        if (!in_rank[dst]) continue;
+        sum += __ldcg(from.topk_weights[dst] + static_cast<int64_t>(pos[dst]) * a.num_topk + w.lane);
+      }
+      a.combined_topk_weights[token * a.num_topk + w.lane] = sum;
+    }
+  }
+}
+
+}  // namespace normal_kernels
+}  // namespace uccl_ep

@@ -1,0 +1,224 @@
+// Python bindings of the NVLink normal-mode path: NormalRegion, the notify, dispatch and combine
+// launchers (csrc/kernels/intranode.h) and the copy-engine path (intranode_copy.h). Pointers and
+// streams are plain integers; 0 is null.
+#if defined(UCCL_EP_WITH_CUDA)
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include <vector>
+
+#include "kernels/intranode.h"
+#include "kernels/intranode_copy.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+T* ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+uccl_ep::gpuStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<uccl_ep::gpuStream_t>(stream); }
+
+uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t control, std::uintptr_t status,
+                                  int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
+  return uccl_ep::NormalRegion{ptr<const uint64_t>(peer_bases), ptr<uint64_t>(control),
+                               ptr<uccl_ep::LowLatencyStatus>(status), data_bytes, timeout_ns, rank, num_ranks};
+}
+
+void notify_dispatch(const uccl_ep::NormalRegion& region, std::uintptr_t num_tokens_per_rank,
+                     std::uintptr_t channel_prefix_matrix, std::uintptr_t num_tokens_per_expert, int32_t num_channels,
+                     int32_t num_local_experts, int32_t expert_alignment, int32_t num_worst_tokens,
+                     std::uintptr_t rank_prefix_matrix, std::uintptr_t recv_channel_prefix_matrix,
+                     std::uintptr_t recv_tokens_per_expert, std::uintptr_t stream) {
+  const uccl_ep::NormalNotifyArgs args{region,
+                                       ptr<const int32_t>(num_tokens_per_rank),
+                                       ptr<const int32_t>(channel_prefix_matrix),
+                                       ptr<const int32_t>(num_tokens_per_expert),
+                                       num_channels,
+                                       num_local_experts,
+                                       expert_alignment,
+                                       num_worst_tokens,
+                                       ptr<int32_t>(rank_prefix_matrix),
+                                       ptr<int32_t>(recv_channel_prefix_matrix),
+                                       ptr<int32_t>(recv_tokens_per_expert)};
+  py::gil_scoped_release no_gil;
+  uccl_ep::launch_notify_dispatch(args, as_stream(stream));
+}
+
+uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
+                                          std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t topk_idx,
+                                          std::uintptr_t topk_weights, int32_t num_topk, int32_t num_local_experts,
+                                          std::uintptr_t send_pos, std::uintptr_t rank_prefix_matrix,
+                                          int32_t num_tokens, int32_t num_rows_out, std::uintptr_t recv_x,
+                                          std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx,
+                                          std::uintptr_t recv_topk_weights, std::uintptr_t recv_src_idx,
+                                          int32_t num_sms) {
+  return uccl_ep::NormalDispatchArgs{region,
+                                     ptr<const void>(x),
+                                     x_row_bytes,
+                                     ptr<const void>(x_scales),
+                                     scale_row_bytes,
+                                     ptr<const int64_t>(topk_idx),
+                                     ptr<const float>(topk_weights),
+                                     num_topk,
+                                     num_local_experts,
+                                     ptr<const int32_t>(send_pos),
+                                     ptr<const int32_t>(rank_prefix_matrix),
+                                     num_tokens,
+                                     num_rows_out,
+                                     ptr<void>(recv_x),
+                                     ptr<void>(recv_x_scales),
+                                     ptr<int64_t>(recv_topk_idx),
+                                     ptr<float>(recv_topk_weights),
+                                     ptr<int32_t>(recv_src_idx),
+                                     num_sms};
+}
+
+uccl_ep::NormalCombineArgs combine_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int32_t num_rows,
+                                        int32_t hidden, std::uintptr_t topk_weights, int32_t num_topk,
+                                        std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank,
+                                        std::uintptr_t send_pos, int32_t num_tokens, std::uintptr_t bias0,
+                                        std::uintptr_t bias1, std::uintptr_t combined_x,
+                                        std::uintptr_t combined_topk_weights, int32_t num_sms) {
+  return uccl_ep::NormalCombineArgs{region,
+                                    ptr<const void>(x),
+                                    num_rows,
+                                    hidden,
+                                    ptr<const float>(topk_weights),
+                                    num_topk,
+                                    ptr<const int32_t>(rank_prefix_matrix),
+                                    ptr<const bool>(is_token_in_rank),
+                                    ptr<const int32_t>(send_pos),
+                                    num_tokens,
+                                    ptr<const void>(bias0),
+                                    ptr<const void>(bias1),
+                                    ptr<void>(combined_x),
+                                    ptr<float>(combined_topk_weights),
+                                    num_sms};
+}
+
+}  // namespace
+
+void bind_normal(py::module_& m) {
+  py::class_<uccl_ep::NormalRegion>(m, "NormalRegion", "The normal-mode buffers of all ranks, seen from here.")
+      .def(py::init(&make_region), py::arg("peer_bases"), py::arg("control"), py::arg("status"),
+           py::arg("data_bytes"), py::arg("timeout_ns"), py::arg("rank"), py::arg("num_ranks"));
+
+  m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
+  m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
+  m.def(
+      "normal_dispatch_area_bytes",
+      [](int64_t rows, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
+        return uccl_ep::normal_dispatch_area(rows, x_row_bytes, scale_row_bytes, num_topk).total;
+      },
+      py::arg("rows"), py::arg("x_row_bytes"), py::arg("scale_row_bytes"), py::arg("num_topk"),
+      "Bytes of the data area a dispatch of `rows` received rows needs.");
+  m.def(
+      "normal_combine_area_bytes",
+      [](int64_t rows, int64_t x_row_bytes, int64_t num_topk) {
+        return uccl_ep::normal_combine_area(rows, x_row_bytes, num_topk).total;
+      },
+      py::arg("rows"), py::arg("x_row_bytes"), py::arg("num_topk"),
+      "Bytes of the data area a combine returning `rows` rows needs.");
+  m.def(
+      "normal_send_layout",
+      [](std::uintptr_t is_token_in_rank, int64_t num_tokens, int32_t num_ranks, int32_t num_channels,
+         std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix, std::uintptr_t send_head, std::uintptr_t stream) {
+        const uccl_ep::NormalSendLayoutArgs args{ptr<const bool>(is_token_in_rank), num_tokens, num_ranks, num_channels,
+                                                 ptr<int32_t>(send_pos), ptr<int32_t>(channel_prefix_matrix),
+                                                 ptr<int32_t>(send_head)};
+        uccl_ep::launch_normal_send_layout(args, as_stream(stream));
+      },
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("num_ranks"), py::arg("num_channels"),
+      py::arg("send_pos"), py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Enqueue send_pos [N, R] and, when given, channel_prefix_matrix [R, C] and send_head [N, R].");
+  m.def("normal_notify_slot_ints", &uccl_ep::normal_notify_slot_ints, py::arg("num_ranks"), py::arg("num_channels"),
+        py::arg("num_local_experts"));
+  m.def("notify_dispatch", &notify_dispatch, py::arg("region"), py::arg("num_tokens_per_rank"),
+        py::arg("channel_prefix_matrix"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
+        py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"),
+        py::arg("rank_prefix_matrix"), py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"),
+        py::arg("stream"), "Enqueue the notify exchange (layout counts) on `stream`.");
+  py::class_<uccl_ep::NormalDispatchArgs>(m, "NormalDispatchArgs", "One normal-mode dispatch (pointers as integers).")
+      .def(py::init(&dispatch_args), py::arg("region"), py::arg("x"), py::arg("x_row_bytes"), py::arg("x_scales"),
+           py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
+           py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("num_tokens"),
+           py::arg("num_rows_out"), py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"),
+           py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"));
+  py::class_<uccl_ep::NormalCombineArgs>(m, "NormalCombineArgs", "One normal-mode combine (pointers as integers).")
+      .def(py::init(&combine_args), py::arg("region"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"),
+           py::arg("topk_weights"), py::arg("num_topk"), py::arg("rank_prefix_matrix"), py::arg("is_token_in_rank"),
+           py::arg("send_pos"), py::arg("num_tokens"), py::arg("bias0"), py::arg("bias1"), py::arg("combined_x"),
+           py::arg("combined_topk_weights"), py::arg("num_sms"));
+  m.def(
+      "normal_dispatch",
+      [](const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
+        uccl_ep::launch_normal_dispatch(args, as_stream(stream));
+      },
+      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "Enqueue the dispatch exchange on `stream`, SMs moving the rows.");
+  m.def(
+      "normal_combine",
+      [](const uccl_ep::NormalCombineArgs& args, std::uintptr_t stream) {
+        uccl_ep::launch_normal_combine(args, as_stream(stream));
+      },
+      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "Enqueue the combine exchange on `stream`, SMs moving the rows.");
+
+  py::enum_<uccl_ep::NormalStaging>(m, "NormalStaging")
+      .value("DISPATCH", uccl_ep::NormalStaging::kDispatch)
+      .value("COMBINE", uccl_ep::NormalStaging::kCombine);
+  m.def(
+      "normal_staging_bytes",
+      [](uccl_ep::NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix, int num_ranks, int owner,
+         int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
+        return uccl_ep::normal_staging_bytes(kind, rank_prefix_matrix, num_ranks, owner,
+                                             uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk});
+      },
+      py::arg("kind"), py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("owner"), py::arg("x_row_bytes"),
+      py::arg("scale_row_bytes"), py::arg("num_topk"),
+      "Bytes of `owner`'s data area the copy-engine path needs (rank_prefix_matrix flattened, on the host).");
+  py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
+                                        "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
+      .def(py::init<int, std::vector<std::uintptr_t>>(), py::arg("device"), py::arg("peer_bases"))
+      .def(
+          "dispatch",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.dispatch(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "combine",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalCombineArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.combine(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "dispatch_send",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
+            self.dispatch_send(args, as_stream(stream));
+          },
+          py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "dispatch_receive",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
+             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
+            self.dispatch_receive(args, rank_prefix_matrix, as_stream(stream));
+          },
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abandon_dispatch",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t stream) {
+            self.abandon_dispatch(region, as_stream(stream));
+          },
+          py::arg("region"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
+}
+#endif  // UCCL_EP_WITH_CUDA

@@ -1,0 +1,307 @@
+"""The native normal-mode engine (dispatch/combine over CUDA-IPC-mapped NVLink buffers) against the
+reference engine on 2 GPUs: every output element, padding included, must be equal bit for bit.
+
+Each case draws fresh random inputs (never all zero) and fills the caching allocator with a poison
+pattern first, so an output row the native kernels forget to write cannot pass by being zero.
+"""
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_ranks
+
+FEATURE = "normal_nvlink"
+TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
+ENGINE_ENV = "UCCL_EP_ENGINE"
+COPY_ENV = "UCCL_EP_NORMAL_COPY"
+HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
+NATIVE_NVL_BYTES = 1 << 30
+MISSING_PEER_TIMEOUT_S = 3.0
+
+
+def _has_feature() -> bool:
+    try:
+        from uccl_ep_plugin import build_info
+        return FEATURE in build_info().get("features", [])
+    except ImportError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 CUDA GPUs"),
+              pytest.mark.skipif(not _has_feature(), reason=f"this build has no {FEATURE}")]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    hidden: int
+    num_topk: int
+    num_experts: int
+    tokens: Tuple[int, int]       # tokens of rank 0 and rank 1
+    fp8: bool = False
+    expert_alignment: int = 1
+    num_biases: int = 0
+    combine_weights: bool = True
+    num_sms: int = 20
+
+    def num_tokens(self, rank: int) -> int:
+        return self.tokens[rank]
+
+
+CASES = (
+    Case("bf16_h2048_k1_e8", 2048, 1, 8, (128, 100)),
+    Case("bf16_h4096_k2_e64_one_token", 4096, 2, 64, (300, 1), num_biases=1),
+    Case("bf16_h7168_k8_e256_large", 7168, 8, 256, (4096 + 17, 513), num_biases=2),
+    Case("fp8_h7168_k9_e288_empty_rank", 7168, 9, 288, (777, 0), fp8=True, combine_weights=False),
+    Case("fp8_h2048_k8_e64_align16", 2048, 8, 64, (1, 64), fp8=True, expert_alignment=16, num_sms=8),
+    Case("bf16_h4096_k9_e288_align16", 4096, 9, 288, (0, 200), expert_alignment=16, num_biases=2),
+)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _make_buffer(group, engine: str, num_nvl_bytes: int, copy_mode: str = "engine"):
+    import uccl_ep_plugin as ep
+    with _environment(ENGINE_ENV, engine), _environment(COPY_ENV, copy_mode):
+        buffer = ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True)
+    if engine == "native":
+        for operation in ("dispatch", "combine"):
+            assert buffer.engine_by_operation[operation] == "native", buffer.engine_by_operation
+            assert operation not in buffer.engine_reasons, buffer.engine_reasons
+    return buffer
+
+
+def _poison_allocator(device: torch.device) -> None:
+    """Later torch.empty calls reuse these bytes, so unwritten outputs hold 0xA5 patterns, not zeros."""
+    junk = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+    junk.fill_(0xA5)
+    del junk
+
+
+def _inputs(case: Case, rank: int, seed: int, device: torch.device):
+    gen = torch.Generator().manual_seed(seed * 1000003 + rank)
+    n = case.num_tokens(rank)
+    x = torch.randn((n, case.hidden), generator=gen) + 0.25
+    scores = torch.rand((n, case.num_experts), generator=gen)
+    topk_idx = torch.topk(scores, case.num_topk, dim=1).indices
+    topk_idx[torch.rand((n, case.num_topk), generator=gen) < 0.15] = -1
+    topk_weights = torch.rand((n, case.num_topk), generator=gen) + 0.1
+    if case.fp8:
+        data = x.clamp(-400, 400).to(torch.float8_e4m3fn)
+        scales = torch.rand((n, case.hidden // 128), generator=gen) + 0.5
+        x_in = (data.to(device), scales.to(device))
+    else:
+        x_in = x.to(torch.bfloat16).to(device)
+    return x_in, topk_idx.to(device), topk_weights.to(device), gen
+
+
+def _bits(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The raw bytes, so fp8/bf16 compare exactly (and NaN payloads too)."""
+    if tensor is None:
+        return None
+    return tensor.contiguous().view(torch.uint8).cpu()
+
+
+def _assert_equal(got, expected, what: str) -> None:
+    if expected is None or got is None:
+        assert got is None and expected is None, f"{what}: one engine returned None"
+        return
+    if isinstance(expected, (tuple, list)) and not isinstance(expected, torch.Tensor):
+        assert len(got) == len(expected), f"{what}: lengths differ"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            _assert_equal(g, e, f"{what}[{i}]")
+        return
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype} != {expected.dtype}"
+    assert tuple(got.shape) == tuple(expected.shape), f"{what}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    g, e = _bits(got), _bits(expected)
+    if not torch.equal(g, e):
+        diff = (g != e).nonzero()
+        raise AssertionError(f"{what}: {diff.size(0)} bytes differ, first at {diff[0].tolist()}")
+
+
+def _dispatch(buffer, x, layout, topk_idx, topk_weights, case: Case, num_worst_tokens: int = 0):
+    import uccl_ep_plugin as ep
+    per_rank, _, per_expert, in_rank = layout
+    return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                           expert_alignment=case.expert_alignment, num_worst_tokens=num_worst_tokens,
+                           config=ep.Config(num_sms=case.num_sms))
+
+
+def _combine(buffer, x, handle, topk_weights, biases, case: Case):
+    import uccl_ep_plugin as ep
+    bias = None if not biases else (biases[0] if len(biases) == 1 else tuple(biases))
+    return buffer.combine(x, handle, topk_weights=topk_weights, bias=bias, config=ep.Config(num_sms=case.num_sms))
+
+
+def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch.device,
+              num_worst_tokens: int = 0, copy_mode: str = "engine") -> None:
+    import uccl_ep_plugin as ep
+    tag = f"{case.name} (seed {seed}, worst {num_worst_tokens}, {copy_mode} copies)"
+    x, topk_idx, topk_weights, gen = _inputs(case, rank, seed, device)
+    layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+
+    results = {}
+    for name, buffer in (("reference", reference), ("native", native)):
+        _poison_allocator(device)
+        results[name] = _dispatch(buffer, x, layout, topk_idx, topk_weights, case, num_worst_tokens)
+        torch.cuda.synchronize(device)
+    got, want = results["native"], results["reference"]
+    for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+        _assert_equal(got[index], want[index], f"{tag}: {what}")
+    assert got[3] == want[3], f"{tag}: num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
+    _assert_equal(tuple(got[4]), tuple(want[4]), f"{tag}: handle")
+    # The copy engines serve exactly the dispatches whose counts reached the host (and their combines).
+    by_copy_engine = hasattr(got[4][0], HOST_PREFIX)
+    assert by_copy_engine == (copy_mode == "engine" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
+
+    # Cached dispatch: the handle reused, only x moves (fresh values).
+    x2 = _inputs(case, rank, seed + 500, device)[0]
+    cached = {}
+    for name, buffer, handle in (("reference", reference, want[4]), ("native", native, got[4])):
+        _poison_allocator(device)
+        cached[name] = buffer.dispatch(x2, handle=handle, config=ep.Config(num_sms=case.num_sms))
+        torch.cuda.synchronize(device)
+    _assert_equal(cached["native"][0], cached["reference"][0], f"{tag}: cached recv_x")
+
+    # Combine fresh expert outputs, with and without weights, with the case's biases.
+    rows = want[0][0].size(0) if case.fp8 else want[0].size(0)
+    expert_out = (torch.randn((rows, case.hidden), generator=gen) + 0.5).to(torch.bfloat16).to(device)
+    weights = (torch.rand((rows, case.num_topk), generator=gen) + 0.1).to(device)
+    biases = [(torch.randn((case.num_tokens(rank), case.hidden), generator=gen)).to(torch.bfloat16).to(device)
+              for _ in range(case.num_biases)]
+    for use_weights in ((True, False) if case.combine_weights else (False,)):
+        combined = {}
+        for name, buffer, handle in (("reference", reference, want[4]), ("native", native, got[4])):
+            _poison_allocator(device)
+            combined[name] = _combine(buffer, expert_out, handle, weights if use_weights else None, biases, case)
+            torch.cuda.synchronize(device)
+        _assert_equal(combined["native"][:2], combined["reference"][:2],
+                      f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
+
+
+def _compare_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
+    reference = _make_buffer(group, "reference", 0)
+    try:
+        for seed, case in enumerate(CASES):
+            _run_case(native, reference, case, rank, seed, device, copy_mode=copy_mode)
+        # num_worst_tokens: outputs padded to that many rows, no count list.
+        for seed, case in enumerate(CASES[:2], start=100):
+            _run_case(native, reference, case, rank, seed, device, num_worst_tokens=2 * max(case.tokens) + 5,
+                      copy_mode=copy_mode)
+    finally:
+        native.destroy()
+        reference.destroy()
+
+
+def _graph_body(rank: int, num_ranks: int, group) -> None:
+    """dispatch + combine with num_worst_tokens captured in a CUDA graph, replayed on new x: equal to the
+    same calls run eagerly, and to the reference engine."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    case = Case("graph_bf16_h4096_k8_e64", 4096, 8, 64, (257, 190))
+    worst = 2 * max(case.tokens)
+    native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    reference = _make_buffer(group, "reference", 0)
+    try:
+        x, topk_idx, topk_weights, gen = _inputs(case, rank, 7, device)
+        layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+        static_x = x.clone()
+
+        def step():
+            recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(native, static_x, layout, topk_idx,
+                                                                     topk_weights, case, worst)
+            combined_x, combined_weights, _ = _combine(native, recv_x, handle, recv_weights, [], case)
+            return recv_x, recv_idx, recv_weights, tuple(handle), combined_x, combined_weights
+
+        step()   # warm up outside the capture (allocator, lazy init)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        torch.cuda.synchronize(device)
+        for replay in range(3):
+            static_x.copy_((torch.randn((case.num_tokens(rank), case.hidden), generator=gen) + 0.25)
+                           .to(torch.bfloat16).to(device))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            eager = step()
+            torch.cuda.synchronize(device)
+            _assert_equal(captured, eager, f"graph replay {replay} vs eager")
+            want = _dispatch(reference, static_x, layout, topk_idx, topk_weights, case, worst)
+            want_combined = _combine(reference, want[0], want[4], want[2], [], case)
+            torch.cuda.synchronize(device)
+            _assert_equal(captured[:3], want[:3], f"graph replay {replay} dispatch vs reference")
+            _assert_equal(captured[3], tuple(want[4]), f"graph replay {replay} handle vs reference")
+            _assert_equal(captured[4:], want_combined[:2], f"graph replay {replay} combine vs reference")
+        del graph
+    finally:
+        native.destroy()
+        reference.destroy()
+
+
+def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
+    """Rank 1 never calls dispatch: rank 0 raises CommTimeoutError naming itself, the phase and rank 1."""
+    from uccl_ep_plugin import CommTimeoutError
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    side = dist.new_group(backend="gloo")
+    case = Case("timeout_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
+    with _environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
+        native = _make_buffer(group, "native", 64 << 20)
+    failure = None
+    if rank == 0:
+        x, topk_idx, topk_weights, _ = _inputs(case, rank, 3, device)
+        layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+        start = time.monotonic()
+        try:
+            _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            torch.cuda.synchronize(device)
+            failure = "dispatch with rank 1 absent raised nothing"
+        except CommTimeoutError as error:
+            elapsed = time.monotonic() - start
+            message = str(error)
+            for needed in ("rank 0", "dispatch", "notify", "rank 1"):
+                if needed not in message:
+                    failure = f"the CommTimeoutError does not mention {needed!r}: {message}"
+            if not MISSING_PEER_TIMEOUT_S * 0.9 <= elapsed <= MISSING_PEER_TIMEOUT_S + 5:
+                failure = f"CommTimeoutError after {elapsed:.1f} s, expected about {MISSING_PEER_TIMEOUT_S:g} s"
+    dist.barrier(group=side)
+    native.destroy()
+    assert failure is None, failure
+
+
+@pytest.mark.parametrize("copy_mode", ["engine", "sm"])
+def test_native_normal_matches_reference(copy_mode):
+    run_ranks(2, _compare_body, backend="nccl", copy_mode=copy_mode)
+
+
+def test_native_normal_cuda_graph_with_worst_tokens():
+    run_ranks(2, _graph_body, backend="nccl")
+
+
+def test_native_normal_missing_peer_raises():
+    run_ranks(2, _missing_peer_body, backend="nccl")

@@ -1,0 +1,81 @@
+"""Checks of the native normal mode's pieces: the send-layout kernel (on one GPU) against the reference
+tables, the data-area byte layout, and which build feature the engine choice asks for."""
+
+import pytest
+import torch
+
+from uccl_ep_plugin import engines
+from uccl_ep_plugin.engines import native
+from uccl_ep_plugin.engines.reference.layout import channel_layout
+from uccl_ep_plugin.engines.reference.normal import _routed_pairs
+
+
+def _extension_with_normal():
+    try:
+        from uccl_ep_plugin import _C
+    except ImportError:
+        pytest.skip("the native extension is not built")
+    if "normal_nvlink" not in _C.build_info()["features"]:
+        pytest.skip("this build has no normal_nvlink (CPU-only build)")
+    return _C
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_send_layout_kernel_matches_the_reference_tables():
+    ext = _extension_with_normal()
+    device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(5)
+    poison = -7
+    for num_tokens, num_ranks, num_channels in ((0, 2, 3), (1, 3, 10), (37, 4, 5), (1000, 2, 1), (4113, 8, 24),
+                                                (2050, 5, 2048)):
+        in_rank = (torch.rand((num_tokens, num_ranks), generator=gen) < 0.6).to(device)
+        send_pos, send_head = (torch.full((num_tokens, num_ranks), poison, dtype=torch.int32, device=device)
+                               for _ in range(2))
+        prefix = torch.full((num_ranks, num_channels), poison, dtype=torch.int32, device=device)
+        ext.normal_send_layout(is_token_in_rank=in_rank.data_ptr(), num_tokens=num_tokens, num_ranks=num_ranks,
+                               num_channels=num_channels, send_pos=send_pos.data_ptr(),
+                               channel_prefix_matrix=prefix.data_ptr(), send_head=send_head.data_ptr(),
+                               stream=torch.cuda.current_stream(device).cuda_stream)
+        torch.cuda.synchronize(device)
+        tag = f"N={num_tokens} R={num_ranks} C={num_channels}"
+        want_prefix, want_head = channel_layout(in_rank.cpu(), num_channels)
+        assert torch.equal(prefix.cpu(), want_prefix.to(torch.int32)), tag
+        assert torch.equal(send_head.cpu(), want_head.to(torch.int32)), tag
+        positions = send_pos.cpu()
+        assert torch.equal(positions < 0, ~in_rank.cpu()), tag
+        dst_rank, token = _routed_pairs(in_rank.cpu())
+        for rank in range(num_ranks):
+            # The reference sends a rank's tokens in token order: position k is the k-th of them.
+            sent = token[dst_rank == rank]
+            assert torch.equal(positions[sent, rank], torch.arange(sent.numel(), dtype=torch.int32)), tag
+
+
+def test_data_area_fields_are_16_byte_aligned_arrays():
+    ext = _extension_with_normal()
+    # 3 rows of 32 x bytes, 8 scale bytes, 2 top-k: 96 + 32 (24) + 48 + 32 (24) + 16 (12)
+    assert ext.normal_dispatch_area_bytes(3, 32, 8, 2) == 96 + 32 + 48 + 32 + 16
+    assert ext.normal_dispatch_area_bytes(0, 14336, 224, 9) == 0
+    # 3 rows of 32 bytes, 2 weights each: 96 + 32 (24)
+    assert ext.normal_combine_area_bytes(3, 32, 2) == 96 + 32
+    assert ext.normal_notify_slot_ints(2, 10, 144) == 156
+    assert ext.NORMAL_CONTROL_BYTES == 3 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk words
+
+
+class _FakeExtension:
+    def __init__(self, features):
+        self.features = features
+
+    def build_info(self):
+        return {"features": self.features}
+
+
+def test_normal_mode_needs_the_normal_nvlink_feature(monkeypatch):
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["dispatch_layout", "low_latency_nvlink"]))
+    choice = engines.choose("auto", torch.device("cuda"))
+    for operation in native.NORMAL_OPERATIONS:
+        assert choice.by_operation[operation] == "reference"
+        assert "normal_nvlink" in choice.reasons[operation]
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["normal_nvlink"]))
+    choice = engines.choose("auto", torch.device("cuda"))
+    assert all(choice.by_operation[op] == "native" and op not in choice.reasons for op in native.NORMAL_OPERATIONS)

@@ -1,0 +1,332 @@
+"""Native normal-mode dispatch and combine between the GPUs of one host: kernels that store
+straight into the peers' IPC-mapped ``num_nvl_bytes`` buffers (csrc/kernels/intranode.h
+describes the layout and the protocol).
+
+Results equal the reference engine's bit for bit. A dispatch without handle syncs the host once
+to read the counts, unless ``num_worst_tokens > 0``; cached dispatch and combine never sync. A
+kernel that waits too long for a peer, or finds that some rank's share does not fit, records it in
+host-mapped memory and exits; the call that reads the counts, or else the next call, raises it.
+
+Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` (default) lets the copy engines carry
+the NVLink traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a
+dispatch that read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and
+its combine go the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens),
+use SM copies (csrc/kernels/intranode.h).
+"""
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ...dispatch_config import MAX_TOPK
+from ..reference.collectives import CommTimeoutError
+from ..reference.layout import rank_matrix
+from ..reference.normal import DispatchResult
+
+_PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
+                3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
+                5: "combine (sending rows)", 6: "combine (receiving rows)"}
+_SEND_PHASES = (1, 3, 5)
+_TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
+_STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
+COPY_ENV = "UCCL_EP_NORMAL_COPY"
+_COPY_MODES = ("engine", "sm")
+# The host copy of a rank_prefix_matrix, kept on the tensor itself so it travels with the handle.
+_HOST_PREFIX = "_uccl_ep_host_prefix"
+
+
+def copy_mode() -> str:
+    mode = os.environ.get(COPY_ENV, "engine").strip().lower() or "engine"
+    if mode not in _COPY_MODES:
+        raise ValueError(f"{COPY_ENV}={mode!r}: expected one of {', '.join(_COPY_MODES)}")
+    return mode
+
+
+def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
+    return getattr(rank_prefix_matrix, _HOST_PREFIX, None)
+
+
+class ExchangeTooLarge(Exception):
+    """A dispatch (with the combine of its rows) does not fit the Buffer's num_nvl_bytes. Raised before
+    any kernel of the call moved rows, and on every rank alike (it is decided from values all ranks
+    share), so the Buffer can serve the call with the reference engine instead."""
+
+
+def exchange_bytes(extension, rows: int, hidden: int, num_topk: int) -> int:
+    """num_nvl_bytes for which the native engine serves a dispatch of at most ``rows`` rows to any rank and
+    from any rank (bf16 or fp8 with float scales per 128 channels), and their combine."""
+    dispatch = extension.normal_dispatch_area_bytes(rows, 2 * hidden, 4 * ((hidden + 127) // 128), num_topk)
+    combine = extension.normal_combine_area_bytes(rows, 2 * hidden, num_topk)
+    return extension.NORMAL_CONTROL_BYTES + max(dispatch, combine)
+
+
+def _ptr(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+class NativeNormal:
+    """``data_bytes``: the data area of every rank's buffer (the same on all ranks)."""
+
+    def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self._C = extension
+        self.peer_buffer = peer_buffer
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.device = device
+        self.timeout_s = timeout_s
+        self.num_nvl_bytes = peer_buffer.tensor.numel()
+        self.data_bytes = self.num_nvl_bytes - extension.NORMAL_CONTROL_BYTES
+        # Its control words count the exchanges; its status block is the failure record both modes share.
+        self.state = extension.LowLatencyState(device.index)
+        self.region = extension.NormalRegion(
+            peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
+            data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
+        self.copy_engine = None
+        self._pinned_counts: Optional[torch.Tensor] = None   # where dispatches read their counts
+        if copy_mode() == "engine":
+            self.copy_engine = extension.NormalCopyEngine(
+                device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
+
+    # ------------------------------------------------------------------ errors
+    def check(self) -> None:
+        """Raise the first failure a kernel recorded (reads host memory; no sync)."""
+        code, phase, peer, detail = self.state.status()
+        if code == 0:
+            return
+        where = _PHASE_NAMES.get(phase, f"phase {phase}")
+        if code == _TIMEOUT:
+            what = "to finish reading the previous exchange" if phase in _SEND_PHASES else "to send its part"
+            raise CommTimeoutError(f"rank {self.rank}: {where} timed out after {self.timeout_s:g} s waiting for "
+                                   f"rank {peer} {what}; {_STALE}")
+        if code == _TOO_MANY_ROWS:
+            raise RuntimeError(f"uccl_ep_plugin: dispatch on rank {self.rank}: rank {peer} would receive {detail} "
+                               f"tokens, more than num_worst_tokens; {_STALE}")
+        if code == _AREA_TOO_SMALL:
+            raise ValueError(f"rank {self.rank}: {where}: some rank's rows do not fit in num_nvl_bytes="
+                             f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
+        raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
+
+    def _check_fits(self, what: str, needed: int) -> None:
+        if needed > self.data_bytes:
+            raise ExchangeTooLarge(f"{what} needs {needed + self._C.NORMAL_CONTROL_BYTES} bytes of num_nvl_bytes "
+                                   f"(the whole exchange must fit, plus {self._C.NORMAL_CONTROL_BYTES} control "
+                                   f"bytes), this Buffer has num_nvl_bytes={self.num_nvl_bytes}")
+
+    def destroy(self) -> None:
+        if self.copy_engine is not None:
+            self.copy_engine.release()
+            self.copy_engine = None
+        self._pinned_counts = None
+        if self.state is not None:
+            self.state.release()
+            self.state = None
+        if self.peer_buffer is not None:
+            self.peer_buffer.release()
+            self.peer_buffer = None
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _send_layout(self, is_token_in_rank: torch.Tensor, num_channels: int = 0):
+        """send_pos [N, R]; with num_channels, also (channel_prefix_matrix [R, C], send_head [N, R])."""
+        num_tokens = is_token_in_rank.size(0)
+        options = dict(dtype=torch.int32, device=self.device)
+        send_pos = torch.empty((num_tokens, self.num_ranks), **options)
+        channel_prefix_matrix = send_head = None
+        if num_channels:
+            channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
+            send_head = torch.empty((num_tokens, self.num_ranks), **options)
+        self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
+                                   num_ranks=self.num_ranks, num_channels=max(num_channels, 1),
+                                   send_pos=send_pos.data_ptr(), channel_prefix_matrix=_ptr(channel_prefix_matrix),
+                                   send_head=_ptr(send_head), stream=self._stream())
+        return send_pos, channel_prefix_matrix, send_head
+
+    # ------------------------------------------------------------------ operations
+    def _notify(self, num_tokens_per_rank: torch.Tensor, channel_prefix_matrix: torch.Tensor,
+                num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(counts, recv_channel_prefix_matrix)``: counts holds rank_prefix_matrix (flattened), then the
+        tokens each local expert receives (aligned), so one copy brings both to the host."""
+        num_channels = channel_prefix_matrix.size(1)
+        local_experts = num_tokens_per_expert.numel() // self.num_ranks
+        slot_bytes = 4 * self._C.normal_notify_slot_ints(self.num_ranks, num_channels, local_experts)
+        self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
+                         self.num_ranks * slot_bytes)
+        options = dict(dtype=torch.int32, device=self.device)
+        counts = torch.empty(self.num_ranks ** 2 + local_experts, **options)
+        rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
+        recv_tokens_per_expert = counts[self.num_ranks ** 2:]
+        recv_channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
+        self._C.notify_dispatch(
+            region=self.region, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
+            channel_prefix_matrix=channel_prefix_matrix.data_ptr(),
+            num_tokens_per_expert=num_tokens_per_expert.data_ptr(), num_channels=num_channels,
+            num_local_experts=local_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+            rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
+            recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
+            recv_tokens_per_expert=recv_tokens_per_expert.data_ptr(), stream=self._stream())
+        return counts, recv_channel_prefix_matrix
+
+    def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
+                        hidden: int, num_topk: int) -> None:
+        """The SM path's dispatch, and a combine of the same rows, fit every rank's data area. The row counts
+        are the same on every rank (from the shared counts, or bounds from num_worst_tokens), so all raise
+        together."""
+        self._check_fits(f"dispatch of up to {most_received} rows to one rank",
+                         self._C.normal_dispatch_area_bytes(most_received, x_row_bytes, scale_row_bytes, num_topk))
+        self._check_fits(f"combine of up to {most_sent} rows back to one rank",
+                         self._C.normal_combine_area_bytes(most_sent, 2 * hidden, num_topk))
+
+    def _staging_fits(self, host_prefix: List[int], kind, x_row_bytes: int, scale_row_bytes: int,
+                      num_topk: int) -> bool:
+        return all(self._C.normal_staging_bytes(kind, host_prefix, self.num_ranks, owner, x_row_bytes,
+                                                scale_row_bytes, num_topk) <= self.data_bytes
+                   for owner in range(self.num_ranks))
+
+    def _copy_engine_serves(self, host_prefix: Optional[List[int]], x_row_bytes: int, scale_row_bytes: int,
+                            hidden: int, num_topk: int) -> bool:
+        """Whether the copy engines carry a dispatch with these counts (and so its combine): decided from
+        values every rank shares, so every rank takes the same path."""
+        staging = self._C.NormalStaging
+        return (self.copy_engine is not None and host_prefix is not None
+                and self._staging_fits(host_prefix, staging.DISPATCH, x_row_bytes, scale_row_bytes, num_topk)
+                and self._staging_fits(host_prefix, staging.COMBINE, 2 * hidden, 0, num_topk))
+
+    def _read_counts(self, counts: torch.Tensor, while_copying) -> List[int]:
+        """``counts`` on the host: the one host sync of a dispatch. ``while_copying()`` enqueues work that
+        runs after the copy on the stream, while the host waits for the copy only."""
+        if self._pinned_counts is None or self._pinned_counts.numel() < counts.numel():
+            self._pinned_counts = torch.empty(counts.numel(), dtype=torch.int32, pin_memory=True)
+        on_host = self._pinned_counts[:counts.numel()]
+        on_host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        while_copying()
+        copied.synchronize()
+        return on_host.tolist()
+
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
+                 num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
+                 num_worst_tokens: int, num_channels: int,
+                 cached_handle: Optional[Sequence[torch.Tensor]]) -> DispatchResult:
+        self.check()
+        hidden = x.size(1)
+        x_row_bytes = hidden * x.element_size()
+        if x_scales is not None:
+            x_scales = x_scales.contiguous()
+        scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
+        num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        num_recv_tokens_per_expert_list = []
+        local_experts = 0
+
+        def arguments(rank_prefix_matrix, send_pos, num_rows_out=0, outputs=(None,) * 5):
+            recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+            return self._C.NormalDispatchArgs(
+                region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
+                scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+                num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
+                rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
+                recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
+                recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
+                num_sms=2 * num_channels)
+
+        host_prefix, by_copy_engine, gathered = None, False, False
+        if cached_handle is not None:
+            rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
+                cached_handle
+            num_rows_out = cached_src_idx.size(0)
+            host_prefix = _host_prefix(rank_prefix_matrix)
+            by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+            send_pos = self._send_layout(is_token_in_rank)[0]
+        else:
+            local_experts = num_tokens_per_expert.numel() // self.num_ranks
+            if num_worst_tokens > 0:
+                # No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most
+                # num_ranks times that (no receiver took more from it).
+                self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
+                                     scale_row_bytes, hidden, num_topk)
+            send_pos, channel_prefix_matrix, send_head = self._send_layout(is_token_in_rank, num_channels)
+            counts, recv_channel_prefix_matrix = self._notify(
+                num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
+                num_worst_tokens)
+            rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
+            if num_worst_tokens > 0:
+                num_rows_out = num_worst_tokens
+            else:
+                # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
+                gathered = self.copy_engine is not None
+
+                def gather() -> None:
+                    if gathered:
+                        self.copy_engine.dispatch_send(arguments(rank_prefix_matrix, send_pos), self._stream())
+
+                on_host = self._read_counts(counts, gather)
+                self.check()
+                host_prefix = on_host[:self.num_ranks ** 2]
+                num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
+                num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
+                by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+                if by_copy_engine:
+                    setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
+                else:
+                    if gathered:   # every rank decided alike: end the gather's exchange, nothing pulled
+                        self.copy_engine.abandon_dispatch(self.region, self._stream())
+                    sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
+                    self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
+                                         scale_row_bytes, hidden, num_topk)
+
+        options = dict(device=self.device)
+        recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
+        recv_x_scales = (None if x_scales is None else
+                         torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = torch.empty((num_rows_out, num_topk), dtype=topk_idx.dtype, **options)
+            recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
+        recv_src_idx = (cached_handle[3] if cached_handle is not None else
+                        torch.empty(num_rows_out, dtype=torch.int32, **options))
+        args = arguments(rank_prefix_matrix, send_pos, num_rows_out,
+                         (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                          None if cached_handle is not None else recv_src_idx))
+        if by_copy_engine and gathered:
+            self.copy_engine.dispatch_receive(args, host_prefix, self._stream())
+        elif by_copy_engine:
+            self.copy_engine.dispatch(args, host_prefix, self._stream())
+        else:
+            self._C.normal_dispatch(args, self._stream())
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                  is_token_in_rank, send_head)
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                              num_recv_tokens_per_expert_list, handle)
+
+    def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                biases: Sequence[torch.Tensor], num_channels: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.check()
+        rank_prefix_matrix, _, _, _, is_token_in_rank, _ = handle
+        num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
+        combined_x = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
+        combined_topk_weights = None
+        num_topk = 0
+        if topk_weights is not None:
+            num_topk = topk_weights.size(1)
+            if num_topk > MAX_TOPK:
+                raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
+            combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
+        bias0, bias1 = (list(biases) + [None, None])[:2]
+        args = self._C.NormalCombineArgs(
+            region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
+            num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_layout(is_token_in_rank)[0].data_ptr(),
+            num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
+            combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
+        host_prefix = _host_prefix(rank_prefix_matrix)
+        if (self.copy_engine is not None and host_prefix is not None
+                and self._staging_fits(host_prefix, self._C.NormalStaging.COMBINE, 2 * hidden, 0, num_topk)):
+            self.copy_engine.combine(args, host_prefix, self._stream())
+        else:
+            self._C.normal_combine(args, self._stream())
+        return combined_x, combined_topk_weights
