@@ -1,5 +1,6 @@
 """The native normal-mode engine (dispatch/combine over CUDA-IPC-mapped NVLink buffers) against the
-reference engine on 2 GPUs: every output element, padding included, must be equal bit for bit.
+reference engine on 2 GPUs, or on UCCL_EP_TEST_RANKS GPUs (4 or 8 on a larger machine; each case's
+per-rank token counts repeat): every output element, padding included, must be equal bit for bit.
 
 Each case draws fresh random inputs (never all zero) and fills the caching allocator with a poison
 pattern first, so an output row the native kernels forget to write cannot pass by being zero.
@@ -7,6 +8,7 @@ pattern first, so an output row the native kernels forget to write cannot pass b
 
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -24,6 +26,7 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
+RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 
 
 def _has_feature() -> bool:
@@ -35,8 +38,8 @@ def _has_feature() -> bool:
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 CUDA GPUs"),
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < RANKS,
+                                 reason=f"needs {RANKS} CUDA GPUs (UCCL_EP_TEST_RANKS)"),
               pytest.mark.skipif(not _has_feature(), reason=f"this build has no {FEATURE}")]
 
 
@@ -46,7 +49,7 @@ class Case:
     hidden: int
     num_topk: int
     num_experts: int
-    tokens: Tuple[int, int]       # tokens of rank 0 and rank 1
+    tokens: Tuple[int, ...]       # tokens of ranks 0, 1, ..., repeated over the ranks
     fp8: bool = False
     expert_alignment: int = 1
     num_biases: int = 0
@@ -54,7 +57,11 @@ class Case:
     num_sms: int = 20
 
     def num_tokens(self, rank: int) -> int:
-        return self.tokens[rank]
+        return self.tokens[rank % len(self.tokens)]
+
+    def worst_tokens(self) -> int:
+        """A num_worst_tokens no rank's receive exceeds: every rank sends it every token."""
+        return RANKS * max(self.tokens)
 
 
 CASES = (
@@ -210,7 +217,7 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
             _run_case(native, reference, case, rank, seed, device, copy_mode=copy_mode)
         # num_worst_tokens: outputs padded to that many rows, no count list.
         for seed, case in enumerate(CASES[:2], start=100):
-            _run_case(native, reference, case, rank, seed, device, num_worst_tokens=2 * max(case.tokens) + 5,
+            _run_case(native, reference, case, rank, seed, device, num_worst_tokens=case.worst_tokens() + 5,
                       copy_mode=copy_mode)
     finally:
         native.destroy()
@@ -223,7 +230,7 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     case = Case("graph_bf16_h4096_k8_e64", 4096, 8, 64, (257, 190))
-    worst = 2 * max(case.tokens)
+    worst = case.worst_tokens()
     native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
     reference = _make_buffer(group, "reference", 0)
     try:
@@ -263,8 +270,53 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
+def _streams_body(rank: int, num_ranks: int, group) -> None:
+    """DeepEP's stream semantics: with previous_event the communication stream waits for that event (x is
+    written behind a long sleep on the compute stream, after a poisoned fill), with async_finish the call
+    returns an event the caller waits on, with allocate_on_comm_stream the outputs come from that stream."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    case = Case("streams_bf16_h4096_k8_e64", 4096, 8, 64, (300, 211), num_biases=1)
+    native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    reference = _make_buffer(group, "reference", 0)
+    try:
+        x_values, topk_idx, topk_weights, gen = _inputs(case, rank, 11, device)
+        layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+        per_rank, _, per_expert, in_rank = layout
+        want = _dispatch(reference, x_values, layout, topk_idx, topk_weights, case)
+        torch.cuda.synchronize(device)
+
+        x = torch.full_like(x_values, float("nan"))
+        torch.cuda._sleep(50_000_000)   # tens of ms on the compute stream before x holds its values
+        x.copy_(x_values)
+        got = native.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                              previous_event=native.capture(), async_finish=True, allocate_on_comm_stream=True)
+        assert got[5].event is not None, "async_finish=True returned no event"
+        got[5].current_stream_wait()
+        for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+            _assert_equal(got[index], want[index], f"streams: {what}")
+
+        rows = want[0].size(0)
+        expert_out = (torch.randn((rows, case.hidden), generator=gen) + 0.5).to(torch.bfloat16).to(device)
+        bias = torch.randn((case.num_tokens(rank), case.hidden), generator=gen).to(torch.bfloat16).to(device)
+        want_combined = reference.combine(expert_out, want[4], topk_weights=want[2], bias=bias)
+        torch.cuda.synchronize(device)
+        staged = torch.full_like(expert_out, float("nan"))
+        torch.cuda._sleep(50_000_000)
+        staged.copy_(expert_out)
+        combined = native.combine(staged, got[4], topk_weights=got[2], bias=bias, previous_event=native.capture(),
+                                  async_finish=True, allocate_on_comm_stream=True)
+        combined[2].current_stream_wait()
+        _assert_equal(combined[:2], want_combined[:2], "streams: combine")
+    finally:
+        torch.cuda.synchronize(device)
+        native.destroy()
+        reference.destroy()
+
+
 def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
-    """Rank 1 never calls dispatch: rank 0 raises CommTimeoutError naming itself, the phase and rank 1."""
+    """Only rank 0 calls dispatch: it raises CommTimeoutError naming itself, the phase and a missing rank."""
     from uccl_ep_plugin import CommTimeoutError
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -280,13 +332,15 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
         try:
             _dispatch(native, x, layout, topk_idx, topk_weights, case)
             torch.cuda.synchronize(device)
-            failure = "dispatch with rank 1 absent raised nothing"
+            failure = "dispatch with its peers absent raised nothing"
         except CommTimeoutError as error:
             elapsed = time.monotonic() - start
             message = str(error)
-            for needed in ("rank 0", "dispatch", "notify", "rank 1"):
+            for needed in ("rank 0", "dispatch", "notify"):
                 if needed not in message:
                     failure = f"the CommTimeoutError does not mention {needed!r}: {message}"
+            if not re.search(r"waiting for rank [1-9]", message):
+                failure = f"the CommTimeoutError names no missing rank: {message}"
             if not MISSING_PEER_TIMEOUT_S * 0.9 <= elapsed <= MISSING_PEER_TIMEOUT_S + 5:
                 failure = f"CommTimeoutError after {elapsed:.1f} s, expected about {MISSING_PEER_TIMEOUT_S:g} s"
     dist.barrier(group=side)
@@ -296,12 +350,16 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
 
 @pytest.mark.parametrize("copy_mode", ["engine", "sm"])
 def test_native_normal_matches_reference(copy_mode):
-    run_ranks(2, _compare_body, backend="nccl", copy_mode=copy_mode)
+    run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():
-    run_ranks(2, _graph_body, backend="nccl")
+    run_ranks(RANKS, _graph_body, backend="nccl")
+
+
+def test_native_normal_stream_semantics():
+    run_ranks(RANKS, _streams_body, backend="nccl")
 
 
 def test_native_normal_missing_peer_raises():
-    run_ranks(2, _missing_peer_body, backend="nccl")
+    run_ranks(RANKS, _missing_peer_body, backend="nccl")

@@ -28,5 +28,16 @@ inline MemoryRegion region_at(int64_t region_ptr, int64_t region_bytes) {
   return region;
 }
 
+// A pointer Python passes as an integer (a tensor's data_ptr(); 0 is null).
+template <typename T>
+T* ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+#if defined(UCCL_EP_GPU_RUNTIME)
+// A stream Python passes as an integer (torch.cuda.Stream.cuda_stream).
+inline gpuStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<gpuStream_t>(stream); }
+#endif
+
 }  // namespace bindings
 }  // namespace uccl_ep

@@ -9,15 +9,14 @@
 #include "kernels/low_latency.h"
 #include "kernels/low_latency_state.h"
 #include "nvlink/peer_memory.h"
+#include "python/arguments.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-T* ptr(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
+using uccl_ep::bindings::as_stream;
+using uccl_ep::bindings::ptr;
 
 uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t counters_offset,
                                       int64_t release_offset, int64_t recv_offset, std::uintptr_t control,
@@ -49,7 +48,7 @@ void dispatch(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::ui
       ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
       ptr<int32_t>(positions), ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
   py::gil_scoped_release no_gil;
-  uccl_ep::launch_low_latency_dispatch(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+  uccl_ep::launch_low_latency_dispatch(args, as_stream(stream));
 }
 
 void combine(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx,
@@ -65,7 +64,7 @@ void combine(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uin
       hidden,         num_topk,               num_experts,                  use_logfmt,
       ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
   py::gil_scoped_release no_gil;
-  uccl_ep::launch_low_latency_combine(args, reinterpret_cast<uccl_ep::gpuStream_t>(stream));
+  uccl_ep::launch_low_latency_combine(args, as_stream(stream));
 }
 
 }  // namespace

@@ -6,22 +6,18 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-
 #include <vector>
 
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
+#include "python/arguments.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-T* ptr(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-uccl_ep::gpuStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<uccl_ep::gpuStream_t>(stream); }
+using uccl_ep::bindings::as_stream;
+using uccl_ep::bindings::ptr;
 
 uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t control, std::uintptr_t status,
                                   int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
