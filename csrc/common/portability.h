@@ -67,10 +67,17 @@ inline gpuError_t gpu_event_record(gpuEvent_t event, gpuStream_t stream) { retur
 inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
   return hipStreamWaitEvent(stream, event, 0);
 }
-// Between any two device pointers of this process, a peer's IPC mapping included (a copy engine moves it).
-inline gpuError_t gpu_copy_device_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
-  return hipMemcpyAsync(dst, src, bytes, hipMemcpyDeviceToDevice, stream);
+// Between any two pointers of this process: device memory, a peer's IPC mapping, pinned host memory
+// (the runtime tells them apart; a copy engine moves the bytes).
+inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
+  return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
 }
+inline gpuError_t gpu_event_query(gpuEvent_t event) { return hipEventQuery(event); }
+constexpr gpuError_t kGpuNotReady = hipErrorNotReady;
+inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
+  return hipHostMalloc(pointer, bytes, hipHostMallocDefault);
+}
+inline gpuError_t gpu_host_free(void* pointer) { return hipHostFree(pointer); }
 #else
 using gpuStream_t = cudaStream_t;
 using gpuEvent_t = cudaEvent_t;
@@ -95,10 +102,17 @@ inline gpuError_t gpu_event_record(gpuEvent_t event, gpuStream_t stream) { retur
 inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
   return cudaStreamWaitEvent(stream, event, 0);
 }
-// Between any two device pointers of this process, a peer's IPC mapping included (a copy engine moves it).
-inline gpuError_t gpu_copy_device_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+// Between any two pointers of this process: device memory, a peer's IPC mapping, pinned host memory
+// (the runtime tells them apart; a copy engine moves the bytes).
+inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
 }
+inline gpuError_t gpu_event_query(gpuEvent_t event) { return cudaEventQuery(event); }
+constexpr gpuError_t kGpuNotReady = cudaErrorNotReady;
+inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
+  return cudaHostAlloc(pointer, bytes, cudaHostAllocDefault);
+}
+inline gpuError_t gpu_host_free(void* pointer) { return cudaFreeHost(pointer); }
 #endif
 
 // Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the

@@ -357,6 +357,14 @@ void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
   launch_exchange(normal_kernels::notify_dispatch_send, normal_kernels::notify_dispatch_receive, args, 1, 1, stream);
 }
 
+void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
+                                     gpuStream_t stream) {
+  require(layout.channel_prefix_matrix == notify.channel_prefix_matrix && layout.num_channels == notify.num_channels,
+          "the notify must read the layout's channel_prefix_matrix");
+  launch_normal_send_layout(layout, stream);
+  launch_notify_dispatch(notify, stream);
+}
+
 void check_normal_dispatch_args(const NormalDispatchArgs& args) {
   check_region(args.region);
   check_num_sms(args.num_sms);

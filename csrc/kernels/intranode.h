@@ -221,6 +221,10 @@ struct NormalCombineArgs {
 // launch, GpuError if a launch fails.
 void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream);
 void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
+// A dispatch's first steps in one call: the send layout, then the notify exchange (which reads
+// the layout's channel_prefix_matrix).
+void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
+                                     gpuStream_t stream);
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);
 

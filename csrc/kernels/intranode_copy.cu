@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <thread>
 #include <string>
 #include <utility>
 
+#include "common/deadline.h"
 #include "kernels/intranode_device.cuh"
 
 namespace uccl_ep {
@@ -157,7 +159,7 @@ void require(bool ok, const std::string& message) {
 }
 
 void copy_async(void* dst, const void* src, int64_t bytes, gpuStream_t stream) {
-  if (bytes > 0) UCCL_EP_GPU_CHECK(gpu_copy_device_async(dst, src, static_cast<size_t>(bytes), stream));
+  if (bytes > 0) UCCL_EP_GPU_CHECK(gpu_copy_async(dst, src, static_cast<size_t>(bytes), stream));
 }
 
 }  // namespace
@@ -181,6 +183,7 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   if (status == kGpuSuccess) status = gpu_stream_create_nonblocking(&side_);
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
   if (status == kGpuSuccess) status = gpu_event_create(&join_);
+  if (status == kGpuSuccess) status = gpu_event_create(&counts_copied_);
   if (status != kGpuSuccess) release();
   (void)gpu_set_device(previous);
   UCCL_EP_GPU_CHECK(status);
@@ -190,6 +193,11 @@ NormalCopyEngine::~NormalCopyEngine() { release(); }
 
 void NormalCopyEngine::release() {
   // Nothing is in flight here that the caller did not order before: its stream waits for join_.
+  if (counts_host_ != nullptr) (void)gpu_host_free(counts_host_);
+  counts_host_ = nullptr;
+  counts_capacity_ = 0;
+  if (counts_copied_ != nullptr) (void)gpu_event_destroy(counts_copied_);
+  counts_copied_ = nullptr;
   if (join_ != nullptr) (void)gpu_event_destroy(join_);
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
   if (side_ != nullptr) (void)gpu_stream_destroy(side_);
@@ -264,6 +272,40 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   check_usable(a.region, prefix);
   dispatch_send(a, stream);
   dispatch_receive(a, prefix, stream);
+}
+
+std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, const int32_t* counts,
+                                                   int64_t num_counts, const NormalDispatchArgs* gather,
+                                                   gpuStream_t stream) {
+  require(side_ != nullptr, "this NormalCopyEngine was released");
+  require(num_counts >= 0 && (num_counts == 0 || counts != nullptr), "counts must hold num_counts >= 0 entries");
+  if (num_counts > counts_capacity_) {
+    if (counts_host_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(counts_host_));
+    counts_host_ = nullptr;
+    counts_capacity_ = 0;
+    void* pinned = nullptr;
+    UCCL_EP_GPU_CHECK(gpu_host_alloc(&pinned, static_cast<size_t>(num_counts) * sizeof(int32_t)));
+    counts_host_ = static_cast<int32_t*>(pinned);
+    counts_capacity_ = num_counts;
+  }
+  copy_async(counts_host_, counts, num_counts * static_cast<int64_t>(sizeof(int32_t)), stream);
+  UCCL_EP_GPU_CHECK(gpu_event_record(counts_copied_, stream));
+  if (gather != nullptr) dispatch_send(*gather, stream);
+  const double wait_s = region.timeout_ns * 1e-9 + 5.0;
+  const auto deadline = deadline_after(wait_s);
+  for (;;) {
+    const gpuError_t status = gpu_event_query(counts_copied_);
+    if (status == kGpuSuccess) break;
+    if (status != kGpuNotReady) UCCL_EP_GPU_CHECK(status);
+    (void)gpu_last_error();  // "not ready" may linger as the thread's last error
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw std::runtime_error("rank " + std::to_string(region.rank) +
+                               ": the dispatch's counts did not reach the host within " + format_seconds(wait_s) +
+                               " (the timeout and 5 s)");
+    }
+    std::this_thread::yield();
+  }
+  return std::vector<int32_t>(counts_host_, counts_host_ + num_counts);
 }
 
 void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {

@@ -23,6 +23,7 @@
 
 namespace uccl_ep {
 
+// Also the normal mode's host side in general: read_counts serves the SM path too.
 class NormalCopyEngine {
  public:
   // peer_bases[r]: rank r's buffer as mapped in this process (host addresses).
@@ -45,10 +46,16 @@ class NormalCopyEngine {
   void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
+  // A dispatch's one host sync: copies `num_counts` int32 at `counts` (device, written by the notify
+  // on `stream`) to pinned host memory and returns them. With `gather`, dispatch_send is enqueued
+  // behind the copy, so it runs while the host waits. The notify gives up after the region's
+  // timeout; this waits 5 s longer (so the device's record names the peer), then throws.
+  std::vector<int32_t> read_counts(const NormalRegion& region, const int32_t* counts, int64_t num_counts,
+                                   const NormalDispatchArgs* gather, gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
   void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                gpuStream_t stream);
-  // Frees the side stream and events; later calls raise. Idempotent.
+  // Frees the side stream, events and pinned memory; later calls raise. Idempotent.
   void release();
 
  private:
@@ -61,6 +68,9 @@ class NormalCopyEngine {
   gpuStream_t side_ = nullptr;  // the pulls, beside the SMs' own-row copies
   gpuEvent_t fork_ = nullptr;
   gpuEvent_t join_ = nullptr;
+  gpuEvent_t counts_copied_ = nullptr;
+  int32_t* counts_host_ = nullptr;  // pinned, counts_capacity_ entries
+  int64_t counts_capacity_ = 0;
 };
 
 // Bytes of `owner`'s data area that an exchange of this kind with these counts needs.

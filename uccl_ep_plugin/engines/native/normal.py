@@ -32,8 +32,10 @@ _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
-# The host copy of a rank_prefix_matrix, kept on the tensor itself so it travels with the handle.
+# Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
+# (the copy engines need it), and the dispatch's send positions (its cached dispatches and combine reuse them).
 _HOST_PREFIX = "_uccl_ep_host_prefix"
+_SEND_POS = "_uccl_ep_send_pos"
 
 
 def copy_mode() -> str:
@@ -83,11 +85,10 @@ class NativeNormal:
         self.region = extension.NormalRegion(
             peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
             data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
-        self.copy_engine = None
-        self._pinned_counts: Optional[torch.Tensor] = None   # where dispatches read their counts
-        if copy_mode() == "engine":
-            self.copy_engine = extension.NormalCopyEngine(
-                device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
+        # Reads every dispatch's counts; carries the rows too unless UCCL_EP_NORMAL_COPY=sm.
+        self.copy_engine = extension.NormalCopyEngine(
+            device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
+        self.rows_by_copy_engine = copy_mode() == "engine"
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -118,7 +119,6 @@ class NativeNormal:
         if self.copy_engine is not None:
             self.copy_engine.release()
             self.copy_engine = None
-        self._pinned_counts = None
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -129,46 +129,47 @@ class NativeNormal:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def _send_layout(self, is_token_in_rank: torch.Tensor, num_channels: int = 0):
-        """send_pos [N, R]; with num_channels, also (channel_prefix_matrix [R, C], send_head [N, R])."""
+    def _send_positions(self, handle: Sequence[torch.Tensor]) -> torch.Tensor:
+        """send_pos [N, R] of a handle's dispatch: each token's position among the tokens sent to each rank, -1
+        where not sent. Kept by the dispatch that made the handle, else computed from its is_token_in_rank."""
+        send_pos = getattr(handle[0], _SEND_POS, None)
+        if send_pos is not None:
+            return send_pos
+        is_token_in_rank = handle[4]
         num_tokens = is_token_in_rank.size(0)
-        options = dict(dtype=torch.int32, device=self.device)
-        send_pos = torch.empty((num_tokens, self.num_ranks), **options)
-        channel_prefix_matrix = send_head = None
-        if num_channels:
-            channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
-            send_head = torch.empty((num_tokens, self.num_ranks), **options)
+        send_pos = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=self.device)
         self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
-                                   num_ranks=self.num_ranks, num_channels=max(num_channels, 1),
-                                   send_pos=send_pos.data_ptr(), channel_prefix_matrix=_ptr(channel_prefix_matrix),
-                                   send_head=_ptr(send_head), stream=self._stream())
-        return send_pos, channel_prefix_matrix, send_head
+                                   num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
+                                   channel_prefix_matrix=0, send_head=0, stream=self._stream())
+        return send_pos
 
     # ------------------------------------------------------------------ operations
-    def _notify(self, num_tokens_per_rank: torch.Tensor, channel_prefix_matrix: torch.Tensor,
-                num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(counts, recv_channel_prefix_matrix)``: counts holds rank_prefix_matrix (flattened), then the
-        tokens each local expert receives (aligned), so one copy brings both to the host."""
-        num_channels = channel_prefix_matrix.size(1)
-        local_experts = num_tokens_per_expert.numel() // self.num_ranks
-        slot_bytes = 4 * self._C.normal_notify_slot_ints(self.num_ranks, num_channels, local_experts)
+    def _layout_and_notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
+                           num_tokens_per_expert: torch.Tensor, num_channels: int, expert_alignment: int,
+                           num_worst_tokens: int) -> Tuple[torch.Tensor, ...]:
+        """One int32 allocation and one call: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
+        recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened, then the tokens each
+        local expert receives, aligned), which one copy brings to the host."""
+        num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
+        local_experts = num_tokens_per_expert.numel() // num_ranks
+        slot_bytes = 4 * self._C.normal_notify_slot_ints(num_ranks, num_channels, local_experts)
         self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
-                         self.num_ranks * slot_bytes)
-        options = dict(dtype=torch.int32, device=self.device)
-        counts = torch.empty(self.num_ranks ** 2 + local_experts, **options)
-        rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
-        recv_tokens_per_expert = counts[self.num_ranks ** 2:]
-        recv_channel_prefix_matrix = torch.empty((self.num_ranks, num_channels), **options)
-        self._C.notify_dispatch(
-            region=self.region, num_tokens_per_rank=num_tokens_per_rank.data_ptr(),
-            channel_prefix_matrix=channel_prefix_matrix.data_ptr(),
-            num_tokens_per_expert=num_tokens_per_expert.data_ptr(), num_channels=num_channels,
-            num_local_experts=local_experts, expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-            rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
-            recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
-            recv_tokens_per_expert=recv_tokens_per_expert.data_ptr(), stream=self._stream())
-        return counts, recv_channel_prefix_matrix
+                         num_ranks * slot_bytes)
+        sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
+                 num_ranks * num_ranks + local_experts)
+        block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
+        send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
+        self._C.normal_layout_and_notify(
+            region=self.region, is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
+            num_tokens_per_rank=num_tokens_per_rank.data_ptr(), num_tokens_per_expert=num_tokens_per_expert.data_ptr(),
+            num_channels=num_channels, num_local_experts=local_experts, expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens, send_pos=send_pos.data_ptr(),
+            channel_prefix_matrix=channel_prefix_matrix.data_ptr(), send_head=send_head.data_ptr(),
+            rank_prefix_matrix=counts.data_ptr(), recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
+            recv_tokens_per_expert=counts[num_ranks * num_ranks:].data_ptr(), stream=self._stream())
+        return (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
+                send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
+                counts)
 
     def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
                         hidden: int, num_topk: int) -> None:
@@ -191,22 +192,9 @@ class NativeNormal:
         """Whether the copy engines carry a dispatch with these counts (and so its combine): decided from
         values every rank shares, so every rank takes the same path."""
         staging = self._C.NormalStaging
-        return (self.copy_engine is not None and host_prefix is not None
+        return (self.rows_by_copy_engine and host_prefix is not None
                 and self._staging_fits(host_prefix, staging.DISPATCH, x_row_bytes, scale_row_bytes, num_topk)
                 and self._staging_fits(host_prefix, staging.COMBINE, 2 * hidden, 0, num_topk))
-
-    def _read_counts(self, counts: torch.Tensor, while_copying) -> List[int]:
-        """``counts`` on the host: the one host sync of a dispatch. ``while_copying()`` enqueues work that
-        runs after the copy on the stream, while the host waits for the copy only."""
-        if self._pinned_counts is None or self._pinned_counts.numel() < counts.numel():
-            self._pinned_counts = torch.empty(counts.numel(), dtype=torch.int32, pin_memory=True)
-        on_host = self._pinned_counts[:counts.numel()]
-        on_host.copy_(counts, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        while_copying()
-        copied.synchronize()
-        return on_host.tolist()
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
@@ -241,7 +229,7 @@ class NativeNormal:
             num_rows_out = cached_src_idx.size(0)
             host_prefix = _host_prefix(rank_prefix_matrix)
             by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
-            send_pos = self._send_layout(is_token_in_rank)[0]
+            send_pos = self._send_positions(cached_handle)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
             if num_worst_tokens > 0:
@@ -249,22 +237,19 @@ class NativeNormal:
                 # num_ranks times that (no receiver took more from it).
                 self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
                                      scale_row_bytes, hidden, num_topk)
-            send_pos, channel_prefix_matrix, send_head = self._send_layout(is_token_in_rank, num_channels)
-            counts, recv_channel_prefix_matrix = self._notify(
-                num_tokens_per_rank, channel_prefix_matrix, num_tokens_per_expert, expert_alignment,
+            send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = self._layout_and_notify(
+                is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_channels, expert_alignment,
                 num_worst_tokens)
             rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
+            setattr(rank_prefix_matrix, _SEND_POS, send_pos)
             if num_worst_tokens > 0:
                 num_rows_out = num_worst_tokens
             else:
                 # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
-                gathered = self.copy_engine is not None
-
-                def gather() -> None:
-                    if gathered:
-                        self.copy_engine.dispatch_send(arguments(rank_prefix_matrix, send_pos), self._stream())
-
-                on_host = self._read_counts(counts, gather)
+                gathered = self.rows_by_copy_engine
+                on_host = self.copy_engine.read_counts(
+                    self.region, counts.data_ptr(), counts.numel(),
+                    arguments(rank_prefix_matrix, send_pos) if gathered else None, self._stream())
                 self.check()
                 host_prefix = on_host[:self.num_ranks ** 2]
                 num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
@@ -320,11 +305,11 @@ class NativeNormal:
         args = self._C.NormalCombineArgs(
             region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
             num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
-            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_layout(is_token_in_rank)[0].data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_positions(handle).data_ptr(),
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
             combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
         host_prefix = _host_prefix(rank_prefix_matrix)
-        if (self.copy_engine is not None and host_prefix is not None
+        if (self.rows_by_copy_engine and host_prefix is not None
                 and self._staging_fits(host_prefix, self._C.NormalStaging.COMBINE, 2 * hidden, 0, num_topk)):
             self.copy_engine.combine(args, host_prefix, self._stream())
         else:
