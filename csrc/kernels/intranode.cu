@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "common/require.h"
 #include "kernels/intranode_device.cuh"
 
 namespace uccl_ep {
@@ -285,10 +286,6 @@ __global__ void __launch_bounds__(kThreads) combine_receive(NormalCombineArgs a)
 
 // ------------------------------------------------------------------------------ launchers
 namespace {
-
-void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
 
 void check_region(const NormalRegion& r) {
   require(r.num_ranks >= 1 && r.num_ranks <= kNormalMaxRanks,

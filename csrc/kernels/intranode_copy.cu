@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common/deadline.h"
+#include "common/require.h"
 #include "kernels/intranode_device.cuh"
 
 namespace uccl_ep {
@@ -153,10 +154,6 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
 }  // namespace normal_kernels
 
 namespace {
-
-void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
 
 void copy_async(void* dst, const void* src, int64_t bytes, gpuStream_t stream) {
   if (bytes > 0) UCCL_EP_GPU_CHECK(gpu_copy_async(dst, src, static_cast<size_t>(bytes), stream));

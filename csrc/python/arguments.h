@@ -6,14 +6,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/require.h"
 #include "transport/transport.h"
 
 namespace uccl_ep {
 namespace bindings {
 
-inline void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
+using ::uccl_ep::require;
 
 inline uint64_t non_negative(const char* name, int64_t value) {
   require(value >= 0, std::string(name) + " must be >= 0 (got " + std::to_string(value) + ")");
