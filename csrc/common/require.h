@@ -1,0 +1,14 @@
+// Argument checks of the host code: a false condition throws std::invalid_argument (ValueError in
+// Python) carrying the message, before anything is done.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace uccl_ep {
+
+inline void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+}  // namespace uccl_ep
