@@ -18,13 +18,13 @@ of the candidate's outputs just before they are compared, to prove each comparis
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from tests.multiprocess import environment
 from tests.reference_checks import Recorder, check_event, generator, random_topk_idx, random_weights
 from uccl_ep_plugin import Buffer, CommTimeoutError, build_info
 from uccl_ep_plugin.engines import ENGINE_ENV
@@ -396,20 +396,6 @@ TAMPER_DETECTED_BY: Dict[Optional[str], Tuple[str, ...]] = {
 
 
 # ---------------------------------------------------------------------------------------- the two Buffers
-@contextmanager
-def environment(name: str, value: str):
-    """``os.environ[name] = value`` inside the block, restored after."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
 def make_buffer(group, engine: str, num_rdma_bytes: int, **kwargs) -> Buffer:
     """A low-latency Buffer served by ``engine`` (``UCCL_EP_ENGINE`` is read at construction)."""
     with environment(ENGINE_ENV, engine):

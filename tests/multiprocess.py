@@ -3,12 +3,27 @@ and collect each rank's failure."""
 
 import os
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable, Dict
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from uccl_ep_plugin.local_port import free_local_port
+
+
+@contextmanager
+def environment(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, restored after (rank bodies have no monkeypatch)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, kwargs: Dict[str, Any],

@@ -6,7 +6,6 @@ Each case draws fresh random inputs (never all zero) and fills the caching alloc
 pattern first, so an output row the native kernels forget to write cannot pass by being zero.
 """
 
-import contextlib
 import os
 import re
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import environment, run_ranks
 
 FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
@@ -74,22 +73,9 @@ CASES = (
 )
 
 
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def _make_buffer(group, engine: str, num_nvl_bytes: int, copy_mode: str = "engine"):
     import uccl_ep_plugin as ep
-    with _environment(ENGINE_ENV, engine), _environment(COPY_ENV, copy_mode):
+    with environment(ENGINE_ENV, engine), environment(COPY_ENV, copy_mode):
         buffer = ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True)
     if engine == "native":
         for operation in ("dispatch", "combine"):
@@ -322,7 +308,7 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
     torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo")
     case = Case("timeout_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
-    with _environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
+    with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
         native = _make_buffer(group, "native", 64 << 20)
     failure = None
     if rank == 0:

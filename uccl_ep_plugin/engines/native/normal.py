@@ -181,20 +181,20 @@ class NativeNormal:
         self._check_fits(f"combine of up to {most_sent} rows back to one rank",
                          self._C.normal_combine_area_bytes(most_sent, 2 * hidden, num_topk))
 
-    def _staging_fits(self, host_prefix: List[int], kind, x_row_bytes: int, scale_row_bytes: int,
-                      num_topk: int) -> bool:
-        return all(self._C.normal_staging_bytes(kind, host_prefix, self.num_ranks, owner, x_row_bytes,
-                                                scale_row_bytes, num_topk) <= self.data_bytes
-                   for owner in range(self.num_ranks))
-
-    def _copy_engine_serves(self, host_prefix: Optional[List[int]], x_row_bytes: int, scale_row_bytes: int,
-                            hidden: int, num_topk: int) -> bool:
-        """Whether the copy engines carry a dispatch with these counts (and so its combine): decided from
-        values every rank shares, so every rank takes the same path."""
+    def _copy_engine_serves(self, host_prefix: Optional[List[int]], hidden: int, num_topk: int,
+                            dispatch_row: Optional[Tuple[int, int]] = None) -> bool:
+        """Whether the copy engines carry a combine of these counts (bf16 rows of ``hidden``), and with
+        ``dispatch_row = (x_row_bytes, scale_row_bytes)`` the dispatch too: every owner's staging fits. Decided
+        from values every rank shares, so every rank takes the same path."""
+        if not self.rows_by_copy_engine or host_prefix is None:
+            return False
         staging = self._C.NormalStaging
-        return (self.rows_by_copy_engine and host_prefix is not None
-                and self._staging_fits(host_prefix, staging.DISPATCH, x_row_bytes, scale_row_bytes, num_topk)
-                and self._staging_fits(host_prefix, staging.COMBINE, 2 * hidden, 0, num_topk))
+        needs = [(staging.COMBINE, 2 * hidden, 0)]
+        if dispatch_row is not None:
+            needs.append((staging.DISPATCH, *dispatch_row))
+        return all(self._C.normal_staging_bytes(kind, host_prefix, self.num_ranks, owner, row_bytes, scale_bytes,
+                                                num_topk) <= self.data_bytes
+                   for kind, row_bytes, scale_bytes in needs for owner in range(self.num_ranks))
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
@@ -228,7 +228,7 @@ class NativeNormal:
                 cached_handle
             num_rows_out = cached_src_idx.size(0)
             host_prefix = _host_prefix(rank_prefix_matrix)
-            by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+            by_copy_engine = self._copy_engine_serves(host_prefix, hidden, num_topk, (x_row_bytes, scale_row_bytes))
             send_pos = self._send_positions(cached_handle)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
@@ -254,7 +254,7 @@ class NativeNormal:
                 host_prefix = on_host[:self.num_ranks ** 2]
                 num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
                 num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
-                by_copy_engine = self._copy_engine_serves(host_prefix, x_row_bytes, scale_row_bytes, hidden, num_topk)
+                by_copy_engine = self._copy_engine_serves(host_prefix, hidden, num_topk, (x_row_bytes, scale_row_bytes))
                 if by_copy_engine:
                     setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
                 else:
@@ -309,8 +309,7 @@ class NativeNormal:
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
             combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
         host_prefix = _host_prefix(rank_prefix_matrix)
-        if (self.rows_by_copy_engine and host_prefix is not None
-                and self._staging_fits(host_prefix, self._C.NormalStaging.COMBINE, 2 * hidden, 0, num_topk)):
+        if self._copy_engine_serves(host_prefix, hidden, num_topk):
             self.copy_engine.combine(args, host_prefix, self._stream())
         else:
             self._C.normal_combine(args, self._stream())
