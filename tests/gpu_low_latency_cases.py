@@ -16,10 +16,11 @@ of the candidate's outputs just before they are compared, to prove each comparis
 """
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -800,18 +801,18 @@ def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidat
 # ---------------------------------------------------------------------------------------- a peer that never comes
 def missing_peer_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, enable_shrink: bool,
                       timeout_s: float) -> None:
-    """Rank 0 calls low_latency_dispatch; the last rank never does. Without enable_shrink rank 0 must get a
-    CommTimeoutError naming itself, the operation and the silent rank; with it, the silent rank is masked and
-    rank 0 carries on alone. The silent rank waits on a gloo barrier until rank 0 is done."""
+    """Rank 0 calls low_latency_dispatch; no other rank does. Without enable_shrink rank 0 must get a
+    CommTimeoutError naming itself, the operation and a silent rank; with it, every silent rank is masked and
+    rank 0 carries on alone. The silent ranks wait on a gloo barrier until rank 0 is done."""
     side = dist.new_group(backend="gloo")
     case = TIMEOUT_CASE
-    silent = num_ranks - 1
+    silent = list(range(1, num_ranks))
     section = "missing_peer_masked" if enable_shrink else "missing_peer_raises"
     with rec.section(section):
         with environment(TIMEOUT_ENV, str(timeout_s)):
             buffer = make_buffer(group, candidate, case.rdma_bytes(num_ranks), enable_shrink=enable_shrink)
         inputs = make_inputs(case, rank, case.seed, buffer.device)
-        tag = f"{case.describe(case.seed)}, rank {silent} silent, timeout {timeout_s:g} s"
+        tag = f"{case.describe(case.seed)}, ranks {silent} silent, timeout {timeout_s:g} s"
         if rank == 0:
             check = check_silent_peer_masked if enable_shrink else check_silent_peer_raises
             check(rec, buffer, case, inputs, tag, timeout_s, silent)
@@ -824,7 +825,7 @@ def _sync(buffer: Buffer) -> None:
 
 
 def check_silent_peer_raises(rec: Recorder, buffer: Buffer, case: Case, inputs: Inputs, tag: str, timeout_s: float,
-                             silent: int) -> None:
+                             silent: List[int]) -> None:
     """The first call's kernel gives up after the timeout; the error surfaces by the next call."""
     start = time.monotonic()
     try:
@@ -834,20 +835,22 @@ def check_silent_peer_raises(rec: Recorder, buffer: Buffer, case: Case, inputs: 
     except CommTimeoutError as error:
         elapsed = time.monotonic() - start
         message = str(error)
-        for needed in ("rank 0", "low_latency_dispatch", f"rank {silent}"):
+        for needed in ("rank 0", "low_latency_dispatch"):
             rec.expect(needed in message, f"{tag}: the CommTimeoutError does not mention {needed!r}: {message}")
+        rec.expect(any(re.search(rf"\brank {peer}\b", message) for peer in silent),
+                   f"{tag}: the CommTimeoutError names none of the silent ranks: {message}")
         rec.expect(timeout_s * 0.9 <= elapsed <= timeout_s + 5,
                    f"{tag}: CommTimeoutError after {elapsed:.1f} s, expected {timeout_s:g} .. {timeout_s + 5:g} s")
     except Exception as error:  # noqa: BLE001 - any other failure is what the check reports
         rec.fail(f"{tag}: raised {type(error).__name__} ({error}) instead of CommTimeoutError")
     else:
-        rec.fail(f"{tag}: two low_latency_dispatch calls with rank {silent} absent raised no CommTimeoutError "
+        rec.fail(f"{tag}: two low_latency_dispatch calls with ranks {silent} absent raised no CommTimeoutError "
                  f"({time.monotonic() - start:.1f} s)")
 
 
 def check_silent_peer_masked(rec: Recorder, buffer: Buffer, case: Case, inputs: Inputs, tag: str, timeout_s: float,
-                             silent: int) -> None:
-    """No error; the silent rank shows as masked; rank 0's own rows are dispatched and combined correctly."""
+                             silent: List[int]) -> None:
+    """No error; the silent ranks show as masked; rank 0's own rows are dispatched and combined correctly."""
     start = time.monotonic()
     dispatched = buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts,
                                              use_fp8=False)
@@ -858,7 +861,7 @@ def check_silent_peer_masked(rec: Recorder, buffer: Buffer, case: Case, inputs: 
     buffer.low_latency_query_mask_buffer(status)
     expected_status = torch.zeros_like(status)
     expected_status[silent] = 1
-    rec.equal(status, expected_status, f"{tag}: mask status after the silent rank timed out")
+    rec.equal(status, expected_status, f"{tag}: mask status after the silent ranks timed out")
     compare_dispatch(rec, dispatched, self_only_dispatch(case, inputs, buffer.group_size), f"{tag}: dispatch",
                      use_fp8=False)
     start = time.monotonic()
@@ -867,7 +870,7 @@ def check_silent_peer_masked(rec: Recorder, buffer: Buffer, case: Case, inputs: 
     _sync(buffer)
     elapsed = time.monotonic() - start
     rec.expect(elapsed < timeout_s, f"{tag}: the combine after masking took {elapsed:.1f} s: it must not wait "
-                                    f"for the masked rank again")
+                                    f"for the masked ranks again")
     compare_combine(rec, combined, self_only_combine(case, inputs, buffer.group_size), f"{tag}: combine")
 
 

@@ -69,8 +69,8 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
 @needs_native
 @pytest.mark.parametrize("enable_shrink", [False, True], ids=["raises", "masks"])
 def test_missing_peer(enable_shrink):
-    """Rank 1 never calls low_latency_dispatch: rank 0 raises CommTimeoutError (naming rank 0, the operation
-    and rank 1) within timeout + 5 s, or with enable_shrink masks rank 1 and carries on."""
+    """Only rank 0 calls low_latency_dispatch: it raises CommTimeoutError (naming rank 0, the operation and a
+    silent rank) within timeout + 5 s, or with enable_shrink masks every other rank and carries on."""
     results = SectionCache(ll.missing_peer_body, backend="nccl", deadline_s=90.0, candidate=CANDIDATE,
                            enable_shrink=enable_shrink, timeout_s=MISSING_PEER_TIMEOUT_S).get(RANKS)
     assert_section(results, "missing_peer_masked" if enable_shrink else "missing_peer_raises")

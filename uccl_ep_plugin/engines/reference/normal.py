@@ -139,11 +139,18 @@ def combine(comm: GroupComm, x: torch.Tensor, handle: Sequence[torch.Tensor], to
     _, token = _routed_pairs(is_token_in_rank)
     num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
     summed = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
-    summed.index_add_(0, token, fields[0].view(x.dtype).float())
-    for bias in biases:
-        summed += bias.float()
     combined_topk_weights = None
     if topk_weights is not None:
         combined_topk_weights = torch.zeros((num_tokens, topk_weights.size(1)), dtype=torch.float32, device=device)
-        combined_topk_weights.index_add_(0, token, fields[1])
+    # One source rank at a time, in rank order: each token appears at most once per rank, so every float sum
+    # is 0 + rank 0's copy + rank 1's copy + ..., one defined order (an index_add_ over all ranks at once
+    # adds with atomics on GPUs, in no fixed order, and three or more terms then round differently).
+    rows = list(zip(token.split(recv_counts), fields[0].split(recv_counts),
+                    fields[1].split(recv_counts) if topk_weights is not None else [None] * len(recv_counts)))
+    for rank_token, rank_x, rank_weights in rows:
+        summed.index_add_(0, rank_token, rank_x.view(x.dtype).float())
+        if rank_weights is not None:
+            combined_topk_weights.index_add_(0, rank_token, rank_weights)
+    for bias in biases:
+        summed += bias.float()
     return summed.to(x.dtype), combined_topk_weights
