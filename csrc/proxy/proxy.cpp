@@ -344,6 +344,8 @@ bool Proxy::waited_too_long(FifoState& fifo, const char* what) {
                        std::to_string(waited) + " s (timeout_s): " + std::to_string(posted - completed) +
                        " of its requests outstanding (the transport holds " +
                        std::to_string(transport_.outstanding()) + " unfinished)";
+  const std::string oldest = transport_.oldest_outstanding();
+  if (!oldest.empty()) detail += "; its oldest: " + oldest;
   if (fifo.wait == Wait::kBarrierPeers) {
     detail += ", " + std::to_string(arrivals_[fifo.barrier_epoch % 4].load()) + " of " +
               std::to_string(num_ranks_) + " ranks arrived at barrier " + std::to_string(fifo.barrier_epoch);

@@ -187,7 +187,7 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
     spare_events_.push_back(done);
     throw TransportError(failure(peer, request.id, what, status));
   }
-  p.issued.push_back(Issued{request, done});
+  p.issued.push_back(Issued{request, done, Clock::now()});
 }
 
 gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {
@@ -343,7 +343,42 @@ std::string CudaCopyTransport::copy_timeout_message() const {
   return who() + ": quiet() timed out after " + format_seconds(timeout_s_) + " with " +
          std::to_string(peers_[first].window.size() + peers_[first].issued.size()) +
          " requests outstanding to peer " + std::to_string(first) + " on the copy engine (" +
-         std::to_string(data_outstanding()) + " in total: " + detail + ")";
+         std::to_string(data_outstanding()) + " in total: " + detail + "); oldest: " + describe_oldest();
+}
+
+std::string CudaCopyTransport::oldest_outstanding() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return describe_oldest();
+}
+
+std::string CudaCopyTransport::describe_oldest() const {
+  const Clock::time_point now = Clock::now();
+  int oldest = -1;
+  for (int r = 0; r < num_ranks_; ++r) {
+    const Peer& p = peers_[r];
+    if (p.issued.empty()) continue;
+    if (oldest < 0 || p.issued.front().issued_at < peers_[oldest].issued.front().issued_at) oldest = r;
+  }
+  if (oldest < 0) {
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (peers_[r].window.size() > 0) {
+        return std::to_string(peers_[r].window.size()) + " requests to peer " + std::to_string(r) +
+               " held in the reorder window";
+      }
+    }
+    return {};
+  }
+  const Issued& issued = peers_[oldest].issued.front();
+  const Request& request = issued.request;
+  const double waited = std::chrono::duration<double>(now - issued.issued_at).count();
+  std::string what = request.op == Op::kWrite
+                         ? "write of " + std::to_string(request.length) + " bytes to peer " + std::to_string(oldest) +
+                               " (request " + std::to_string(request.id) + ", local offset " +
+                               std::to_string(request.local_offset) + " -> remote offset " +
+                               std::to_string(request.remote_offset) + ")"
+                         : "atomic add to peer " + std::to_string(oldest) + " (request " + std::to_string(request.id) +
+                               ", remote offset " + std::to_string(request.remote_offset) + ")";
+  return what + ", on the copy engine for " + format_seconds(waited);
 }
 
 void CudaCopyTransport::quiet() {

@@ -107,6 +107,9 @@ class CudaCopyTransport final : public Transport {
   void quiet() override;
   void close() override;
   uint64_t outstanding() const override;
+  // "write of N bytes to peer P (request I, local offset L -> remote offset R), on the copy engine for
+  // S s" (or "in the reorder window"): the front request of the peer whose front waited longest.
+  std::string oldest_outstanding() const override;
 
  private:
   enum class Op : uint8_t { kWrite, kAtomicAdd };
@@ -125,6 +128,7 @@ class CudaCopyTransport final : public Transport {
   struct Issued {
     Request request;
     cudaEvent_t done = nullptr;
+    std::chrono::steady_clock::time_point issued_at;
   };
 
   struct Peer {
@@ -154,6 +158,7 @@ class CudaCopyTransport final : public Transport {
   // (then false); `lock` (of mu_) is released while it sleeps.
   bool drain_copies(std::unique_lock<std::mutex>& lock, std::chrono::steady_clock::time_point deadline);
   std::string copy_timeout_message() const;
+  std::string describe_oldest() const;  // oldest_outstanding() with mu_ held
   void release_gpu_resources();
 
   std::string who() const;  // "cuda-copy transport rank R"

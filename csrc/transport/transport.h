@@ -127,6 +127,10 @@ class Transport {
 
   // Requests posted and not yet completed (or failed), over all peers.
   virtual uint64_t outstanding() const = 0;
+
+  // The oldest unfinished request in words (what, which peer, where it waits and for how long), for
+  // timeout messages; empty if the transport keeps no such record or nothing is outstanding.
+  virtual std::string oldest_outstanding() const { return {}; }
 };
 
 }  // namespace uccl_ep
