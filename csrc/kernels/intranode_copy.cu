@@ -22,13 +22,13 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
   return NormalRowBytes{static_cast<int64_t>(a.hidden) * 2, 0, a.num_topk};
 }
 
-// One block waits for the flags of this exchange: every source's arrival, or every rank's freed.
-__global__ void wait_exchange(NormalRegion r, bool sources_arrived, int32_t phase) {
-  if (sources_arrived) {
-    wait_sources_arrived(r, phase);
-  } else {
-    wait_destinations_free(r, phase);
-  }
+// Combine, before the pushes: every rank has freed the previous exchange.
+__global__ void wait_destinations_freed(NormalRegion r) { wait_destinations_free(r, kNormalCombineSend); }
+
+// Dispatch, on `source`'s stream before its pull: `source` announced this exchange (its staging is
+// complete; this rank's own arrival, before the fork, counted the exchange).
+__global__ void wait_source_arrived(NormalRegion r, int32_t source) {
+  wait_at_least(r, arrived_word(r, r.rank, source), exchanges_done(r), kNormalDispatchRecv, source);
 }
 
 // Dispatch, before the arrival: the rows for every other rank into this rank's staging.
@@ -271,8 +271,8 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
   fork_peer_streams(me, stream, [&](int src, gpuStream_t peer_stream) {
-    // Every peer's stream waits for the arrival itself (a one-block kernel): no stream waits for another.
-    normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, peer_stream>>>(a.region, true, kNormalDispatchRecv);
+    // Each pull starts as soon as its own source has arrived.
+    normal_kernels::wait_source_arrived<<<1, 1, 0, peer_stream>>>(a.region, src);
     UCCL_EP_GPU_CHECK(gpu_last_error());
     const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
     if (rows == 0) return;
@@ -346,7 +346,7 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     require(normal_staging_bytes(NormalStaging::kCombine, prefix, num_ranks, owner, bytes) <= a.region.data_bytes,
             "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
   }
-  normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, stream>>>(a.region, false, kNormalCombineSend);
+  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
   // first: the pushes on the peers' streams and the sums on this one then share its epoch.
