@@ -111,7 +111,7 @@ __global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
 
 // Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
 // into this rank's staging, summed as soon as the chunks holding them have landed.
-__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a, int32_t num_chunks) {
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
-    chunk_rows[dst] = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+    chunk_rows[dst] = (rows + num_chunks - 1) / num_chunks;
     if (dst == me) {
       const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
       from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
@@ -169,8 +169,11 @@ int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& ran
   return normal_staging_offset(kind, rank_prefix_matrix_host.data(), num_ranks, owner, num_ranks, row_bytes);
 }
 
-NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases)
-    : device_(device), peer_bases_(std::move(peer_bases)) {
+NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks)
+    : device_(device), combine_chunks_(combine_chunks), peer_bases_(std::move(peer_bases)) {
+  require(combine_chunks >= 1 && static_cast<uint64_t>(combine_chunks) < kNormalChunkStride,
+          "combine_chunks must be in 1.." + std::to_string(kNormalChunkStride - 1) + ", got " +
+              std::to_string(combine_chunks));
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
@@ -354,11 +357,11 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   // Each owner's chunks in order on its own stream, every owner at once: the sums start early everywhere.
   fork_peer_streams(me, stream, [&](int owner, gpuStream_t peer_stream) {
     const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
-    const int64_t chunk_rows = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+    const int64_t chunk_rows = (rows + combine_chunks_ - 1) / combine_chunks_;
     uint8_t* block =
         staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
     const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
-    for (int chunk = 0; chunk < kNormalCombineChunks; ++chunk) {
+    for (int chunk = 0; chunk < combine_chunks_; ++chunk) {
       const int64_t begin = chunk * chunk_rows;
       if (begin >= rows) break;
       const int64_t count = std::min(chunk_rows, rows - begin);
@@ -377,7 +380,7 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   });
   // Its warps wait for chunks that one-thread kernels announce: leave SMs for those.
   normal_kernels::reduce_from_staging<<<std::min(a.num_sms, max_busy_sms_), normal_kernels::kWideThreads, 0,
-                                        stream>>>(a);
+                                        stream>>>(a, combine_chunks_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);

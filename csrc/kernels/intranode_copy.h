@@ -12,7 +12,7 @@
 //     follows all of them.
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
 //     peer's stream push the rows received from that peer (a contiguous block of x) and their top-k
-//     weights back into its staging in kNormalCombineChunks chunks, each announced in the peer's
+//     weights back into its staging in combine_chunks chunks, each announced in the peer's
 //     chunk word; SMs sum each token's rows (its own straight from x) once the chunks holding them have
 //     landed, then freed.
 #pragma once
@@ -27,8 +27,10 @@ namespace uccl_ep {
 // Also the normal mode's host side in general: read_counts serves the SM path too.
 class NormalCopyEngine {
  public:
-  // peer_bases[r]: rank r's buffer as mapped in this process (host addresses).
-  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases);
+  // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
+  // pieces each peer's combine block is pushed in (1 .. kNormalChunkStride - 1; more start the sums
+  // earlier, at one more copy and announcement each).
+  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -70,6 +72,7 @@ class NormalCopyEngine {
   uint8_t* staging(int owner) const;
 
   int device_;
+  int combine_chunks_;
   int max_busy_sms_ = 1;  // blocks a waiting kernel may take, SMs left for the one-thread announcements
   std::vector<std::uintptr_t> peer_bases_;
   // One stream per peer (indexed by rank; this rank's own stays unused): each peer's pulls or pushes
