@@ -308,7 +308,9 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         # done (it waits for the arrivals it receives, not for the ones it sent): let them settle.
         deadline = time.monotonic() + 10
         while proxy.inflight_requests or proxy.transport_outstanding:
-            assert time.monotonic() < deadline, f"rank {rank}: requests still in flight after the barrier"
+            assert time.monotonic() < deadline, (f"rank {rank}: requests still in flight after the barrier "
+                                                 f"(proxy {proxy.inflight_requests}, transport "
+                                                 f"{proxy.transport_outstanding}, stats {proxy.stats()})")
             time.sleep(0.001)
         # Reset what receivers consume (rows, flags, bulk) for the next iteration.
         region[L.ll_recv:L.ll_recv + 2 * EXPERTS * num_ranks * MAX_TOKENS * ROW] = 0

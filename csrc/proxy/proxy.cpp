@@ -322,8 +322,10 @@ bool Proxy::reserve(uint64_t bytes, bool force) {
       return false;
     }
   }
-  inflight_requests_.store(reqs + 1);
-  inflight_bytes_.store(inbytes + bytes);
+  // Added, not stored: retire() takes completions off without flow_mu_, and a store of the values
+  // read above would undo one that landed in between (the count then never returns to 0).
+  inflight_requests_.fetch_add(1);
+  inflight_bytes_.fetch_add(bytes);
   uint64_t peak = st_inflight_peak_.load(std::memory_order_relaxed);
   while (reqs + 1 > peak && !st_inflight_peak_.compare_exchange_weak(peak, reqs + 1)) {
   }
