@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -178,15 +179,20 @@ void bind_normal(py::module_& m) {
       .value("DISPATCH", uccl_ep::NormalStaging::kDispatch)
       .value("COMBINE", uccl_ep::NormalStaging::kCombine);
   m.def(
-      "normal_staging_bytes",
-      [](uccl_ep::NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix, int num_ranks, int owner,
+      "normal_staging_most_bytes",
+      [](uccl_ep::NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix, int num_ranks,
          int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
-        return uccl_ep::normal_staging_bytes(kind, rank_prefix_matrix, num_ranks, owner,
-                                             uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk});
+        const uccl_ep::NormalRowBytes row_bytes{x_row_bytes, scale_row_bytes, num_topk};
+        int64_t most = 0;
+        for (int owner = 0; owner < num_ranks; ++owner) {
+          most = std::max(most, uccl_ep::normal_staging_bytes(kind, rank_prefix_matrix, num_ranks, owner, row_bytes));
+        }
+        return most;
       },
-      py::arg("kind"), py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("owner"), py::arg("x_row_bytes"),
+      py::arg("kind"), py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("x_row_bytes"),
       py::arg("scale_row_bytes"), py::arg("num_topk"),
-      "Bytes of `owner`'s data area the copy-engine path needs (rank_prefix_matrix flattened, on the host).");
+      "Bytes of the fullest rank's data area on the copy-engine path (rank_prefix_matrix flattened, on the host): "
+      "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
       .def(py::init<int, std::vector<std::uintptr_t>, int>(), py::arg("device"), py::arg("peer_bases"),

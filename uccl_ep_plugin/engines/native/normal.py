@@ -204,9 +204,9 @@ class NativeNormal:
         needs = [(staging.COMBINE, 2 * hidden, 0)]
         if dispatch_row is not None:
             needs.append((staging.DISPATCH, *dispatch_row))
-        return all(self._C.normal_staging_bytes(kind, host_prefix, self.num_ranks, owner, row_bytes, scale_bytes,
-                                                num_topk) <= self.data_bytes
-                   for kind, row_bytes, scale_bytes in needs for owner in range(self.num_ranks))
+        return all(self._C.normal_staging_most_bytes(kind, host_prefix, self.num_ranks, row_bytes, scale_bytes,
+                                                     num_topk) <= self.data_bytes
+                   for kind, row_bytes, scale_bytes in needs)
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
