@@ -22,6 +22,7 @@ FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 ENGINE_ENV = "UCCL_EP_ENGINE"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
+COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -193,10 +194,11 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
-def _compare_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
+def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
+    with environment(COMBINE_CHUNKS_ENV, combine_chunks):
+        native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
         for seed, case in enumerate(CASES):
@@ -334,9 +336,11 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-@pytest.mark.parametrize("copy_mode", ["engine", "sm"])
-def test_native_normal_matches_reference(copy_mode):
-    run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode)
+# The copy engines' combine with its default chunks, and with 7 (rows per chunk then rarely divide evenly).
+@pytest.mark.parametrize("copy_mode,combine_chunks", [("engine", ""), ("engine", "7"), ("sm", "")],
+                         ids=["engine", "engine-7-chunks", "sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks):
+    run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

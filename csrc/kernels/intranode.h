@@ -36,7 +36,7 @@ constexpr int kNormalMaxRanks = 256;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
 constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
 // The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
-constexpr int kNormalCombineChunks = 4;
+constexpr int kNormalCombineChunks = 4;  // the default of NormalCopyEngine's combine_chunks
 // A chunk word holds epoch * kNormalChunkStride + chunks landed (monotonic over exchanges).
 constexpr uint64_t kNormalChunkStride = 64;
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends).

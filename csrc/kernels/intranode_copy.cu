@@ -22,13 +22,13 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
   return NormalRowBytes{static_cast<int64_t>(a.hidden) * 2, 0, a.num_topk};
 }
 
-// One block waits for the flags of this exchange: every source's arrival, or every rank's freed.
-__global__ void wait_exchange(NormalRegion r, bool sources_arrived, int32_t phase) {
-  if (sources_arrived) {
-    wait_sources_arrived(r, phase);
-  } else {
-    wait_destinations_free(r, phase);
-  }
+// Combine, before the pushes: every rank has freed the previous exchange.
+__global__ void wait_destinations_freed(NormalRegion r) { wait_destinations_free(r, kNormalCombineSend); }
+
+// Dispatch, on `source`'s stream before its pull: `source` announced this exchange (its staging is
+// complete; this rank's own arrival, before the fork, counted the exchange).
+__global__ void wait_source_arrived(NormalRegion r, int32_t source) {
+  wait_at_least(r, arrived_word(r, r.rank, source), exchanges_done(r), kNormalDispatchRecv, source);
 }
 
 // Dispatch, before the arrival: the rows for every other rank into this rank's staging.
@@ -111,7 +111,7 @@ __global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
 
 // Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
 // into this rank's staging, summed as soon as the chunks holding them have landed.
-__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a) {
+__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a, int32_t num_chunks) {
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
-    chunk_rows[dst] = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+    chunk_rows[dst] = (rows + num_chunks - 1) / num_chunks;
     if (dst == me) {
       const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
       from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
@@ -169,17 +169,24 @@ int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& ran
   return normal_staging_offset(kind, rank_prefix_matrix_host.data(), num_ranks, owner, num_ranks, row_bytes);
 }
 
-NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases)
-    : device_(device), peer_bases_(std::move(peer_bases)) {
+NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks)
+    : device_(device), combine_chunks_(combine_chunks), peer_bases_(std::move(peer_bases)) {
+  require(combine_chunks >= 1 && static_cast<uint64_t>(combine_chunks) < kNormalChunkStride,
+          "combine_chunks must be in 1.." + std::to_string(kNormalChunkStride - 1) + ", got " +
+              std::to_string(combine_chunks));
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
   int sms = 0;
   gpuError_t status = gpu_multiprocessor_count(&sms, device_);
   max_busy_sms_ = sms > 2 ? sms - 2 : 1;
-  if (status == kGpuSuccess) status = gpu_stream_create_nonblocking(&side_);
+  peer_streams_.assign(peer_bases_.size(), nullptr);
+  peer_done_.assign(peer_bases_.size(), nullptr);
+  for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
+    status = gpu_stream_create_nonblocking(&peer_streams_[peer]);
+    if (status == kGpuSuccess) status = gpu_event_create(&peer_done_[peer]);
+  }
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
-  if (status == kGpuSuccess) status = gpu_event_create(&join_);
   if (status == kGpuSuccess) status = gpu_event_create(&counts_copied_);
   if (status != kGpuSuccess) release();
   (void)gpu_set_device(previous);
@@ -189,17 +196,43 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
 NormalCopyEngine::~NormalCopyEngine() { release(); }
 
 void NormalCopyEngine::release() {
-  // Nothing is in flight here that the caller did not order before: its stream waits for join_.
+  // Nothing is in flight here that the caller did not order before: its stream waits for peer_done_.
   if (counts_host_ != nullptr) (void)gpu_host_free(counts_host_);
   counts_host_ = nullptr;
   counts_capacity_ = 0;
   if (counts_copied_ != nullptr) (void)gpu_event_destroy(counts_copied_);
   counts_copied_ = nullptr;
-  if (join_ != nullptr) (void)gpu_event_destroy(join_);
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
-  if (side_ != nullptr) (void)gpu_stream_destroy(side_);
-  join_ = fork_ = nullptr;
-  side_ = nullptr;
+  fork_ = nullptr;
+  for (gpuEvent_t event : peer_done_) {
+    if (event != nullptr) (void)gpu_event_destroy(event);
+  }
+  for (gpuStream_t peer_stream : peer_streams_) {
+    if (peer_stream != nullptr) (void)gpu_stream_destroy(peer_stream);
+  }
+  peer_done_.clear();
+  peer_streams_.clear();
+}
+
+void NormalCopyEngine::require_unreleased() const {
+  require(fork_ != nullptr, "this NormalCopyEngine was released");
+}
+
+template <typename Queue>
+void NormalCopyEngine::fork_peer_streams(int me, gpuStream_t stream, Queue&& queue) {
+  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+  for (int peer = 0; peer < static_cast<int>(peer_streams_.size()); ++peer) {
+    if (peer == me) continue;
+    UCCL_EP_GPU_CHECK(gpu_stream_wait_event(peer_streams_[peer], fork_));
+    queue(peer, peer_streams_[peer]);
+    UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[peer], peer_streams_[peer]));
+  }
+}
+
+void NormalCopyEngine::join_peer_streams(int me, gpuStream_t stream) {
+  for (int peer = 0; peer < static_cast<int>(peer_streams_.size()); ++peer) {
+    if (peer != me) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, peer_done_[peer]));
+  }
 }
 
 uint8_t* NormalCopyEngine::staging(int owner) const {
@@ -207,7 +240,7 @@ uint8_t* NormalCopyEngine::staging(int owner) const {
 }
 
 void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vector<int32_t>& prefix) const {
-  require(side_ != nullptr, "this NormalCopyEngine was released");
+  require_unreleased();
   require(static_cast<int>(peer_bases_.size()) == region.num_ranks,
           "the copy engine maps " + std::to_string(peer_bases_.size()) + " ranks, the region has " +
               std::to_string(region.num_ranks));
@@ -217,7 +250,7 @@ void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vecto
 
 void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, gpuStream_t stream) {
   check_normal_dispatch_args(a);
-  require(side_ != nullptr, "this NormalCopyEngine was released");
+  require_unreleased();
   normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   launch_normal_announce_arrival(a.region, stream);
@@ -240,28 +273,26 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
-  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
-  normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, side_>>>(a.region, true, kNormalDispatchRecv);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-  for (int src = 0; src < num_ranks; ++src) {
+  fork_peer_streams(me, stream, [&](int src, gpuStream_t peer_stream) {
+    // Each pull starts as soon as its own source has arrived.
+    normal_kernels::wait_source_arrived<<<1, 1, 0, peer_stream>>>(a.region, src);
+    UCCL_EP_GPU_CHECK(gpu_last_error());
     const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
-    if (src == me || rows == 0) continue;
+    if (rows == 0) return;
     const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
     const uint8_t* block =
         staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src, me, row_bytes);
     const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
-    copy_async(static_cast<uint8_t*>(a.recv_x) + first * a.x_row_bytes, block + area.x, rows * a.x_row_bytes, side_);
+    copy_async(static_cast<uint8_t*>(a.recv_x) + first * a.x_row_bytes, block + area.x, rows * a.x_row_bytes,
+               peer_stream);
     if (a.scale_row_bytes > 0) {
       copy_async(static_cast<uint8_t*>(a.recv_x_scales) + first * a.scale_row_bytes, block + area.scales,
-                 rows * a.scale_row_bytes, side_);
+                 rows * a.scale_row_bytes, peer_stream);
     }
-  }
-  UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
-
+  });
   normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
+  join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);
 }
 
@@ -274,7 +305,7 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
 std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, const int32_t* counts,
                                                    int64_t num_counts, const NormalDispatchArgs* gather,
                                                    gpuStream_t stream) {
-  require(side_ != nullptr, "this NormalCopyEngine was released");
+  require_unreleased();
   require(num_counts >= 0 && (num_counts == 0 || counts != nullptr), "counts must hold num_counts >= 0 entries");
   if (num_counts > counts_capacity_) {
     if (counts_host_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(counts_host_));
@@ -318,43 +349,40 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     require(normal_staging_bytes(NormalStaging::kCombine, prefix, num_ranks, owner, bytes) <= a.region.data_bytes,
             "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
   }
-  normal_kernels::wait_exchange<<<1, kNormalMaxRanks, 0, stream>>>(a.region, false, kNormalCombineSend);
+  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
-  // first: the pushes on the side stream and the sums on this one then share its epoch.
+  // first: the pushes on the peers' streams and the sums on this one then share its epoch.
   launch_normal_announce_arrival(a.region, stream);
-  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
-  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(side_, fork_));
-  // Chunk by chunk, every owner's first chunk before anyone's second: the sums start early everywhere.
-  for (int chunk = 0; chunk < kNormalCombineChunks; ++chunk) {
-    for (int owner = 0; owner < num_ranks; ++owner) {
-      const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
-      const int64_t chunk_rows = (rows + kNormalCombineChunks - 1) / kNormalCombineChunks;
+  // Each owner's chunks in order on its own stream, every owner at once: the sums start early everywhere.
+  fork_peer_streams(me, stream, [&](int owner, gpuStream_t peer_stream) {
+    const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
+    const int64_t chunk_rows = (rows + combine_chunks_ - 1) / combine_chunks_;
+    uint8_t* block =
+        staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
+    const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
+    for (int chunk = 0; chunk < combine_chunks_; ++chunk) {
       const int64_t begin = chunk * chunk_rows;
-      if (owner == me || begin >= rows) continue;
+      if (begin >= rows) break;
       const int64_t count = std::min(chunk_rows, rows - begin);
       const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me) + begin;
-      uint8_t* block =
-          staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
-      const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
       copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + first * row_bytes,
-                 count * row_bytes, side_);
+                 count * row_bytes, peer_stream);
       if (a.num_topk > 0) {
         const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
         copy_async(block + area.topk_weights + begin * weight_bytes,
                    reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk), count * weight_bytes,
-                   side_);
+                   peer_stream);
       }
-      normal_kernels::announce_chunk<<<1, 1, 0, side_>>>(a.region, owner, chunk);
+      normal_kernels::announce_chunk<<<1, 1, 0, peer_stream>>>(a.region, owner, chunk);
       UCCL_EP_GPU_CHECK(gpu_last_error());
     }
-  }
-  UCCL_EP_GPU_CHECK(gpu_event_record(join_, side_));
+  });
   // Its warps wait for chunks that one-thread kernels announce: leave SMs for those.
   normal_kernels::reduce_from_staging<<<std::min(a.num_sms, max_busy_sms_), normal_kernels::kWideThreads, 0,
-                                        stream>>>(a);
+                                        stream>>>(a, combine_chunks_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, join_));
+  join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);
 }
 

@@ -5,14 +5,15 @@
 // Both are one exchange of the protocol in intranode.h, over the staging of each rank's data
 // area (NormalStaging):
 //   dispatch: SMs gather the rows this rank sends each peer into its staging (x, scales, top-k
-//     converted to the peer's local experts, source index), announce arrival; then a side stream
-//     waits for the peers' arrival and pulls their blocks for this rank straight into recv_x and
-//     recv_x_scales, one copy each per peer, while SMs copy this rank's own rows and the pulled
-//     rows' top-k and source index (small) from the peers' staging; freed follows both.
-//   combine: wait until every rank freed the previous exchange, push the rows received from each
-//     peer (a contiguous block of x) and their top-k weights back into that peer's staging in
-//     kNormalCombineChunks chunks, each announced in the peer's chunk word, then announce arrival;
-//     SMs sum each token's rows (its own straight from x) once the chunks holding them have
+//     converted to the peer's local experts, source index), announce arrival; then each peer's
+//     stream waits for the peers' arrival and pulls that peer's block for this rank straight into
+//     recv_x and recv_x_scales (one copy each), every peer at once, while SMs copy this rank's own
+//     rows and the pulled rows' top-k and source index (small) from the peers' staging; freed
+//     follows all of them.
+//   combine: wait until every rank freed the previous exchange, announce arrival, then on each
+//     peer's stream push the rows received from that peer (a contiguous block of x) and their top-k
+//     weights back into its staging in combine_chunks chunks, each announced in the peer's
+//     chunk word; SMs sum each token's rows (its own straight from x) once the chunks holding them have
 //     landed, then freed.
 #pragma once
 
@@ -26,8 +27,10 @@ namespace uccl_ep {
 // Also the normal mode's host side in general: read_counts serves the SM path too.
 class NormalCopyEngine {
  public:
-  // peer_bases[r]: rank r's buffer as mapped in this process (host addresses).
-  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases);
+  // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
+  // pieces each peer's combine block is pushed in (1 .. kNormalChunkStride - 1; more start the sums
+  // earlier, at one more copy and announcement each).
+  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -55,19 +58,29 @@ class NormalCopyEngine {
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
   void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                gpuStream_t stream);
-  // Frees the side stream, events and pinned memory; later calls raise. Idempotent.
+  // Frees the peer streams, events and pinned memory; later calls raise. Idempotent.
   void release();
 
  private:
   void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
+  void require_unreleased() const;
+  // Each peer's stream waits for `stream` (up to now), then `queue(peer, peer_stream)` puts that
+  // peer's copies on it; join_peer_streams makes `stream` wait for all of them.
+  template <typename Queue>
+  void fork_peer_streams(int me, gpuStream_t stream, Queue&& queue);
+  void join_peer_streams(int me, gpuStream_t stream);
   uint8_t* staging(int owner) const;
 
   int device_;
+  int combine_chunks_;
   int max_busy_sms_ = 1;  // blocks a waiting kernel may take, SMs left for the one-thread announcements
   std::vector<std::uintptr_t> peer_bases_;
-  gpuStream_t side_ = nullptr;  // the pulls, beside the SMs' own-row copies
-  gpuEvent_t fork_ = nullptr;
-  gpuEvent_t join_ = nullptr;
+  // One stream per peer (indexed by rank; this rank's own stays unused): each peer's pulls or pushes
+  // run on their own stream beside the SMs' work, so at 4 or 8 ranks the copy engines move every
+  // peer's block at once instead of one after another.
+  std::vector<gpuStream_t> peer_streams_;
+  std::vector<gpuEvent_t> peer_done_;  // recorded on each peer's stream after its copies
+  gpuEvent_t fork_ = nullptr;          // the caller's stream up to the copies
   gpuEvent_t counts_copied_ = nullptr;
   int32_t* counts_host_ = nullptr;  // pinned, counts_capacity_ entries
   int64_t counts_capacity_ = 0;

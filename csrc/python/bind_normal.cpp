@@ -112,6 +112,8 @@ void bind_normal(py::module_& m) {
 
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
+  m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunks;
+  m.attr("NORMAL_MAX_COMBINE_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
   m.def(
       "normal_dispatch_area_bytes",
       [](int64_t rows, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
@@ -193,7 +195,8 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>>(), py::arg("device"), py::arg("peer_bases"))
+      .def(py::init<int, std::vector<std::uintptr_t>, int>(), py::arg("device"), py::arg("peer_bases"),
+           py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks)
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

@@ -32,6 +32,7 @@ _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
+COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
 # (the copy engines need it), and the dispatch's send positions (its cached dispatches and combine reuse them).
 _HOST_PREFIX = "_uccl_ep_host_prefix"
@@ -43,6 +44,16 @@ def copy_mode() -> str:
     if mode not in _COPY_MODES:
         raise ValueError(f"{COPY_ENV}={mode!r}: expected one of {', '.join(_COPY_MODES)}")
     return mode
+
+
+def combine_chunks(extension) -> int:
+    text = os.environ.get(COMBINE_CHUNKS_ENV, "").strip()
+    if not text:
+        return extension.NORMAL_COMBINE_CHUNKS
+    if not text.isdigit() or not 1 <= int(text) <= extension.NORMAL_MAX_COMBINE_CHUNKS:
+        raise ValueError(f"{COMBINE_CHUNKS_ENV}={text!r}: expected an integer in "
+                         f"1..{extension.NORMAL_MAX_COMBINE_CHUNKS}")
+    return int(text)
 
 
 def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
@@ -87,7 +98,8 @@ class NativeNormal:
             data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
         # Reads every dispatch's counts; carries the rows too unless UCCL_EP_NORMAL_COPY=sm.
         self.copy_engine = extension.NormalCopyEngine(
-            device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)])
+            device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)],
+            combine_chunks=combine_chunks(extension))
         self.rows_by_copy_engine = copy_mode() == "engine"
 
     # ------------------------------------------------------------------ errors
