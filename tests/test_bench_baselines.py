@@ -30,3 +30,17 @@ def _body(rank, num_ranks, group):
 
 def test_baselines_run_and_check_on_gloo():
     run_ranks(2, _body)
+
+
+def test_case_count_follows_modes_and_baselines():
+    from uccl_ep_plugin.benchmark.runner import BenchOptions, num_cases
+    low_latency = Workload("low_latency", tokens=8, hidden=256, topk=2, experts=8)
+
+    def options(normal, ll, with_baselines):
+        return BenchOptions(num_ranks=2, device="cpu", normal=normal, low_latency=ll, warmup=0, iters=1, seed=0,
+                            device_name="cpu", commit="test", baselines=with_baselines)
+
+    assert num_cases(options(WORKLOAD, None, True)) == 3 + baselines.NUM_CASES
+    assert num_cases(options(WORKLOAD, None, False)) == 3
+    assert num_cases(options(WORKLOAD, low_latency, False)) == 3 + 7
+    assert num_cases(options(None, low_latency, True)) == 7

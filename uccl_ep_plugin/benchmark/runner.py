@@ -31,6 +31,7 @@ class BenchOptions:
     device_name: str
     commit: str
     num_sms: int = Buffer.num_sms
+    baselines: bool = True           # normal mode: also time the NCCL paths SGLang/vLLM users fall back to
     extra: Dict[str, str] = field(default_factory=dict)
 
 
@@ -141,8 +142,14 @@ def _kernel_seconds(case: Case, options: BenchOptions, group, device: torch.devi
     return sum(statistics.median(values) for values in durations.values()) / 1e6
 
 
-#: Cases each mode measures (normal mode: ours, then the NCCL baselines; low_latency_cases), for progress output.
-CASES_PER_MODE = {"normal": 3 + baselines.NUM_CASES, "low_latency": 7}
+def num_cases(options: BenchOptions) -> int:
+    """Cases the run measures (normal mode: ours, then the NCCL baselines; low_latency_cases), for progress output."""
+    total = 0
+    if options.normal is not None:
+        total += 3 + (baselines.NUM_CASES if options.baselines else 0)
+    if options.low_latency is not None:
+        total += 7
+    return total
 
 
 def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, seed: int, group,
@@ -415,7 +422,8 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report))
             buffer.destroy()
-            for case in baselines.baseline_cases(w, rank, r, options.seed, group, device):
+            for case in (baselines.baseline_cases(w, rank, r, options.seed, group, device) if options.baselines
+                         else ()):
                 results.append(measure(case, options, rank, group, device, report))
         if options.low_latency is not None:
             w = options.low_latency

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from ..benchmark import channel
 from ..benchmark.report import print_summary, progress_line, write_json
-from ..benchmark.runner import CASES_PER_MODE, BenchOptions, run_rank
+from ..benchmark.runner import BenchOptions, num_cases, run_rank
 from ..benchmark.workloads import Workload
 from ..local_port import free_local_port
 
@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 5 GPU, 1 CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 50 GPU, 5 CPU)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false",
+                        help="normal mode: skip the NCCL all_gather/reduce_scatter/all_to_all_single cases "
+                             "(for sweeps of our own settings)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as a JSON list to FILE")
     parser.set_defaults(handler=run)
 
@@ -84,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
                      if args.mode != "normal" else None),
         warmup=args.warmup if args.warmup is not None else (5 if on_gpu else 1),
         iters=args.iters if args.iters is not None else (50 if on_gpu else 5),
-        seed=args.seed, device_name=_device_name(device, num_ranks), commit=_commit(), num_sms=args.num_sms)
-    total = sum(count for mode, count in CASES_PER_MODE.items() if getattr(options, mode) is not None)
+        seed=args.seed, device_name=_device_name(device, num_ranks), commit=_commit(), num_sms=args.num_sms,
+        baselines=args.baselines)
+    total = num_cases(options)
     print(f"uccl-ep bench: {num_ranks} ranks on {options.device_name}, {total} cases, "
           f"{options.warmup} warm-up + {options.iters} timed iterations each", file=sys.stderr, flush=True)
 
