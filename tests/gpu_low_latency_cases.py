@@ -430,14 +430,23 @@ class Harness:
         streams = [torch.cuda.current_stream(self.device), self.candidate.get_comm_stream()] if self.on_gpu else []
         poison_allocator(self.device, streams, self.poison_bytes)
 
+    def before(self, buffer: Buffer) -> None:
+        """Before a call: poison for the candidate; for the oracle, whose collectives make NCCL's stream wait
+        for the current one, let the candidate's kernels finish first (a wait on a proxy-path kernel still
+        waiting for the proxy's copies stalls those copies: KERNEL_NOTES.md, the proxy path)."""
+        if buffer is self.candidate:
+            self.poison()
+        elif self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
     # ---- calls on both Buffers
     def clean(self, case: Case) -> None:
         for buffer in (self.candidate, self.oracle):
+            self.before(buffer)
             buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
 
     def dispatch(self, buffer: Buffer, case: Case, inputs: Inputs, **kwargs):
-        if buffer is self.candidate:
-            self.poison()
+        self.before(buffer)
         return buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts, **kwargs)
 
     def dispatch_both(self, case: Case, inputs: Inputs, **kwargs):
@@ -451,8 +460,7 @@ class Harness:
         return got, want
 
     def combine(self, buffer: Buffer, dispatched, inputs: Inputs, expert_out: torch.Tensor, **kwargs):
-        if buffer is self.candidate:
-            self.poison()
+        self.before(buffer)
         return buffer.low_latency_combine(expert_out.clone(), inputs.topk_idx, inputs.topk_weights, dispatched[2],
                                           **kwargs)
 

@@ -378,7 +378,8 @@ std::string CudaCopyTransport::describe_oldest() const {
                                std::to_string(request.remote_offset) + ")"
                          : "atomic add to peer " + std::to_string(oldest) + " (request " + std::to_string(request.id) +
                                ", remote offset " + std::to_string(request.remote_offset) + ")";
-  return what + ", on the copy engine for " + format_seconds(waited);
+  const char* hint = request.op == Op::kWrite ? kStalledCopyHint : "";
+  return what + ", on the copy engine for " + format_seconds(waited) + hint;
 }
 
 void CudaCopyTransport::quiet() {

@@ -174,7 +174,9 @@ class DeviceStagedRegion final : public StagedRegion {
 
   std::string wait(Lane& lane, const char* what) {
     const gpuError_t status = drain(lane);
-    if (status == cudaErrorNotReady) return std::string(what) + " did not finish within " + timeout_text_;
+    if (status == cudaErrorNotReady) {
+      return std::string(what) + " did not finish within " + timeout_text_ + kStalledCopyHint;
+    }
     return status == kGpuSuccess ? std::string() : failed(what, status);
   }
 

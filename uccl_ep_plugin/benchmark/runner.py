@@ -40,15 +40,22 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
     return bool(((got.float() - expected.float()).abs().amax() <= rel * scale).item())
 
 
+def _barrier(group, device: torch.device) -> None:
+    """A barrier once this rank's GPU work has finished. NCCL's barrier makes its stream wait for the current
+    stream; while a low-latency kernel of the proxy path is still waiting for the proxy's copies, that wait
+    stalls them (KERNEL_NOTES.md, the proxy path), so the bench never issues one with kernels in flight."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier(group)
+
+
 def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
     """Per-iteration seconds of this rank; every timed region starts together on all ranks."""
     samples = []
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
             case.prepare()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)      # its kernels have finished before the barrier
-        dist.barrier(group)
+        _barrier(group, device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
@@ -109,11 +116,11 @@ def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tu
     if device.type != "cuda" or case.engine != "native" or not case.capturable:
         return _timed_eager(case, options, group, device), "eager"
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
-    dist.barrier(group)
+    _barrier(group, device)
     captured = _CapturedCase(case, device)
-    dist.barrier(group)
+    _barrier(group, device)
     captured.replay(options.warmup)
-    dist.barrier(group)
+    _barrier(group, device)
     return captured.replay(options.iters), "cuda-graph"
 
 
