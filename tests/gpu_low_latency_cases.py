@@ -431,9 +431,9 @@ class Harness:
         poison_allocator(self.device, streams, self.poison_bytes)
 
     def before(self, buffer: Buffer) -> None:
-        """Before a call: poison for the candidate; for the oracle, whose collectives make NCCL's stream wait
-        for the current one, let the candidate's kernels finish first (a wait on a proxy-path kernel still
-        waiting for the proxy's copies stalls those copies: KERNEL_NOTES.md, the proxy path)."""
+        """Before a call: poison for the candidate; for the oracle, whose engine runs NCCL collectives, let the
+        candidate's kernels finish first (a collective issued while a proxy-path kernel still waits for the
+        proxy's copies stalls those copies: KERNEL_NOTES.md, the proxy path)."""
         if buffer is self.candidate:
             self.poison()
         elif self.on_gpu:

@@ -28,12 +28,11 @@ gpuError_t launch_atomic_add_system(void* target, int64_t value, gpuStream_t str
 gpuError_t launch_store_release_system(void* target, int64_t value, gpuStream_t stream);
 
 // Appended to the message of a copy that timed out. Seen on 2x H200 (KERNEL_NOTES.md, the proxy path):
-// the bytes land, but the GPU does not run the step after the copy while another stream of the
-// process waits on a kernel that itself waits for this copy.
+// the bytes land, but the GPU does not run the step after the copy while an NCCL collective issued
+// after a low-latency call through the proxy waits for that call's kernel, which waits for the copy.
 constexpr const char* kStalledCopyHint =
-    " (if another stream waits on a kernel that waits for this copy - e.g. an NCCL collective issued "
-    "while a low-latency call through the proxy is still running - the GPU holds the copy's completion: "
-    "synchronize before such collectives)";
+    " (an NCCL collective issued while a low-latency call through the proxy is still running holds the "
+    "completion of the proxy's copies on this GPU: synchronize before such collectives)";
 
 inline std::string gpu_error_text(gpuError_t status) {
   return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);

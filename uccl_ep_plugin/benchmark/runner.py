@@ -41,9 +41,9 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
 
 
 def _barrier(group, device: torch.device) -> None:
-    """A barrier once this rank's GPU work has finished. NCCL's barrier makes its stream wait for the current
-    stream; while a low-latency kernel of the proxy path is still waiting for the proxy's copies, that wait
-    stalls them (KERNEL_NOTES.md, the proxy path), so the bench never issues one with kernels in flight."""
+    """A barrier once this rank's GPU work has finished: an NCCL collective issued while a low-latency kernel
+    of the proxy path still waits for the proxy's copies stalls those copies (KERNEL_NOTES.md, the proxy
+    path), so the bench never issues one with kernels in flight."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier(group)
