@@ -367,6 +367,9 @@ def test_unresponsive_then_vanished_peer():
                                                r"outstanding to peer 1"):
             t.quiet()
         assert 0.9 < time.monotonic() - start < 3.0
+        # Both frames went out; the peer never acknowledged them.
+        assert t.oldest_outstanding() == ("peer 1: 2 unacknowledged, 0 frames held in the reorder window, "
+                                          "0 queued to send (0 staged, 0 bytes of the first sent)")
         conn = state["conn"]
         conn.setblocking(False)
         try:
@@ -379,6 +382,7 @@ def test_unresponsive_then_vanished_peer():
             t.quiet()
         with pytest.raises(RuntimeError, match="cannot post to peer 1"):
             t.write(1, 0, 0, 8)
+        assert t.oldest_outstanding() == ""   # the lost requests were abandoned with the connection
     finally:
         t.close()
         listener.close()

@@ -192,6 +192,8 @@ void def_transport_api(py::class_<W>& cls) {
           "timeout).")
       .def("close", &W::close, "Flush, say goodbye, join the I/O thread, release every handle. Idempotent.")
       .def("outstanding", [](W& t) { return t.impl().outstanding(); })
+      .def("oldest_outstanding", [](W& t) { return t.impl().oldest_outstanding(); },
+           "Where the unfinished requests stand (what a proxy's timeout reports), or '' when none is.")
       .def_property_readonly("rank", [](W& t) { return t.impl().rank(); })
       .def_property_readonly("num_ranks", [](W& t) { return t.impl().num_ranks(); })
       .def_property_readonly("reorder_seed",

@@ -605,6 +605,32 @@ uint64_t TcpTransport::outstanding() const {
   return total;
 }
 
+std::string TcpTransport::oldest_outstanding() const {
+  std::string detail;
+  for (const auto& peer : peers_) {
+    Peer& p = *peer;
+    uint64_t unfinished = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      unfinished = p.posted - p.finished;
+    }
+    if (unfinished == 0) continue;
+    size_t held = 0, queued = 0, staged = 0, front_sent = 0;
+    {
+      std::lock_guard<std::mutex> lock(p.mu);  // not nested with state_mu_: no lock order to keep
+      held = p.window.size();
+      queued = p.queue.size();
+      staged = p.staged_frames;
+      front_sent = p.front_sent;
+    }
+    detail += (detail.empty() ? "" : "; ") + peer_label(p) + ": " + std::to_string(unfinished) +
+              " unacknowledged, " + std::to_string(held) + " frames held in the reorder window, " +
+              std::to_string(queued) + " queued to send (" + std::to_string(staged) + " staged, " +
+              std::to_string(front_sent) + " bytes of the first sent)";
+  }
+  return detail;
+}
+
 void TcpTransport::finish_request(Peer& p, uint64_t id, bool ok, const std::string& error) {
   std::lock_guard<std::mutex> lock(state_mu_);
   if (p.finished >= p.posted) return;  // already abandoned (the connection failed meanwhile)

@@ -135,6 +135,9 @@ class TcpTransport final : public Transport {
   void quiet() override;
   void close() override;
   uint64_t outstanding() const override;
+  // Per peer with unfinished requests: how many, and how many frames still wait to be sent (held in
+  // the reorder window, queued, of those staged out of device memory) - where a stall is.
+  std::string oldest_outstanding() const override;
 
   // Requests from peers that this rank rejected (each was reported back to its poster).
   uint64_t rejected_requests() const { return rejected_.load(); }
