@@ -72,10 +72,6 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
 }
-// See the CUDA branch; HIP has no overlap hint.
-inline gpuError_t gpu_copy_async_beside_compute(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
-  return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
-}
 inline gpuError_t gpu_event_query(gpuEvent_t event) { return hipEventQuery(event); }
 constexpr gpuError_t kGpuNotReady = hipErrorNotReady;
 inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
@@ -110,29 +106,6 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 // (the runtime tells them apart; a copy engine moves the bytes).
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
-}
-// A copy issued while kernels may hold every SM (the proxy path: the receive kernels spin until
-// it lands). Measured on 2x H200 (2026-11-22): a cudaMemcpyAsync there moved its bytes, but its
-// stream's next step (the event after it) did not complete for seconds, until unrelated work was
-// submitted. The batch API with the overlap-with-compute hint did not stall.
-inline gpuError_t gpu_copy_async_beside_compute(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
-#if CUDART_VERSION >= 12080
-  void* dsts[1] = {dst};
-  const void* srcs[1] = {src};
-  size_t sizes[1] = {bytes};
-  cudaMemcpyAttributes attributes{};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t attribute_index = 0;
-#if CUDART_VERSION >= 13000
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attributes, &attribute_index, 1, stream);
-#else
-  size_t failed_index = 0;
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attributes, &attribute_index, 1, &failed_index, stream);
-#endif
-#else
-  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
-#endif
 }
 inline gpuError_t gpu_event_query(gpuEvent_t event) { return cudaEventQuery(event); }
 constexpr gpuError_t kGpuNotReady = cudaErrorNotReady;

@@ -178,7 +178,7 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
   Peer& p = peers_[peer];
   cudaEvent_t done = acquire_event(peer, request.id);
   gpuError_t status = enqueue(p, request);
-  const char* what = request.op == Op::kWrite ? "issuing the copy" : "launching the atomic add kernel";
+  const char* what = request.op == Op::kWrite ? "cudaMemcpyAsync" : "launching the atomic add kernel";
   if (status == kGpuSuccess) {
     status = cudaEventRecord(done, p.stream);
     what = "cudaEventRecord";
@@ -196,7 +196,7 @@ gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {
   }
   if (request.length == 0) return kGpuSuccess;  // an immediate alone: only the event is recorded
   const uint8_t* source = static_cast<const uint8_t*>(local_base_) + request.local_offset;
-  return gpu_copy_async_beside_compute(p.base + request.remote_offset, source, request.length, p.stream);
+  return cudaMemcpyAsync(p.base + request.remote_offset, source, request.length, cudaMemcpyDeviceToDevice, p.stream);
 }
 
 cudaEvent_t CudaCopyTransport::acquire_event(int peer, uint64_t request_id) {

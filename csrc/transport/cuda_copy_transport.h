@@ -6,8 +6,7 @@
 // without any help from the peer's process:
 //
 //   data     post_write queues a copy engine transfer from our buffer into the peer's mapping
-//            (gpu_copy_async_beside_compute, portability.h: a copy that completes while kernels
-//            hold every SM; on a non-blocking stream of our device, one stream per peer) and
+//            (cudaMemcpyAsync on a non-blocking stream of our device, one stream per peer) and
 //            records an event from a pool. peer == rank() is a local copy.
 //   atomics  post_atomic_add launches a one-thread kernel doing a system-scope atomic add on
 //            the peer's int64 (the GPUs must support peer atomics, as NVLink does).
@@ -31,7 +30,7 @@
 // window whose oldest request waited max_hold_us is released by the next poll), and the control
 // transport reorders immediates and acknowledgements with the same seed.
 //
-// Throughput: each copy costs about 1-2.3 us of CPU (measured), so callers must
+// Throughput: each cudaMemcpyAsync costs about 2.3 us of CPU (measured), so callers must
 // coalesce writes (one large write per peer per phase). Small scattered writes are what verbs
 // is for; this transport exists next to it for hosts without RDMA between their GPUs.
 //

@@ -95,21 +95,21 @@ class DeviceStagedRegion final : public StagedRegion {
   RegionWriter& writer() override { return *writer_; }
 
   std::string stage(uint8_t* staged, const uint8_t* source, uint64_t bytes) override {
-    return copy(send_, staged, source, bytes, "copying a write out of device memory");
+    return copy(send_, staged, source, bytes, cudaMemcpyDeviceToHost, "copying a write out of device memory");
   }
   void bind_thread() noexcept override { bind_thread_to_device(device_); }
 
   std::string wait_staged() override { return wait(send_, "copying writes out of device memory"); }
 
   std::string land(uint8_t* dest, const uint8_t* staged, uint64_t bytes) override {
-    return copy(receive_, dest, staged, bytes, "copying a write into device memory");
+    return copy(receive_, dest, staged, bytes, cudaMemcpyHostToDevice, "copying a write into device memory");
   }
   std::string add(uint8_t* target, int64_t value) override { return launch_add(receive_, target, value); }
   std::string wait_landed() override { return wait(receive_, "applying writes and atomic adds to device memory"); }
 
   std::string copy_local(uint8_t* dest, const uint8_t* source, uint64_t bytes) override {
     const char* what = "a copy within device memory";
-    const std::string error = copy(local_, dest, source, bytes, what);
+    const std::string error = copy(local_, dest, source, bytes, cudaMemcpyDeviceToDevice, what);
     return error.empty() ? wait(local_, what) : error;
   }
   std::string add_local(uint8_t* target, int64_t value) override {
@@ -147,10 +147,10 @@ class DeviceStagedRegion final : public StagedRegion {
     }
   }
 
-  std::string copy(Lane& lane, void* dest, const void* source, uint64_t bytes, const char* what) {
+  std::string copy(Lane& lane, void* dest, const void* source, uint64_t bytes, cudaMemcpyKind kind, const char* what) {
     const ScopedDevice current(device_);
     gpuError_t status = current.status();
-    if (status == kGpuSuccess) status = gpu_copy_async_beside_compute(dest, source, bytes, lane.stream);
+    if (status == kGpuSuccess) status = cudaMemcpyAsync(dest, source, bytes, kind, lane.stream);
     return status == kGpuSuccess ? std::string() : failed(what, status);
   }
 
