@@ -44,3 +44,16 @@ def test_case_count_follows_modes_and_baselines():
     assert num_cases(options(WORKLOAD, None, False)) == 3
     assert num_cases(options(WORKLOAD, low_latency, False)) == 3 + 7
     assert num_cases(options(None, low_latency, True)) == 7
+
+
+def test_report_shows_kernel_and_host_times():
+    from uccl_ep_plugin.benchmark.report import progress_line, table
+    result = dict(mode="normal", op="dispatch", dtype="bf16", engine="native", path="nvlink-ce", ranks=2, tokens=8,
+                  hidden=256, topk=2, experts=8, median_us=412.5, kernel_us=None, host_us=288.25, gbps=1.5,
+                  correct=True)
+    assert progress_line(1, 3, result) == "[1/3] normal dispatch bf16: 412.5 us (host 288.2 us), 1.50 GB/s, ok"
+    both = dict(result, kernel_us=250.0)
+    assert "(kernels 250.0 us, host 288.2 us)" in progress_line(1, 3, both)
+    assert progress_line(2, 3, dict(result, host_us=None, correct=False)).endswith("412.5 us, 1.50 GB/s, WRONG")
+    header, _, row = table([result]).splitlines()
+    assert "host us" in header and row.split()[-3:-1] == ["288.2", "1.50"]

@@ -49,9 +49,10 @@ def _barrier(group, device: torch.device) -> None:
     dist.barrier(group)
 
 
-def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
-    """Per-iteration seconds of this rank; every timed region starts together on all ranks."""
-    samples = []
+def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], List[float]]:
+    """Per-iteration seconds of this rank, and on GPUs the host's seconds until each call returned (where
+    the GPU waits for the host, the gap between the two); every timed region starts together on all ranks."""
+    samples, host = [], []
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
             case.prepare()
@@ -60,10 +61,14 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
+            begin = time.perf_counter()
             case.run()
+            returned = time.perf_counter() - begin
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
+            if i >= options.warmup:
+                host.append(returned)
         else:
             begin = time.perf_counter()
             case.run()
@@ -72,7 +77,7 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
             case.finish()
         if i >= options.warmup:
             samples.append(elapsed)
-    return samples
+    return samples, host
 
 
 class _CapturedCase:
@@ -110,18 +115,19 @@ class _CapturedCase:
         return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
-def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
-    """Per-iteration seconds and how they were taken: CUDA-graph replays for the native engine's calls that
-    never sync the host, else eager calls with a barrier before each."""
+def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str, List[float]]:
+    """Per-iteration seconds, how they were taken (CUDA-graph replays for the native engine's calls that
+    never sync the host, else eager calls with a barrier before each), and the eager calls' host seconds."""
     if device.type != "cuda" or case.engine != "native" or not case.capturable:
-        return _timed_eager(case, options, group, device), "eager"
+        samples, host = _timed_eager(case, options, group, device)
+        return samples, "eager", host
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
     _barrier(group, device)
     captured = _CapturedCase(case, device)
     _barrier(group, device)
     captured.replay(options.warmup)
     _barrier(group, device)
-    return captured.replay(options.iters), "cuda-graph"
+    return captured.replay(options.iters), "cuda-graph", []
 
 
 def _kernel_name(profiler_name: str) -> str:
@@ -354,15 +360,18 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
 
 
 def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
-    samples, timing = _timed(case, options, group, device)
+    samples, timing, host = _timed(case, options, group, device)
+    host_s = statistics.median(host) if host else None
     kernel_s = _kernel_seconds(case, options, group, device)
     correct = case.check()
-    per_rank = _gather_floats(samples + [case.bytes_per_rank or 0.0, float(correct), kernel_s or 0.0], group, device)
+    per_rank = _gather_floats(samples + [case.bytes_per_rank or 0.0, float(correct), kernel_s or 0.0, host_s or 0.0],
+                              group, device)
     iteration_time = per_rank[:, :len(samples)].amax(0)     # the slowest rank sets each step
     median_s = statistics.median(iteration_time.tolist())
     mean_bytes = float(per_rank[:, len(samples)].mean())
     all_correct = bool(per_rank[:, len(samples) + 1].min() > 0.5)
     kernel_s = float(per_rank[:, len(samples) + 2].max()) if kernel_s is not None else None
+    host_s = float(per_rank[:, len(samples) + 3].max()) if host_s is not None else None   # the slowest rank's
     workload = case.workload
     result = {"mode": case.mode, "op": case.op, "dtype": case.dtype, "engine": case.engine,
               "path": _path_name(case, device), "ranks": options.num_ranks, "tokens": workload.tokens,
@@ -370,6 +379,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "num_sms": options.num_sms if case.mode == "normal" else None,
               "median_us": median_s * 1e6, "timing": timing,
               "kernel_us": None if kernel_s is None else kernel_s * 1e6,
+              "host_us": None if host_s is None else host_s * 1e6,
               "gbps": None if case.bytes_per_rank is None else mean_bytes / median_s / 1e9, "correct": all_correct,
               "iters": options.iters, "device": options.device_name, "commit": options.commit}
     if rank == 0:
