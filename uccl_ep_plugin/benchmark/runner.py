@@ -57,26 +57,23 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
         if case.prepare is not None:
             case.prepare()
         _barrier(group, device)
-        if device.type == "cuda":
+        on_gpu = device.type == "cuda"
+        if on_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
-            begin = time.perf_counter()
-            case.run()
-            returned = time.perf_counter() - begin
+        begin = time.perf_counter()
+        case.run()
+        returned = time.perf_counter() - begin   # on CPU the call's whole time
+        if on_gpu:
             end.record()
             end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-            if i >= options.warmup:
-                host.append(returned)
-        else:
-            begin = time.perf_counter()
-            case.run()
-            elapsed = time.perf_counter() - begin
         if case.finish is not None:
             case.finish()
         if i >= options.warmup:
-            samples.append(elapsed)
+            samples.append(start.elapsed_time(end) / 1e3 if on_gpu else returned)
+            if on_gpu:
+                host.append(returned)
     return samples, host
 
 
