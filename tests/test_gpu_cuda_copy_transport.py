@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from tests.transport_exchange import (POISON, REORDER_ENV, assert_local_requests, assert_requests_checked,
+from tests.transport_exchange import (POISON, REORDER_ENV, assert_local_requests, assert_requests_checked, settle,
                                           skip_without)
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
@@ -120,4 +120,37 @@ def test_close_leaks_no_threads_or_fds():
     del connected, unconnected
     gc.collect()
     assert settled_fds_and_threads(before) == before
+    memory.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reorder_seed", [-1, 3], ids=["in-order", "reorder"])
+def test_fence(reorder_seed):
+    """fence() orders on the device while only plain writes are unfinished; an atomic add or a write with an
+    immediate that has not been retired yet makes it refuse (the proxy then waits instead). Writes around a
+    fence land, later ones over earlier ones."""
+    memory, region = _local_memory(1 << 16)
+    region[:2048] = torch.arange(2048, device=region.device).remainder(251).to(torch.uint8)
+    settle(region)
+    transport = _local_transport(memory, reorder_seed=reorder_seed)
+    assert transport.fence()                    # nothing posted yet
+    transport.write(0, 0, 8192, 2048)
+    assert transport.fence()
+    transport.write(0, 1024, 8192, 1024)        # over the first half of the earlier write
+    transport.atomic_add(0, 16384, 5)
+    assert not transport.fence()
+    transport.quiet()
+    transport.poll_completions()
+    assert transport.fence()
+    transport.write(0, 0, 12288, 16, imm=4)
+    assert not transport.fence()
+    transport.quiet()
+    transport.poll_completions()
+    assert transport.fence()
+    assert torch.equal(region[8192:9216], region[1024:2048])
+    assert torch.equal(region[9216:10240], region[1024:2048])
+    assert torch.equal(region[12288:12304], region[:16])
+    transport.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        transport.fence()
     memory.release()

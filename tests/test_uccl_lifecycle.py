@@ -48,6 +48,7 @@ def _exchange_body(rank: int, num_ranks: int, group) -> None:
         proxies[0].check()
         stats = proxies[0].stats()
         assert stats["execute_ns"] > 0 and stats["quiet_wait_ns"] > 0, stats
+        assert stats["quiets_on_gpu"] == 0, stats    # tcp cannot order on a device: the thread waited
         dist.barrier(group=group)      # every rank's writes have completed
         for peer in range(num_ranks):
             got = scratch[(1 + peer) * SLICE:(2 + peer) * SLICE]
@@ -143,3 +144,16 @@ def _affinity_body(rank: int, num_ranks: int, group) -> None:
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs CPUs 0 and 1")
 def test_proxy_threads_run_on_the_cpus_of_their_rank():
     run_ranks(2, _affinity_body)
+
+
+def test_quiet_on_gpu_setting(monkeypatch):
+    from uccl_ep_plugin.proxies import QUIET_ON_GPU_ENV, _flag_setting
+    assert _C.ProxyConfig().quiet_on_gpu is True
+    monkeypatch.delenv(QUIET_ON_GPU_ENV, raising=False)
+    assert _flag_setting(QUIET_ON_GPU_ENV, True) is True
+    for text, expected in (("0", False), ("off", False), ("1", True), (" Yes ", True)):
+        monkeypatch.setenv(QUIET_ON_GPU_ENV, text)
+        assert _flag_setting(QUIET_ON_GPU_ENV, True) is expected
+    monkeypatch.setenv(QUIET_ON_GPU_ENV, "maybe")
+    with pytest.raises(ValueError, match="UCCL_EP_PROXY_QUIET_ON_GPU='maybe'"):
+        _flag_setting(QUIET_ON_GPU_ENV, True)

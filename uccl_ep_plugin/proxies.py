@@ -9,8 +9,10 @@ local. The Buffer starts its own when its low-latency kernels have peers to reac
 
 Settings: UCCL_EP_PROXY_THREADS (threads, default 1), UCCL_EP_PROXY_FIFOS (FIFOs, default 1),
 UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` or ``tcp``, for the Buffer's proxy path), UCCL_EP_PROXY_CPUS
-(the CPUs the threads run on), the platform config's in-flight limits and adaptive sleep, and
-UCCL_SOCKET_IFNAME for tcp.
+(the CPUs the threads run on), UCCL_EP_PROXY_QUIET_ON_GPU (default 1: a QUIET becomes a fence between the
+transport's streams where the transport can order them on the device, cuda-copy; 0: the proxy thread waits
+for the completions), the platform config's in-flight limits and adaptive sleep, and UCCL_SOCKET_IFNAME for
+tcp.
 """
 
 import atexit
@@ -28,6 +30,7 @@ THREADS_ENV = "UCCL_EP_PROXY_THREADS"
 FIFOS_ENV = "UCCL_EP_PROXY_FIFOS"
 TRANSPORT_ENV = "UCCL_EP_PROXY_TRANSPORT"
 CPUS_ENV = "UCCL_EP_PROXY_CPUS"
+QUIET_ON_GPU_ENV = "UCCL_EP_PROXY_QUIET_ON_GPU"
 FIFO_CAPACITY = 1024
 # transport name -> the build feature it needs
 TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
@@ -74,6 +77,17 @@ def _positive_setting(name: str, default: int) -> int:
     return value
 
 
+def _flag_setting(name: str, default: bool) -> bool:
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={text!r} is not a switch (1/0, true/false, yes/no, on/off)")
+
+
 def _load_extension():
     from . import _C  # noqa: WPS433 (imported lazily: the reference engine works without it)
     return _C
@@ -94,6 +108,7 @@ class ProxyThreads:
         config.low_latency = low_latency
         config.timeout_s = timeout_s
         config.cpu_affinity = proxy_cpus(device.index if device.type == "cuda" else rank)
+        config.quiet_on_gpu = _flag_setting(QUIET_ON_GPU_ENV, True)
         self.num_threads = _positive_setting(THREADS_ENV, 1)
         self.num_fifos = _positive_setting(FIFOS_ENV, 1)
         self.transport = transport

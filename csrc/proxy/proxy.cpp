@@ -225,6 +225,7 @@ ProxyStats Proxy::stats() const {
   s.idle_sleeps = st_idle_sleeps_.load();
   s.execute_ns = st_execute_ns_.load();
   s.quiet_wait_ns = st_quiet_wait_ns_.load();
+  s.quiets_on_gpu = st_quiets_on_gpu_.load();
   std::lock_guard<std::mutex> lock(ordering_mu_);
   s.ordering = ordering_.stats();
   return s;
@@ -455,6 +456,22 @@ Proxy::Step Proxy::execute(FifoState& fifo, const Command& command) {
   }
   if (d.kind == CommandKind::kQuiet) {
     st_commands_.fetch_add(1, std::memory_order_relaxed);
+    if (config_.quiet_on_gpu) {
+      // The writes after the QUIET need only start after those before it have landed: a transport
+      // that can order its streams on the device saves the round trip through this thread.
+      bool fenced = false;
+      try {
+        fenced = transport_.fence();
+      } catch (const std::exception& e) {
+        fail_command(fifo, command, std::string("the transport could not fence: ") + e.what());
+        return Step::kFailed;
+      }
+      if (fenced) {
+        st_quiets_on_gpu_.fetch_add(1, std::memory_order_relaxed);
+        quiets_done_.fetch_add(1, std::memory_order_acq_rel);
+        return Step::kDone;
+      }
+    }
     fifo.wait = Wait::kQuiet;
     fifo.wait_since = Clock::now();
     return Step::kDone;

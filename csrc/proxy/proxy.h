@@ -73,6 +73,7 @@ struct ProxyConfig {
   std::vector<int> cpu_affinity;          // thread t runs on cpu_affinity[t % size]; empty: any
   uint64_t token_bytes = 0;               // bytes per token row of kWriteWithCount; 0: one row
   double timeout_s = 60.0;                // a quiet or barrier waiting longer is an error
+  bool quiet_on_gpu = true;               // a QUIET asks the transport for a fence on the device first
   OrderingConfig ordering;                // counter layout, window, the ordering switch
                                           // (num_ranks is taken from the transport)
 
@@ -92,6 +93,7 @@ struct ProxyStats {
   uint64_t flow_stalls = 0;         // times a command waited for the in-flight limits
   uint64_t window_stalls = 0;       // times an add waited for its (dst, counter) window
   uint64_t quiets = 0;
+  uint64_t quiets_on_gpu = 0;       // of those, ordered by a transport fence instead of waited for
   uint64_t barriers = 0;
   uint64_t immediates = 0;
   uint64_t idle_sleeps = 0;
@@ -213,7 +215,8 @@ class Proxy {
 
   // Statistics (relaxed counters).
   std::atomic<uint64_t> st_commands_{0}, st_posted_{0}, st_completed_{0}, st_inflight_peak_{0}, st_flow_stalls_{0},
-      st_window_stalls_{0}, st_immediates_{0}, st_idle_sleeps_{0}, st_execute_ns_{0}, st_quiet_wait_ns_{0};
+      st_window_stalls_{0}, st_immediates_{0}, st_idle_sleeps_{0}, st_execute_ns_{0}, st_quiet_wait_ns_{0},
+      st_quiets_on_gpu_{0};
 };
 
 }  // namespace uccl_ep

@@ -486,6 +486,7 @@ dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
       .def_readwrite("cpu_affinity", &uccl_ep::ProxyConfig::cpu_affinity)
       .def_readwrite("token_bytes", &uccl_ep::ProxyConfig::token_bytes)
       .def_readwrite("timeout_s", &uccl_ep::ProxyConfig::timeout_s)
+      .def_readwrite("quiet_on_gpu", &uccl_ep::ProxyConfig::quiet_on_gpu)
       .def_property(
           "num_counters", [](const uccl_ep::ProxyConfig& c) { return c.ordering.num_counters; },
           [](uccl_ep::ProxyConfig& c, uint32_t v) { c.ordering.num_counters = v; })
@@ -590,6 +591,7 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
         d["flow_stalls"] = s.flow_stalls;
         d["window_stalls"] = s.window_stalls;
         d["quiets"] = s.quiets;
+        d["quiets_on_gpu"] = s.quiets_on_gpu;
         d["barriers"] = s.barriers;
         d["immediates"] = s.immediates;
         d["idle_sleeps"] = s.idle_sleeps;

@@ -192,6 +192,9 @@ void def_transport_api(py::class_<W>& cls) {
           "timeout).")
       .def("close", &W::close, "Flush, say goodbye, join the I/O thread, release every handle. Idempotent.")
       .def("outstanding", [](W& t) { return t.impl().outstanding(); })
+      .def("fence", [](W& t) { return t.impl().fence(); },
+           "Order later writes after earlier ones on the device without waiting: False where the transport "
+           "cannot (tcp), or while a request with an immediate or an atomic add is unfinished.")
       .def("oldest_outstanding", [](W& t) { return t.impl().oldest_outstanding(); },
            "Where the unfinished requests stand (what a proxy's timeout reports), or '' when none is.")
       .def_property_readonly("rank", [](W& t) { return t.impl().rank(); })

@@ -64,6 +64,7 @@ CudaCopyTransport::CudaCopyTransport(int rank, int num_ranks, const PeerMemory& 
                                   e.what());
     }
     peers_[r].window = ReorderWindow<Request>(reorder_, static_cast<uint32_t>(rank), static_cast<uint32_t>(r));
+    peers_[r].fences_waited.assign(num_ranks, 0);
   }
   if (peers_[rank].base != local_base_) {
     throw std::invalid_argument("peer_memory maps another rank's buffer as rank " + std::to_string(rank) +
@@ -170,6 +171,7 @@ void CudaCopyTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_
 
 void CudaCopyTransport::post(int peer, Request&& request) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (request.imm || request.op == Op::kAtomicAdd) ++unordered_requests_;
   ScopedDevice device(device_, name(), rank_);
   peers_[peer].window.push(std::move(request), Clock::now(), [&](Request&& released) { issue(peer, released); });
 }
@@ -177,8 +179,12 @@ void CudaCopyTransport::post(int peer, Request&& request) {
 void CudaCopyTransport::issue(int peer, const Request& request) {
   Peer& p = peers_[peer];
   cudaEvent_t done = acquire_event(peer, request.id);
-  gpuError_t status = enqueue(p, request);
-  const char* what = request.op == Op::kWrite ? "cudaMemcpyAsync" : "launching the atomic add kernel";
+  gpuError_t status = wait_for_fences(peer);
+  const char* what = "cudaStreamWaitEvent (after a fence)";
+  if (status == kGpuSuccess) {
+    status = enqueue(p, request);
+    what = request.op == Op::kWrite ? "cudaMemcpyAsync" : "launching the atomic add kernel";
+  }
   if (status == kGpuSuccess) {
     status = cudaEventRecord(done, p.stream);
     what = "cudaEventRecord";
@@ -188,6 +194,19 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
     throw TransportError(failure(peer, request.id, what, status));
   }
   p.issued.push_back(Issued{request, done, Clock::now()});
+  p.written_since_fence = true;
+}
+
+gpuError_t CudaCopyTransport::wait_for_fences(int peer) {
+  Peer& p = peers_[peer];
+  for (int r = 0; r < num_ranks_; ++r) {
+    const Peer& other = peers_[r];
+    if (r == peer || other.fence_number <= p.fences_waited[r]) continue;
+    const gpuError_t status = cudaStreamWaitEvent(p.stream, other.fence_event, 0);
+    if (status != kGpuSuccess) return status;
+    p.fences_waited[r] = other.fence_number;
+  }
+  return kGpuSuccess;
 }
 
 gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {
@@ -257,6 +276,7 @@ void CudaCopyTransport::retire_finished(int peer) {
     const Request request = p.issued.front().request;
     spare_events_.push_back(p.issued.front().done);
     p.issued.pop_front();
+    if (request.imm || request.op == Op::kAtomicAdd) --unordered_requests_;
     if (status != kGpuSuccess) {
       errors_.push_back(failure(peer, request.id, request.op == Op::kWrite ? "the copy" : "the atomic add", status));
       continue;
@@ -398,6 +418,32 @@ void CudaCopyTransport::quiet() {
   control_.quiet();
 }
 
+bool CudaCopyTransport::fence() {
+  if (closed_) throw TransportError(who() + ": fence() after close()");
+  if (!connected_) return true;  // nothing can have been posted
+  std::lock_guard<std::mutex> lock(mu_);
+  // An immediate goes out through the control transport once its copy has finished, and an atomic
+  // add's effect is for the peer to see: the streams order neither.
+  if (unordered_requests_ > 0 || control_.outstanding() > 0) return false;
+  ScopedDevice device(device_, name(), rank_);
+  flush_windows();  // what the windows hold was posted before the fence
+  ++fences_;
+  for (int r = 0; r < num_ranks_; ++r) {
+    Peer& p = peers_[r];
+    if (!p.written_since_fence) continue;
+    gpuError_t status = kGpuSuccess;
+    if (p.fence_event == nullptr) status = cudaEventCreateWithFlags(&p.fence_event, cudaEventDisableTiming);
+    if (status == kGpuSuccess) status = cudaEventRecord(p.fence_event, p.stream);
+    if (status != kGpuSuccess) {
+      throw TransportError(who() + ": a fence on the stream to peer " + std::to_string(r) + " failed: " +
+                           gpu_error_text(status));
+    }
+    p.fence_number = fences_;
+    p.written_since_fence = false;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------
 // Shutdown
 // ---------------------------------------------------------------------------------------
@@ -432,6 +478,8 @@ void CudaCopyTransport::release_gpu_resources() {
     for (const Issued& issued : p.issued) cudaEventDestroy(issued.done);
     p.issued.clear();
     p.window.discard();
+    if (p.fence_event != nullptr) cudaEventDestroy(p.fence_event);
+    p.fence_event = nullptr;
     if (p.stream != nullptr) cudaStreamDestroy(p.stream);
     p.stream = nullptr;
   }

@@ -105,6 +105,9 @@ class CudaCopyTransport final : public Transport {
   // immediates; then waits (timeout_s) in the control transport's quiet() for their
   // acknowledgements.
   void quiet() override;
+  // An event recorded on every peer's stream written since the last fence; a later copy's stream
+  // waits for the other streams' fence events before it (the copies of one stream run in order).
+  bool fence() override;
   void close() override;
   uint64_t outstanding() const override;
   // "write of N bytes to peer P (request I, local offset L -> remote offset R), on the copy engine for
@@ -137,6 +140,12 @@ class CudaCopyTransport final : public Transport {
     gpuStream_t stream = nullptr;  // on our device
     ReorderWindow<Request> window;
     std::deque<Issued> issued;     // in stream order, so they complete front first
+    // fence(): this stream's latest fence event and its number (0: none yet), whether a copy was
+    // issued on it since, and per other peer the number of the fence this stream already waits for.
+    cudaEvent_t fence_event = nullptr;
+    uint64_t fence_number = 0;
+    bool written_since_fence = false;
+    std::vector<uint64_t> fences_waited;
   };
 
   void create_streams();
@@ -146,6 +155,7 @@ class CudaCopyTransport final : public Transport {
   // All with mu_ held.
   void issue(int peer, const Request& request);
   gpuError_t enqueue(const Peer& p, const Request& request);
+  gpuError_t wait_for_fences(int peer);
   cudaEvent_t acquire_event(int peer, uint64_t request_id);
   void flush_windows();
   void progress();
@@ -178,6 +188,8 @@ class CudaCopyTransport final : public Transport {
   std::vector<Peer> peers_;  // [num_ranks]
   std::unique_ptr<DeviceRegionWriter> writer_;  // on the stream of our copies to ourselves
   std::vector<cudaEvent_t> spare_events_;
+  uint64_t fences_ = 0;
+  uint64_t unordered_requests_ = 0;  // posted with an immediate or as an atomic add, not yet off the stream
   std::deque<uint64_t> completions_;  // requests without an immediate
   std::deque<std::string> errors_;    // failures found while making progress, thrown once each
 };

@@ -125,6 +125,12 @@ class Transport {
   // (call quiet() first).
   virtual void close() = 0;
 
+  // Orders every write posted after this call after every write posted before it, on the device and
+  // without waiting here. Returns false if this transport cannot do so now; the caller then waits for
+  // the completions instead (what a QUIET otherwise does). Requests with immediates or atomic adds in
+  // flight make it false: what they change is not ordered by the device.
+  virtual bool fence() { return false; }
+
   // Requests posted and not yet completed (or failed), over all peers.
   virtual uint64_t outstanding() const = 0;
 
