@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -78,6 +79,10 @@ inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return hipHostMalloc(pointer, bytes, hipHostMallocDefault);
 }
 inline gpuError_t gpu_host_free(void* pointer) { return hipHostFree(pointer); }
+inline gpuError_t gpu_load_kernel(const void* kernel) {
+  hipFuncAttributes attributes;
+  return hipFuncGetAttributes(&attributes, kernel);
+}
 #else
 using gpuStream_t = cudaStream_t;
 using gpuEvent_t = cudaEvent_t;
@@ -113,6 +118,11 @@ inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return cudaHostAlloc(pointer, bytes, cudaHostAllocDefault);
 }
 inline gpuError_t gpu_host_free(void* pointer) { return cudaFreeHost(pointer); }
+// Loads `kernel` into the current device's context now (see gpu_load_kernels).
+inline gpuError_t gpu_load_kernel(const void* kernel) {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, kernel);
+}
 #endif
 
 // Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the
@@ -148,6 +158,16 @@ class GpuError : public std::runtime_error {
       throw ::uccl_ep::GpuError(uccl_ep_status_, #expr, __FILE__, __LINE__); \
     }                                                                        \
   } while (0)
+
+// Loads each of `kernels` into the current device's context now; throws GpuError if one cannot be.
+// Under lazy module loading (CUDA's default) a kernel's first launch loads it, and a load may wait
+// for every running kernel to finish. Our kernels spin on peers and on the CPU proxy, whose copies
+// the runtime may hold behind such a load: a first launch then waits for the spinning kernel, which
+// waits for it, until a timeout. So a module loads what it launches before its first kernel runs.
+template <typename... Kernels>
+void gpu_load_kernels(Kernels... kernels) {
+  for (const void* kernel : {reinterpret_cast<const void*>(kernels)...}) UCCL_EP_GPU_CHECK(gpu_load_kernel(kernel));
+}
 
 #endif  // UCCL_EP_GPU_RUNTIME
 

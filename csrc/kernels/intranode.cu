@@ -317,6 +317,13 @@ void launch_exchange(void (*send)(Args), void (*receive)(Args), const Args& args
 
 }  // namespace
 
+void load_normal_kernels() {
+  using namespace normal_kernels;
+  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch_send,
+                   notify_dispatch_receive, dispatch_send, dispatch_receive, combine_send,
+                    combine_receive);
+}
+
 void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
   normal_kernels::announce_arrival<<<1, kNormalMaxRanks, 0, stream>>>(region);
   UCCL_EP_GPU_CHECK(gpu_last_error());

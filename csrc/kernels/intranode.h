@@ -219,6 +219,9 @@ struct NormalCombineArgs {
 
 // Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument before any
 // launch, GpuError if a launch fails.
+// Loads the kernels of the launch_normal_* functions into the current device's context (gpu_load_kernels).
+void load_normal_kernels();
+
 void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream);
 void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
 // A dispatch's first steps in one call: the send layout, then the notify exchange (which reads

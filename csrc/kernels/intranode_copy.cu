@@ -153,6 +153,12 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
 
 }  // namespace normal_kernels
 
+void load_normal_copy_kernels() {
+  using namespace normal_kernels;
+  gpu_load_kernels(wait_destinations_freed, wait_source_arrived, gather_for_peers, receive_own_rows,
+                   announce_chunk, reduce_from_staging);
+}
+
 namespace {
 
 void copy_async(void* dst, const void* src, int64_t bytes, gpuStream_t stream) {

@@ -24,6 +24,9 @@
 
 namespace uccl_ep {
 
+// Loads NormalCopyEngine's kernels into the current device's context (gpu_load_kernels).
+void load_normal_copy_kernels();
+
 // Also the normal mode's host side in general: read_counts serves the SM path too.
 class NormalCopyEngine {
  public:

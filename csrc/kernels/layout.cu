@@ -186,6 +186,10 @@ __global__ void __launch_bounds__(kClearThreads)
 
 }  // namespace kernels
 
+void load_dispatch_layout_kernels() {
+  gpu_load_kernels(kernels::dispatch_layout_kernel, kernels::dispatch_layout_clear_kernel);
+}
+
 namespace {
 
 [[noreturn]] void bad_argument(const char* name, const std::string& what) {

@@ -34,6 +34,9 @@ constexpr int kDispatchLayoutMaxRanks = 131072;
 // Throws std::invalid_argument naming the argument for a bad size or pointer (checked
 // before any runtime call) and GpuError if the launch fails. The results are ready once
 // `stream` has reached the kernel; this function does not synchronise.
+// Loads the kernels launch_dispatch_layout uses into the current device's context (gpu_load_kernels).
+void load_dispatch_layout_kernels();
+
 void launch_dispatch_layout(const int64_t* topk_idx, int64_t num_tokens, int64_t num_topk,
                             int64_t num_ranks, int64_t num_experts,
                             int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert,

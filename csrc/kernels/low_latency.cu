@@ -962,6 +962,12 @@ int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_
 
 }  // namespace kernels
 
+void load_low_latency_kernels() {
+  using namespace kernels;
+  gpu_load_kernels(low_latency_dispatch, low_latency_dispatch_send, low_latency_dispatch_recv,
+                   low_latency_combine, low_latency_combine_send, low_latency_combine_recv);
+}
+
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t stream) {
   using namespace kernels;
   check_common(a.region, a.num_tokens, a.num_max_tokens, a.hidden, a.num_topk, a.num_experts, a.phases, a.num_sms);

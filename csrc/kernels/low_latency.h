@@ -166,6 +166,9 @@ UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_msg_bytes(int64_t hidden)
 
 // Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument
 // before any launch, GpuError if the launch fails.
+// Loads the kernels of the two launchers below into the current device's context (gpu_load_kernels).
+void load_low_latency_kernels();
+
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, gpuStream_t stream);
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, gpuStream_t stream);
 

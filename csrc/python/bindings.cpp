@@ -8,7 +8,10 @@
 #include "build_info.h"
 #include "channel/stress.h"
 #if defined(UCCL_EP_WITH_CUDA)
+#include "kernels/intranode.h"
+#include "kernels/intranode_copy.h"
 #include "kernels/layout.h"
+#include "kernels/low_latency.h"
 #endif
 
 namespace py = pybind11;
@@ -105,6 +108,14 @@ void dispatch_layout(std::uintptr_t topk_idx_ptr, int64_t num_tokens, int64_t nu
       as_pointer<int32_t>(num_tokens_per_rank_ptr), as_pointer<int32_t>(num_tokens_per_expert_ptr),
       as_pointer<bool>(is_token_in_rank_ptr), reinterpret_cast<uccl_ep::gpuStream_t>(stream));
 }
+
+void load_engine_kernels() {
+  py::gil_scoped_release no_gil;
+  uccl_ep::load_dispatch_layout_kernels();
+  uccl_ep::load_normal_kernels();
+  uccl_ep::load_normal_copy_kernels();
+  uccl_ep::load_low_latency_kernels();
+}
 #endif
 
 }  // namespace
@@ -126,6 +137,9 @@ PYBIND11_MODULE(_C, m) {
 #if defined(UCCL_EP_WITH_CUDA)
   bind_low_latency(m);
   bind_normal(m);
+  m.def("load_kernels", &load_engine_kernels,
+        "Loads every kernel of the native engine into the current device's context now, so that no first "
+        "launch (under CUDA's lazy module loading) waits behind kernels that spin on peers or the proxy.");
   m.def("channel_stress_gpu", &channel_stress_gpu, py::arg("num_fifos"), py::arg("blocks_per_fifo"),
         py::arg("threads_per_block"), py::arg("commands_per_thread"), py::arg("capacity"), py::arg("timeout_s"),
         "GPU threads push numbered commands into FIFOs in pinned mapped host memory, one checking host "

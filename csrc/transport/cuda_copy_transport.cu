@@ -84,6 +84,7 @@ CudaCopyTransport::~CudaCopyTransport() {
 
 void CudaCopyTransport::create_streams() {
   ScopedDevice device(device_, name(), rank_);
+  load_region_ops_kernels();
   for (int r = 0; r < num_ranks_; ++r) {
     const gpuError_t status = cudaStreamCreateWithFlags(&peers_[r].stream, cudaStreamNonBlocking);
     if (status != kGpuSuccess) {

@@ -13,6 +13,10 @@ __global__ void store_release_system_kernel(uint64_t* target, uint64_t value) { 
 
 }  // namespace
 
+void load_region_ops_kernels() {
+  gpu_load_kernels(atomic_add_system_kernel, store_release_system_kernel);
+}
+
 gpuError_t launch_atomic_add_system(void* target, int64_t value, gpuStream_t stream) {
   // Two's complement: adding the value as unsigned is the signed add.
   atomic_add_system_kernel<<<1, 1, 0, stream>>>(static_cast<unsigned long long*>(target),

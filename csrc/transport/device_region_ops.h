@@ -20,6 +20,10 @@
 
 namespace uccl_ep {
 
+// Loads the two kernels below into the current device's context (gpu_load_kernels): a proxy thread
+// launches them while the kernels it serves spin.
+void load_region_ops_kernels();
+
 // Launch a one-thread kernel on `stream` and return the launch's status; the kernel runs later.
 // `target` is an 8-byte aligned int64 in device memory: ours, or a peer GPU's mapped into this
 // process, which that GPU's kernels update concurrently (hence system scope).

@@ -74,6 +74,7 @@ class DeviceStagedRegion final : public StagedRegion {
     // Before any call that may create a context: it would be the current device's.
     ScopedDevice current(device, kTransport, rank);
     check_region(device, region);
+    load_region_ops_kernels();
     try {
       for (Lane* lane : lanes()) create(*lane, rank);
       const gpuError_t status = cudaHostAlloc(reinterpret_cast<void**>(&staging_), staging_bytes, cudaHostAllocDefault);

@@ -58,6 +58,9 @@ class NativeEngine:
         self.device = device
         self.low_latency: Optional[NativeLowLatency] = None
         self.normal: Optional[NativeNormal] = None
+        # Before any of our kernels spins on a peer or the proxy (see _C.load_kernels).
+        with torch.cuda.device(device):
+            self._C.load_kernels()
 
     def setup_normal(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map every rank's ``num_nvl_bytes`` buffer (collective). Returns ``{operation: reason}`` for the
