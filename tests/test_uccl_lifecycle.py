@@ -3,6 +3,7 @@ start move bytes between the ranks' scratch buffers, stop without leaking, and r
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C, destroy_uccl, initialize_uccl
-from uccl_ep_plugin.proxies import proxy_cpus
+from uccl_ep_plugin.proxies import MODULE_LOADING_ENV, _warn_lazy_loading, proxy_cpus
 
 SCRATCH = 1 << 16
 SLICE = 4096
@@ -105,6 +106,22 @@ def test_proxy_cpus_names_the_setting_when_malformed(monkeypatch, text):
     monkeypatch.setenv("UCCL_EP_PROXY_CPUS", text)
     with pytest.raises(ValueError, match="UCCL_EP_PROXY_CPUS"):
         proxy_cpus(0)
+
+
+# ---------------------------------------------------------------------------------------- module loading
+@pytest.mark.parametrize("setting,warns", [(None, True), ("LAZY", True), ("EAGER", False), (" eager", False)])
+def test_stand_in_transports_warn_unless_kernels_load_eagerly(monkeypatch, setting, warns):
+    if setting is None:
+        monkeypatch.delenv(MODULE_LOADING_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MODULE_LOADING_ENV, setting)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_lazy_loading("tcp")
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert bool(messages) == warns
+    if warns:
+        assert "tcp" in messages[0] and f"{MODULE_LOADING_ENV}=EAGER" in messages[0]
 
 
 def _proxy_threads_cpus():

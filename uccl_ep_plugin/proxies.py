@@ -19,6 +19,7 @@ import atexit
 import os
 import re
 import threading
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,8 +33,26 @@ TRANSPORT_ENV = "UCCL_EP_PROXY_TRANSPORT"
 CPUS_ENV = "UCCL_EP_PROXY_CPUS"
 QUIET_ON_GPU_ENV = "UCCL_EP_PROXY_QUIET_ON_GPU"
 FIFO_CAPACITY = 1024
+MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
 # transport name -> the build feature it needs
 TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
+
+
+def eager_module_loading() -> bool:
+    """Whether CUDA loads every kernel at start-up (CUDA_MODULE_LOADING=EAGER) instead of at its first launch."""
+    return os.environ.get(MODULE_LOADING_ENV, "").strip().upper() == "EAGER"
+
+
+def _warn_lazy_loading(transport: str) -> None:
+    # Both stand-in transports copy GPU memory through the CUDA runtime from the proxy thread. A kernel
+    # launched for the first time while a low-latency kernel waits on the proxy is loaded then, the load
+    # waits for the running kernels, and the proxy's copies wait behind it (seen on 2x H200 with tcp: every
+    # run stopped at the first dispatch). A NIC moves the bytes without the runtime.
+    if not eager_module_loading():
+        warnings.warn(f"uccl_ep_plugin: the {transport} proxy transport copies GPU memory through the CUDA runtime; "
+                      f"with lazy module loading a kernel's first launch while a low-latency call waits on the "
+                      f"proxy can hold those copies until the timeout. Set {MODULE_LOADING_ENV}=EAGER before "
+                      f"CUDA starts.", RuntimeWarning, stacklevel=3)
 
 
 def proxy_transport() -> str:
@@ -114,6 +133,7 @@ class ProxyThreads:
         self.transport = transport
         self.proxy = None
         if device.type == "cuda":
+            _warn_lazy_loading(transport)
             self.mapped_fifos = extension.MappedFifos(self.num_fifos, FIFO_CAPACITY, device.index)
             fifos = self.mapped_fifos
         else:

@@ -14,7 +14,9 @@ from ..benchmark import channel
 from ..benchmark.report import print_summary, progress_line, write_json
 from ..benchmark.runner import BenchOptions, num_cases, run_rank
 from ..benchmark.workloads import Workload
+from ..engines.native.peers import FORCE_PROXY_ENV, force_proxy
 from ..local_port import free_local_port
+from ..proxies import MODULE_LOADING_ENV, eager_module_loading
 
 
 def register(subparsers) -> None:
@@ -80,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
         print("uccl-ep bench: --ranks must be at least 1", file=sys.stderr)
         return 2
     on_gpu = device == "cuda"
+    if on_gpu and force_proxy() and not eager_module_loading():
+        # The ranks inherit it; it must be set before their CUDA starts (proxies.py says why).
+        os.environ[MODULE_LOADING_ENV] = "EAGER"
+        print(f"uccl-ep bench: {FORCE_PROXY_ENV}=1 on GPUs: the ranks run with {MODULE_LOADING_ENV}=EAGER",
+              file=sys.stderr, flush=True)
     options = BenchOptions(
         num_ranks=num_ranks, device=device,
         normal=Workload("normal", args.tokens, args.hidden, args.topk, args.experts) if args.mode != "low_latency" else None,
