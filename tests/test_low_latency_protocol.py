@@ -135,7 +135,7 @@ def _protocol_body(rank, num_ranks, group, transport, reorder_seed, calls, same_
     # The last release counts may still be in flight (held by the reorder window): no rank closes before
     # every rank's requests are acknowledged.
     deadline = time.monotonic() + wait_s
-    while proxy.inflight_requests or proxy.transport_outstanding:
+    while not proxy.idle:
         proxy.check()
         assert time.monotonic() < deadline, f"rank {rank}: requests still in flight after the last call"
         time.sleep(0.001)

@@ -68,6 +68,34 @@ def test_initialize_uccl_moves_bytes_and_destroy_uccl_leaks_nothing():
     run_ranks(2, _exchange_body)
 
 
+def _drain_body(rank: int, num_ranks: int, group) -> None:
+    import torch.distributed as dist
+    os.environ["UCCL_EP_TRANSPORT_REORDER"] = "3"          # the window holds the writes ...
+    os.environ["UCCL_EP_TRANSPORT_REORDER_HOLD_US"] = "300000"   # ... for 300 ms
+    scratch = torch.full((SCRATCH,), 0xEE, dtype=torch.uint8)
+    scratch[:SLICE] = _pattern(rank)
+    proxies, workers = initialize_uccl(scratch, SCRATCH, rank, num_ranks, group, num_experts=8 * num_ranks)
+    threads = proxies[0]
+    assert threads.proxy.idle, "a proxy that was given nothing is idle"
+    peer = 1 - rank
+    threads.fifos[0].push(_C.HostFifo.WRITE, peer, length_bytes=SLICE, local_offset=0, remote_offset=(1 + rank) * SLICE)
+    _wait(lambda: threads.proxy.transport_outstanding == 1, "the write to be posted")
+    assert not threads.proxy.idle, "a write held by the transport must keep the proxy busy"
+    started = time.monotonic()
+    threads.drain(timeout_s=10.0)
+    assert threads.proxy.idle and time.monotonic() - started > 0.1, "drain returned before the held write completed"
+    dist.barrier(group=group)
+    assert torch.equal(scratch[(1 + peer) * SLICE:(2 + peer) * SLICE], _pattern(peer)), "the peer's write did not land"
+    dist.barrier(group=group)
+    destroy_uccl(proxies, workers)
+
+
+def test_drain_waits_for_every_pushed_write():
+    """ProxyThreads.drain (what Buffer.destroy runs before its barrier) returns only once the writes pushed so far
+    completed, here held 300 ms by reorder injection."""
+    run_ranks(2, _drain_body)
+
+
 def _bad_arguments_body(rank: int, num_ranks: int, group) -> None:
     scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
     cases = [

@@ -190,6 +190,7 @@ class Buffer:
         if self._native is not None and self._native.maps_peer_memory:
             # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
             torch.cuda.synchronize(self.device)
+            self._native.drain_proxy(timeout_seconds())
             self._reference.barrier("destroy")
         self._release()
 

@@ -19,6 +19,7 @@ import atexit
 import os
 import re
 import threading
+import time
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -131,6 +132,7 @@ class ProxyThreads:
         self.num_threads = _positive_setting(THREADS_ENV, 1)
         self.num_fifos = _positive_setting(FIFOS_ENV, 1)
         self.transport = transport
+        self.rank = rank
         self.proxy = None
         if device.type == "cuda":
             _warn_lazy_loading(transport)
@@ -165,6 +167,23 @@ class ProxyThreads:
         """Raise what the proxy recorded (a command it could not execute, a transport failure)."""
         if self.proxy is not None:
             self.proxy.check()
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait until the proxy has executed every command pushed so far and every request it posted has
+        completed; call it once the producers stopped (after a device synchronize), before the transports
+        close. Raises the proxy's failure, or CommTimeoutError naming the rank after ``timeout_s``."""
+        if self.proxy is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not self.proxy.idle:
+            self.proxy.check()
+            if time.monotonic() > deadline:
+                from .engines.reference.collectives import CommTimeoutError  # here: the engines import this module
+                raise CommTimeoutError(
+                    f"rank {self.rank}: the proxy did not finish its pushed commands within {timeout_s:g} s "
+                    f"({self.proxy.inflight_requests} requests in flight, the {self.transport} transport holds "
+                    f"{self.proxy.transport_outstanding})")
+            time.sleep(0.0005)
 
     def stats(self) -> Dict:
         return {} if self.proxy is None else self.proxy.stats()

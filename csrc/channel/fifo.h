@@ -73,6 +73,12 @@ class FifoConsumer {
 
   uint64_t taken() const { return next_; }
 
+  // Whether a command waits at the head of the ring; unlike try_pop, any thread may ask.
+  bool published() const {
+    const uint64_t tail = host_load_acquire(fifo_.tail);
+    return host_load_acquire(&fifo_.slots[tail & (fifo_.capacity - 1)].word0) != 0;
+  }
+
  private:
   FifoView fifo_;
   uint64_t next_;

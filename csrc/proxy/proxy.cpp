@@ -381,6 +381,25 @@ bool Proxy::send_barrier_arrivals(FifoState& fifo) {
 }
 
 bool Proxy::progress(FifoState& fifo) {
+  fifo.busy.store(true, std::memory_order_release);
+  const bool did = advance(fifo);
+  fifo.busy.store(fifo.has_pending || fifo.wait != Wait::kNone, std::memory_order_release);
+  return did;
+}
+
+bool Proxy::idle() const {
+  // In this order: a command is published before it is taken, and taken while its FIFO is busy, and
+  // posted (counted in flight) before its FIFO stops being busy.
+  for (const auto& fifo : fifos_) {
+    if (fifo->consumer.published()) return false;
+  }
+  for (const auto& fifo : fifos_) {
+    if (fifo->busy.load(std::memory_order_acquire)) return false;
+  }
+  return inflight_requests_.load(std::memory_order_acquire) == 0 && transport_.outstanding() == 0;
+}
+
+bool Proxy::advance(FifoState& fifo) {
   bool did = false;
   for (int budget = 0; budget < 64; ++budget) {
     switch (fifo.wait) {

@@ -132,6 +132,10 @@ class Proxy {
   uint64_t barriers_done() const { return barriers_done_.load(std::memory_order_acquire); }
   uint64_t quiets_done() const { return quiets_done_.load(std::memory_order_acquire); }
   uint64_t inflight_requests() const { return inflight_requests_.load(); }
+  // Whether every command published so far has been taken and executed, and every request it posted has
+  // completed: what a producer that has stopped pushing (a GPU after a synchronize) waits for before the
+  // transport may close. Any thread may ask.
+  bool idle() const;
   ProxyStats stats() const;
   const ProxyConfig& config() const { return config_; }
   const ReceiverOrdering& ordering() const { return ordering_; }
@@ -153,6 +157,9 @@ class Proxy {
     uint32_t barrier_epoch = 0;
     std::atomic<uint64_t> posted{0};
     std::atomic<uint64_t> completed{0};
+    // Set by its thread while it takes and executes commands, and kept while one is held back or
+    // waited on, so idle() never sees a command between the FIFO and the transport.
+    std::atomic<bool> busy{false};
   };
 
   struct SendWindow {
@@ -164,6 +171,7 @@ class Proxy {
   void thread_main(uint32_t thread_index);
   bool poll_completions();
   bool progress(FifoState& fifo);
+  bool advance(FifoState& fifo);
   bool poll_immediates();
   Step execute(FifoState& fifo, const Command& command);
   bool reserve(uint64_t bytes, bool force);

@@ -87,6 +87,13 @@ class NativeEngine:
         """Whether peers map this rank's buffers (then all ranks must finish before any frees them)."""
         return self.low_latency is not None or self.normal is not None
 
+    def drain_proxy(self, timeout_s: float) -> None:
+        """After a device synchronize: wait until the proxy has carried out what the kernels pushed (the last
+        release counts go out after the kernels finish), so no peer closes its transport under them."""
+        proxy_path = None if self.low_latency is None else self.low_latency.proxy_path
+        if proxy_path is not None:
+            proxy_path.threads.drain(timeout_s)
+
     def dispatch(self, x, x_scales, **kwargs):
         with torch.cuda.device(self.device):
             return self.normal.dispatch(x, x_scales, **kwargs)
