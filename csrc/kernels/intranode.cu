@@ -321,7 +321,7 @@ void load_normal_kernels() {
   using namespace normal_kernels;
   gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch_send,
                    notify_dispatch_receive, dispatch_send, dispatch_receive, combine_send,
-                    combine_receive);
+                   combine_receive);
 }
 
 void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
