@@ -46,7 +46,9 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, 
 
 
 def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -> None:
-    """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure."""
+    """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure (in
+    the order they happened: a rank's own error comes before the timeouts it causes in its peers), with the end of
+    every later one."""
     context = mp.get_context("spawn")
     errors = context.SimpleQueue()
     port = free_local_port()
@@ -62,8 +64,10 @@ def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, text = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} failed:\n{text}")
+        rank, text = failures[0]
+        later = "".join(f"\n\nrank {r} failed after it:\n" + "\n".join(t.strip().splitlines()[-3:])
+                        for r, t in failures[1:])
+        raise AssertionError(f"rank {rank} failed:\n{text}{later}")
     bad = [p.exitcode for p in processes if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")
