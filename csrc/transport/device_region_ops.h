@@ -32,11 +32,12 @@ gpuError_t launch_atomic_add_system(void* target, int64_t value, gpuStream_t str
 gpuError_t launch_store_release_system(void* target, int64_t value, gpuStream_t stream);
 
 // Appended to the message of a copy that timed out. Seen on 2x H200 (KERNEL_NOTES.md, the proxy path):
-// the bytes land, but the GPU does not run the step after the copy while an NCCL collective issued
-// after a low-latency call through the proxy waits for that call's kernel, which waits for the copy.
+// the GPU holds the proxy's copies while a low-latency kernel waits for them if meanwhile an NCCL
+// collective waits for that kernel, or a kernel is launched for the first time under lazy loading.
 constexpr const char* kStalledCopyHint =
-    " (an NCCL collective issued while a low-latency call through the proxy is still running holds the "
-    "completion of the proxy's copies on this GPU: synchronize before such collectives)";
+    " (while a low-latency call through the proxy runs, its copies on this GPU stall behind an NCCL "
+    "collective issued after it (synchronize first) or behind a kernel's first launch under lazy module "
+    "loading (start with CUDA_MODULE_LOADING=EAGER))";
 
 inline std::string gpu_error_text(gpuError_t status) {
   return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
