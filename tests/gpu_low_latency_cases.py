@@ -196,6 +196,10 @@ def poison_allocator(device: torch.device, streams: Sequence, large_bytes: int) 
     """
     if device.type != "cuda":
         return
+    # empty_cache frees with cudaFree, which waits for the device while holding a lock every other thread's
+    # CUDA calls need: a proxy thread's copy for a kernel still in flight would wait for that kernel, which
+    # waits for the copy. A plain synchronize first leaves cudaFree nothing to wait for.
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     for stream in streams:
         with torch.cuda.stream(stream):
@@ -432,12 +436,12 @@ class Harness:
 
     def before(self, buffer: Buffer) -> None:
         """Before a call: poison for the candidate; for the oracle, whose engine runs NCCL collectives, let the
-        candidate's kernels finish first (a collective issued while a proxy-path kernel still waits for the
-        proxy's copies stalls those copies: KERNEL_NOTES.md, the proxy path)."""
+        candidate's kernels and proxy finish first (a collective's kernel holds up the proxy's copies that a
+        peer still waits for: KERNEL_NOTES.md, the proxy path)."""
         if buffer is self.candidate:
             self.poison()
-        elif self.on_gpu:
-            torch.cuda.synchronize(self.device)
+        else:
+            self.candidate.synchronize()
 
     # ---- calls on both Buffers
     def clean(self, case: Case) -> None:

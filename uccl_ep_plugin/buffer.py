@@ -189,10 +189,24 @@ class Buffer:
                                "released when the Buffer is garbage-collected")
         if self._native is not None and self._native.maps_peer_memory:
             # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
-            torch.cuda.synchronize(self.device)
-            self._native.drain_proxy(timeout_seconds())
+            self.synchronize()
             self._reference.barrier("destroy")
         self._release()
+
+    def synchronize(self) -> None:
+        """Wait until this rank's GPU work has finished and its CPU proxy has carried out every write the
+        kernels handed it (the proxy path's last writes go out after the kernels end).
+
+        Not in DeepEP's API. Call it before a collective of your own (an NCCL barrier or all-gather) that
+        follows low-latency calls through the proxy, when peers on one machine stand in for nodes
+        (``UCCL_EP_FORCE_PROXY=1`` with the cuda-copy or tcp transport): the proxy moves bytes with CUDA
+        copies, and a copy issued while the collective's kernel waits for the peer does not run, while the
+        peer cannot join before it has those bytes. Raises CommTimeoutError naming the rank if the proxy
+        does not finish within the configured timeout."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._native is not None:
+            self._native.drain_proxy(timeout_seconds())
 
     def _native_low_latency(self):
         return None if self._native is None else self._native.low_latency
@@ -464,8 +478,8 @@ class Buffer:
         layout = self._check_low_latency_sizes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         native = self._native_low_latency()
         if native is not None:
-            # No peer may still be storing into this rank's buffer while it is zeroed.
-            torch.cuda.synchronize(self.device)
+            # No peer (nor its proxy) may still be storing into this rank's buffer while it is zeroed.
+            self.synchronize()
             self._reference.barrier("clean_low_latency_buffer: before cleaning")
             native.clean()
         else:

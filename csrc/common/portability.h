@@ -74,6 +74,10 @@ inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuSt
   return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
 }
 inline gpuError_t gpu_event_query(gpuEvent_t event) { return hipEventQuery(event); }
+inline gpuError_t gpu_relax_stream_capture() {
+  hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
+  return hipThreadExchangeStreamCaptureMode(&mode);
+}
 constexpr gpuError_t kGpuNotReady = hipErrorNotReady;
 inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return hipHostMalloc(pointer, bytes, hipHostMallocDefault);
@@ -113,6 +117,12 @@ inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuSt
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
 }
 inline gpuError_t gpu_event_query(gpuEvent_t event) { return cudaEventQuery(event); }
+// Lets the calling thread (a proxy's) query events and copy while another thread captures a graph
+// in the default global mode, which otherwise makes those calls fail and invalidates the capture.
+inline gpuError_t gpu_relax_stream_capture() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  return cudaThreadExchangeStreamCaptureMode(&mode);
+}
 constexpr gpuError_t kGpuNotReady = cudaErrorNotReady;
 inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return cudaHostAlloc(pointer, bytes, cudaHostAllocDefault);

@@ -35,9 +35,10 @@ gpuError_t launch_store_release_system(void* target, int64_t value, gpuStream_t 
 // the GPU holds the proxy's copies while a low-latency kernel waits for them if meanwhile an NCCL
 // collective waits for that kernel, or a kernel is launched for the first time under lazy loading.
 constexpr const char* kStalledCopyHint =
-    " (while a low-latency call through the proxy runs, its copies on this GPU stall behind an NCCL "
-    "collective issued after it (synchronize first) or behind a kernel's first launch under lazy module "
-    "loading (start with CUDA_MODULE_LOADING=EAGER))";
+    " (copies on this GPU stall while an NCCL collective waits on it (call Buffer.synchronize before "
+    "collectives), while another thread runs cudaFree (torch.cuda.empty_cache) or captures a graph with "
+    "kernels in flight, or behind a kernel's first launch under lazy module loading (start with "
+    "CUDA_MODULE_LOADING=EAGER))";
 
 inline std::string gpu_error_text(gpuError_t status) {
   return std::string(gpu_error_name(status)) + ": " + gpu_error_string(status);
@@ -84,10 +85,11 @@ class ScopedDevice {
   gpuError_t status_;
 };
 
-// Transport::bind_thread of the transports over GPU memory. A failure is left for the next
+// Transport::bind_thread of the transports over GPU memory: the device, and the relaxed capture mode
+// (the proxy runs while the application captures graphs). A failure is left for the next
 // ScopedDevice of that thread to report, with the transport's name.
 inline void bind_thread_to_device(int device) {
-  if (cudaSetDevice(device) != kGpuSuccess) (void)gpu_last_error();
+  if (cudaSetDevice(device) != kGpuSuccess || gpu_relax_stream_capture() != kGpuSuccess) (void)gpu_last_error();
 }
 
 // Polls `event` until the work before it is done. Returns kGpuSuccess, that work's failure, or

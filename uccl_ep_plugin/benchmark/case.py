@@ -12,18 +12,22 @@ class Case:
     every iteration: the halves of a split operation (send, then receive through the hook) use them for
     the half that is not measured. ``bytes_per_rank`` None: no bandwidth is reported. ``capturable``
     False: run() waits for the GPU (a dispatch that reads its counts on the host), so it is timed eagerly
-    instead of replayed from a CUDA graph.
+    instead of replayed from a CUDA graph. ``settle()`` runs before each of the bench's own collectives:
+    it waits until this rank's part of the calls so far is done (default: a device synchronize; a Buffer's
+    ``synchronize`` also waits for its proxy).
     """
 
     def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
                  check: Callable[[], bool], bytes_per_rank: Optional[float], engine: str,
                  prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
-                 kernels: Tuple[str, ...] = (), capturable: bool = True) -> None:
+                 kernels: Tuple[str, ...] = (), capturable: bool = True,
+                 settle: Optional[Callable[[], None]] = None) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
         self.prepare, self.finish = prepare, finish
         self.kernels = kernels    # names of the native kernels that run() launches, for the kernel timing
         self.capturable = capturable
+        self.settle = settle
 
     @property
     def label(self) -> str:

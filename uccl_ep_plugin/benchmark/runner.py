@@ -40,12 +40,19 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
     return bool(((got.float() - expected.float()).abs().amax() <= rel * scale).item())
 
 
-def _barrier(group, device: torch.device) -> None:
-    """A barrier once this rank's GPU work has finished: an NCCL collective issued while a low-latency kernel
-    of the proxy path still waits for the proxy's copies stalls those copies (KERNEL_NOTES.md, the proxy
-    path), so the bench never issues one with kernels in flight."""
-    if device.type == "cuda":
+def _settle(case: Case, device: torch.device) -> None:
+    """Before a collective of the bench: this rank's part of the calls so far is done. On one machine the
+    proxy path's copies do not run while a collective's kernel waits, and the peer cannot join before it has
+    them (KERNEL_NOTES.md, the proxy path), so the bench never issues one with kernels or proxy writes
+    outstanding."""
+    if case.settle is not None:
+        case.settle()
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _barrier(case: Case, group, device: torch.device) -> None:
+    _settle(case, device)
     dist.barrier(group)
 
 
@@ -56,7 +63,7 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
             case.prepare()
-        _barrier(group, device)
+        _barrier(case, group, device)
         on_gpu = device.type == "cuda"
         if on_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -119,11 +126,11 @@ def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tu
         samples, host = _timed_eager(case, options, group, device)
         return samples, "eager", host
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
-    _barrier(group, device)
+    _barrier(case, group, device)
     captured = _CapturedCase(case, device)
-    _barrier(group, device)
+    _barrier(case, group, device)
     captured.replay(options.warmup)
-    _barrier(group, device)
+    _barrier(case, group, device)
     return captured.replay(options.iters), "cuda-graph", []
 
 
@@ -331,21 +338,23 @@ def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: 
     combine_bytes = low_latency_bytes(num_selections, workload.hidden, "combine", "bf16")
     dispatch_engine, combine_engine = engine["low_latency_dispatch"], engine["low_latency_combine"]
     # Native kernel names: one kernel per call, or a send kernel and a receive kernel with a hook.
+    settle = buffer.synchronize
     return [
         Case("low_latency", "dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch",)),
+             dispatch_engine, kernels=("low_latency_dispatch",), settle=settle),
         Case("low_latency", "dispatch-send", "fp8", workload, send_dispatch, check_dispatch, None, dispatch_engine,
-             finish=overlap.then(receive_dispatch), kernels=("low_latency_dispatch_send",)),
+             finish=overlap.then(receive_dispatch), kernels=("low_latency_dispatch_send",), settle=settle),
         Case("low_latency", "dispatch-recv", "fp8", workload, receive_dispatch, check_dispatch, None,
-             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=("low_latency_dispatch_recv",)),
+             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=("low_latency_dispatch_recv",),
+             settle=settle),
         Case("low_latency", "combine", "bf16", workload, run_combine, check, combine_bytes, combine_engine,
-             kernels=("low_latency_combine",)),
+             kernels=("low_latency_combine",), settle=settle),
         Case("low_latency", "combine-send", "bf16", workload, send_combine, check, None, combine_engine,
-             finish=overlap.then(receive_combine), kernels=("low_latency_combine_send",)),
+             finish=overlap.then(receive_combine), kernels=("low_latency_combine_send",), settle=settle),
         Case("low_latency", "combine-recv", "bf16", workload, receive_combine, check, None, combine_engine,
-             prepare=overlap.after(send_combine), kernels=("low_latency_combine_recv",)),
+             prepare=overlap.after(send_combine), kernels=("low_latency_combine_recv",), settle=settle),
         Case("low_latency", "dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine")),
+             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine"), settle=settle),
     ]
 
 
@@ -361,6 +370,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     host_s = statistics.median(host) if host else None
     kernel_s = _kernel_seconds(case, options, group, device)
     correct = case.check()
+    _settle(case, device)
     per_rank = _gather_floats(samples + [case.bytes_per_rank or 0.0, float(correct), kernel_s or 0.0, host_s or 0.0],
                               group, device)
     iteration_time = per_rank[:, :len(samples)].amax(0)     # the slowest rank sets each step
