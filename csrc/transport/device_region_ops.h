@@ -31,9 +31,9 @@ gpuError_t launch_atomic_add_system(void* target, int64_t value, gpuStream_t str
 // The owner's kernels poll the target with system-scope acquires.
 gpuError_t launch_store_release_system(void* target, int64_t value, gpuStream_t stream);
 
-// Appended to the message of a copy that timed out. Seen on 2x H200 (KERNEL_NOTES.md, the proxy path):
-// the GPU holds the proxy's copies while a low-latency kernel waits for them if meanwhile an NCCL
-// collective waits for that kernel, or a kernel is launched for the first time under lazy loading.
+// Appended to the message of a copy that timed out: the causes seen on 2x H200 (KERNEL_NOTES.md,
+// "Lazy module loading" and "Late delivery"), each of which holds the proxy's copies while a peer's
+// kernel waits for them.
 constexpr const char* kStalledCopyHint =
     " (copies on this GPU stall while an NCCL collective waits on it (call Buffer.synchronize before "
     "collectives), while another thread runs cudaFree (torch.cuda.empty_cache) or captures a graph with "
