@@ -187,11 +187,13 @@ class Buffer:
         if not self.explicitly_destroy:
             raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
                                "released when the Buffer is garbage-collected")
-        if self._native is not None and self._native.maps_peer_memory:
-            # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
-            self.synchronize()
-            self._reference.barrier("destroy")
-        self._release()
+        try:
+            if self._native is not None and self._native.maps_peer_memory:
+                # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
+                self.synchronize()
+                self._reference.barrier("destroy")
+        finally:
+            self._release()   # also when a peer failed (its error still reaches the caller): nothing leaks
 
     def synchronize(self) -> None:
         """Wait until this rank's GPU work has finished and its CPU proxy has carried out every write the
