@@ -46,3 +46,18 @@ def _body(rank, num_ranks, group):
 
 def test_bench_settles_before_each_collective():
     run_ranks(2, _body)
+
+
+def _low_latency_body(rank, num_ranks, group):
+    from uccl_ep_plugin import Buffer
+    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(WORKLOAD.tokens, WORKLOAD.hidden,
+                                                                                num_ranks, WORKLOAD.experts),
+                    low_latency_mode=True, explicitly_destroy=True)
+    cases = runner.low_latency_cases(buffer, WORKLOAD, rank, num_ranks, 0, group, torch.device("cpu"))
+    assert cases and all(case.settle == buffer.synchronize for case in cases), \
+        "every low-latency case settles through its Buffer (the GPU and the proxy's last writes)"
+    buffer.destroy()
+
+
+def test_low_latency_cases_settle_through_the_buffer():
+    run_ranks(2, _low_latency_body)

@@ -337,24 +337,26 @@ def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: 
     dispatch_bytes = low_latency_bytes(num_selections, workload.hidden, "dispatch", "fp8")
     combine_bytes = low_latency_bytes(num_selections, workload.hidden, "combine", "bf16")
     dispatch_engine, combine_engine = engine["low_latency_dispatch"], engine["low_latency_combine"]
+
+    def case(*args, **kwargs) -> Case:   # each settles through the Buffer: the GPU and the proxy's last writes
+        return Case("low_latency", *args, settle=buffer.synchronize, **kwargs)
+
     # Native kernel names: one kernel per call, or a send kernel and a receive kernel with a hook.
-    settle = buffer.synchronize
     return [
-        Case("low_latency", "dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch",), settle=settle),
-        Case("low_latency", "dispatch-send", "fp8", workload, send_dispatch, check_dispatch, None, dispatch_engine,
-             finish=overlap.then(receive_dispatch), kernels=("low_latency_dispatch_send",), settle=settle),
-        Case("low_latency", "dispatch-recv", "fp8", workload, receive_dispatch, check_dispatch, None,
-             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=("low_latency_dispatch_recv",),
-             settle=settle),
-        Case("low_latency", "combine", "bf16", workload, run_combine, check, combine_bytes, combine_engine,
-             kernels=("low_latency_combine",), settle=settle),
-        Case("low_latency", "combine-send", "bf16", workload, send_combine, check, None, combine_engine,
-             finish=overlap.then(receive_combine), kernels=("low_latency_combine_send",), settle=settle),
-        Case("low_latency", "combine-recv", "bf16", workload, receive_combine, check, None, combine_engine,
-             prepare=overlap.after(send_combine), kernels=("low_latency_combine_recv",), settle=settle),
-        Case("low_latency", "dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine"), settle=settle),
+        case("dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
+             dispatch_engine, kernels=("low_latency_dispatch",)),
+        case("dispatch-send", "fp8", workload, send_dispatch, check_dispatch, None, dispatch_engine,
+             finish=overlap.then(receive_dispatch), kernels=("low_latency_dispatch_send",)),
+        case("dispatch-recv", "fp8", workload, receive_dispatch, check_dispatch, None,
+             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=("low_latency_dispatch_recv",)),
+        case("combine", "bf16", workload, run_combine, check, combine_bytes, combine_engine,
+             kernels=("low_latency_combine",)),
+        case("combine-send", "bf16", workload, send_combine, check, None, combine_engine,
+             finish=overlap.then(receive_combine), kernels=("low_latency_combine_send",)),
+        case("combine-recv", "bf16", workload, receive_combine, check, None, combine_engine,
+             prepare=overlap.after(send_combine), kernels=("low_latency_combine_recv",)),
+        case("dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
+             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine")),
     ]
 
 
