@@ -46,7 +46,7 @@ def test_case_count_follows_modes_and_baselines():
     assert num_cases(options(None, low_latency, True)) == 7
 
 
-def test_report_shows_kernel_and_host_times():
+def test_report_shows_kernel_host_and_back_to_back_times():
     from uccl_ep_plugin.benchmark.report import progress_line, table
     result = dict(mode="normal", op="dispatch", dtype="bf16", engine="native", path="nvlink-ce", ranks=2, tokens=8,
                   hidden=256, topk=2, experts=8, median_us=412.5, kernel_us=None, host_us=288.25, gbps=1.5,
@@ -56,4 +56,9 @@ def test_report_shows_kernel_and_host_times():
     assert "(kernels 250.0 us, host 288.2 us)" in progress_line(1, 3, both)
     assert progress_line(2, 3, dict(result, host_us=None, correct=False)).endswith("412.5 us, 1.50 GB/s, WRONG")
     header, _, row = table([result]).splitlines()
-    assert "host us" in header and row.split()[-3:-1] == ["288.2", "1.50"]
+    assert "host us" in header and row.split()[-5:] == ["288.2", "1.50", "-", "-", "True"]
+    # DeepEP's timing (calls back to back) beside ours, with its bandwidth.
+    timed_both = dict(result, back_to_back_us=300.0, back_to_back_gbps=2.06)
+    assert "(host 288.2 us, back to back 300.0 us)" in progress_line(1, 3, timed_both)
+    header, _, row = table([timed_both]).splitlines()
+    assert "b2b us" in header and row.split()[-4:-1] == ["1.50", "300.0", "2.06"]

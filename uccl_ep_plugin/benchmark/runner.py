@@ -139,16 +139,28 @@ def _kernel_name(profiler_name: str) -> str:
     return profiler_name.split("(")[0].split("::")[-1].strip()
 
 
-def _kernel_seconds(case: Case, options: BenchOptions, group, device: torch.device) -> Optional[float]:
-    """Median GPU time of each kernel in ``case.kernels`` over the timed iterations, summed (as DeepEP's
-    kernel timings through the profiler: launch gaps and host work excluded, waits for peers included).
-    None when the engine launched none of them (the reference engine's NCCL kernels are not counted)."""
+def _kernel_seconds(case: Case, options: BenchOptions, group,
+                    device: torch.device) -> Optional[Dict[str, float]]:
+    """Median GPU seconds of each kernel in ``case.kernels`` over ``options.iters`` calls; None when the engine
+    launched none of them (the reference engine's NCCL kernels are not counted).
+
+    Taken as DeepEP's tests take theirs (``bench_kineto`` with ``barrier_comm_profiling``): a GEMM (the host
+    runs ahead of the GPU) and a one-element all-reduce (the ranks' GPUs leave it together), then the calls
+    back to back, eagerly, under the profiler. Launch gaps and host work are excluded; a kernel's wait for
+    its peer is included."""
     if device.type != "cuda" or not case.kernels:
         return None
     from torch.profiler import ProfilerActivity, profile
+    token = torch.ones(1, device=device)
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        _timed(case, replace(options, warmup=0), group, device)
-        torch.cuda.synchronize(device)
+        _settle(case, device)    # the all-reduce is a collective: nothing of ours outstanding
+        head_start = _OverlapCompute(device)
+        for _ in range(_HEAD_START_GEMMS):
+            head_start.run()
+        dist.all_reduce(token, group=group)
+        for _ in range(options.iters):
+            _run_steps(case)
+        _settle(case, device)
     durations: Dict[str, List[float]] = {name: [] for name in case.kernels}
     for event in profiler.events():
         name = _kernel_name(event.name)
@@ -156,7 +168,43 @@ def _kernel_seconds(case: Case, options: BenchOptions, group, device: torch.devi
             durations[name].append(event.device_time_total)
     if not all(durations.values()):
         return None
-    return sum(statistics.median(values) for values in durations.values()) / 1e6
+    return {name: statistics.median(values) / 1e6 for name, values in durations.items()}
+
+
+def _run_steps(case: Case) -> None:
+    for step in (case.prepare, case.run, case.finish):
+        if step is not None:
+            step()
+
+
+def _back_to_back_seconds(case: Case, options: BenchOptions, group, device: torch.device) -> Optional[List[float]]:
+    """Per-call seconds timed as DeepEP's tests time the normal mode (``tests/utils.py`` ``bench``): L2 flushed
+    once, then the calls issued back to back with CUDA events around each and no wait between, so the host
+    prepares a call while the GPU still runs the previous one. The first call is dropped, as there. None on
+    CPU (every call completes before it returns)."""
+    if device.type != "cuda":
+        return None
+    _barrier(case, group, device)
+    for _ in range(options.warmup):
+        _run_steps(case)
+    torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device).zero_()
+    events = []
+    for _ in range(options.iters + 1):
+        if case.prepare is not None:
+            case.prepare()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        case.run()
+        end.record()
+        if case.finish is not None:
+            case.finish()
+        events.append((start, end))
+    _settle(case, device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events[1:]]
+
+
+_L2_FLUSH_BYTES = 256 * 10 ** 6   # DeepEP's flush: more than any GPU's L2
+_HEAD_START_GEMMS = 32            # about 10 ms on an H200: the host queues the timed calls before the GPU runs them
 
 
 def num_cases(options: BenchOptions) -> int:
@@ -370,27 +418,43 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
 def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
     samples, timing, host = _timed(case, options, group, device)
     host_s = statistics.median(host) if host else None
-    kernel_s = _kernel_seconds(case, options, group, device)
+    kernels = _kernel_seconds(case, options, group, device)
+    back_to_back = _back_to_back_seconds(case, options, group, device) if timing == "eager" else None
     correct = case.check()
     _settle(case, device)
-    per_rank = _gather_floats(samples + [case.bytes_per_rank or 0.0, float(correct), kernel_s or 0.0, host_s or 0.0],
-                              group, device)
-    iteration_time = per_rank[:, :len(samples)].amax(0)     # the slowest rank sets each step
-    median_s = statistics.median(iteration_time.tolist())
-    mean_bytes = float(per_rank[:, len(samples)].mean())
-    all_correct = bool(per_rank[:, len(samples) + 1].min() > 0.5)
-    kernel_s = float(per_rank[:, len(samples) + 2].max()) if kernel_s is not None else None
-    host_s = float(per_rank[:, len(samples) + 3].max()) if host_s is not None else None   # the slowest rank's
+    kernel_names = sorted(kernels) if kernels is not None else []
+    extra = ([case.bytes_per_rank or 0.0, float(correct), host_s or 0.0] + [kernels[name] for name in kernel_names] +
+             (back_to_back or []))
+    per_rank = _gather_floats(samples + extra, group, device)
+
+    def slowest(first: int, count: int) -> List[float]:   # the slowest rank's value of each
+        return per_rank[:, first:first + count].amax(0).tolist()
+
+    n = len(samples)
+    median_s = statistics.median(slowest(0, n))     # the slowest rank sets each step
+    mean_bytes = float(per_rank[:, n].mean())
+    all_correct = bool(per_rank[:, n + 1].min() > 0.5)
+    host_s = float(per_rank[:, n + 2].max()) if host_s is not None else None   # the slowest rank's
+    kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 3, len(kernel_names)))))
+    back_to_back_s = (statistics.median(slowest(n + 3 + len(kernel_names), len(back_to_back)))
+                      if back_to_back else None)
     workload = case.workload
+
+    def bandwidth(seconds: Optional[float]) -> Optional[float]:
+        return None if case.bytes_per_rank is None or seconds is None else mean_bytes / seconds / 1e9
+
     result = {"mode": case.mode, "op": case.op, "dtype": case.dtype, "engine": case.engine,
               "path": _path_name(case, device), "ranks": options.num_ranks, "tokens": workload.tokens,
               "hidden": workload.hidden, "topk": workload.topk, "experts": workload.experts,
               "num_sms": options.num_sms if case.mode == "normal" else None,
               "median_us": median_s * 1e6, "timing": timing,
-              "kernel_us": None if kernel_s is None else kernel_s * 1e6,
+              "kernel_us": sum(kernel_us.values()) if kernel_us else None,
+              "kernel_us_each": kernel_us or None,
               "host_us": None if host_s is None else host_s * 1e6,
-              "gbps": None if case.bytes_per_rank is None else mean_bytes / median_s / 1e9, "correct": all_correct,
-              "iters": options.iters, "device": options.device_name, "commit": options.commit}
+              "back_to_back_us": None if back_to_back_s is None else back_to_back_s * 1e6,
+              "gbps": bandwidth(median_s),
+              "back_to_back_gbps": bandwidth(back_to_back_s),
+              "correct": all_correct, "iters": options.iters, "device": options.device_name, "commit": options.commit}
     if rank == 0:
         report(result)
     return result
