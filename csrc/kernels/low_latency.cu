@@ -823,6 +823,10 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
 
 // Sums one token's rows; with several slices per token, this group does every slices-th chunk
 // of 8 channels starting at `slice` (the first slice alone counts the wait in the stats).
+// kLogfmt: the rows came as LogFMT (a compile-time choice: the bf16 path then fits the receive
+// kernel's 64 registers without spilling).
+constexpr int kSumBatch = 4;
+template <bool kLogfmt>
 __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int token,
                                    int slice, int slices, uint64_t epoch) {
   const LowLatencyRegion& r = a.region;
@@ -851,23 +855,23 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
   auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
   for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
     float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    // kCopyBatch experts' rows in flight at once; the sum keeps top-k order.
-    for (int k0 = 0; k0 < a.num_topk; k0 += kCopyBatch) {
-      int4 rows[kCopyBatch];
+    // kSumBatch experts' rows in flight at once; the sum keeps top-k order.
+    for (int k0 = 0; k0 < a.num_topk; k0 += kSumBatch) {
+      int4 rows[kSumBatch];
 #pragma unroll
-      for (int u = 0; u < kCopyBatch; ++u) {
+      for (int u = 0; u < kSumBatch; ++u) {
         const int k = k0 + u;
         const int expert = k < a.num_topk ? sh.experts[k] : -1;
-        if (expert < 0 || a.use_logfmt) continue;
+        if (expert < 0 || kLogfmt) continue;
         rows[u] = load_l2_16(area + sh.messages[k] + chunk * 16);
       }
 #pragma unroll
-      for (int u = 0; u < kCopyBatch; ++u) {
+      for (int u = 0; u < kSumBatch; ++u) {
         const int k = k0 + u;
         const int expert = k < a.num_topk ? sh.experts[k] : -1;
         if (expert < 0) continue;
         float values[8];
-        if (a.use_logfmt) {
+        if (kLogfmt) {
           read_logfmt_chunk(area + sh.messages[k], a.hidden, chunk, values);
         } else {
           bf16x8_to_float(rows[u], values);
@@ -886,7 +890,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
   group_sync(g);
 }
 
-template <int kPhases>
+template <int kPhases, bool kLogfmt>
 __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombineArgs& a) {
   __shared__ GroupShared shared[kGroupsPerBlock];
   const GroupPosition g = group_position();
@@ -902,23 +906,25 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
     const int chunk_rounds = (a.hidden / 8 + kGroupThreads - 1) / kGroupThreads;
     const int slices = max(1, min(g.stride / max(a.num_tokens, 1), chunk_rounds));
     for (int unit = g.first; unit < a.num_tokens * slices; unit += g.stride) {
-      combine_recv_token(a, sh, g, unit / slices, unit % slices, slices, epoch);
+      combine_recv_token<kLogfmt>(a, sh, g, unit / slices, unit % slices, slices, epoch);
     }
     finish_use(a.region);
   }
 }
 
+template <bool kLogfmt>
 __global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencySend | kLowLatencyRecv>(a);
+  low_latency_combine_body<kLowLatencySend | kLowLatencyRecv, kLogfmt>(a);
 }
 __global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_send(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencySend>(a);
+  low_latency_combine_body<kLowLatencySend, false>(a);  // the send reads a.use_logfmt itself
 }
 // The receive alone waits only on other launches, so its blocks need not all be resident at once:
 // two per SM (64 registers a thread) put twice the loads in flight.
 constexpr int kCombineRecvBlocksPerSm = 2;
+template <bool kLogfmt>
 __global__ void __launch_bounds__(kBlockThreads, kCombineRecvBlocksPerSm) low_latency_combine_recv(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencyRecv>(a);
+  low_latency_combine_body<kLowLatencyRecv, kLogfmt>(a);
 }
 
 // The kernel for `phases` (send, receive or both).
@@ -930,9 +936,14 @@ KernelOf<LowLatencyDispatchArgs> dispatch_kernel(int phases) {
   return phases == kLowLatencyRecv ? low_latency_dispatch_recv : low_latency_dispatch;
 }
 
+template <bool kLogfmt>
 KernelOf<LowLatencyCombineArgs> combine_kernel(int phases) {
   if (phases == kLowLatencySend) return low_latency_combine_send;
-  return phases == kLowLatencyRecv ? low_latency_combine_recv : low_latency_combine;
+  return phases == kLowLatencyRecv ? low_latency_combine_recv<kLogfmt> : low_latency_combine<kLogfmt>;
+}
+
+KernelOf<LowLatencyCombineArgs> combine_kernel(int phases, bool logfmt) {
+  return logfmt ? combine_kernel<true>(phases) : combine_kernel<false>(phases);
 }
 
 // ------------------------------------------------------------------------------ launchers
@@ -965,7 +976,8 @@ int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_
 void load_low_latency_kernels() {
   using namespace kernels;
   gpu_load_kernels(low_latency_dispatch, low_latency_dispatch_send, low_latency_dispatch_recv,
-                   low_latency_combine, low_latency_combine_send, low_latency_combine_recv);
+                   low_latency_combine<false>, low_latency_combine<true>, low_latency_combine_send,
+                   low_latency_combine_recv<false>, low_latency_combine_recv<true>);
 }
 
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t stream) {
@@ -1011,7 +1023,7 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stre
     units = (a.num_tokens * chunk_rounds + kGroupsPerBlock - 1) / kGroupsPerBlock;
     max_blocks = a.num_sms * kCombineRecvBlocksPerSm;
   }
-  combine_kernel(a.phases)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
+  combine_kernel(a.phases, a.use_logfmt)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 

@@ -135,8 +135,9 @@ def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tu
 
 
 def _kernel_name(profiler_name: str) -> str:
-    """``low_latency_dispatch`` from ``uccl_ep::kernels::low_latency_dispatch(uccl_ep::LowLatencyDispatchArgs)``."""
-    return profiler_name.split("(")[0].split("::")[-1].strip()
+    """``low_latency_combine_recv`` from
+    ``void uccl_ep::kernels::low_latency_combine_recv<false>(uccl_ep::LowLatencyCombineArgs)``."""
+    return profiler_name.split("(")[0].split("<")[0].split("::")[-1].strip()
 
 
 def _kernel_seconds(case: Case, options: BenchOptions, group,
