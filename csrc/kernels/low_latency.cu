@@ -821,11 +821,14 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   group_sync(g);  // shared counts are reused by the group's next unit
 }
 
+// Rows a thread of the combine receive has in flight at once: with 8 the receive kernel (64
+// registers) spills.
+constexpr int kSumBatch = 4;
+
 // Sums one token's rows; with several slices per token, this group does every slices-th chunk
 // of 8 channels starting at `slice` (the first slice alone counts the wait in the stats).
 // kLogfmt: the rows came as LogFMT (a compile-time choice: the bf16 path then fits the receive
 // kernel's 64 registers without spilling).
-constexpr int kSumBatch = 4;
 template <bool kLogfmt>
 __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int token,
                                    int slice, int slices, uint64_t epoch) {

@@ -140,6 +140,10 @@ def _kernel_name(profiler_name: str) -> str:
     return profiler_name.split("(")[0].split("<")[0].split("::")[-1].strip()
 
 
+_L2_FLUSH_BYTES = 256 * 10 ** 6   # DeepEP's flush: more than any GPU's L2
+_HEAD_START_GEMMS = 32            # about 10 ms on an H200: the host queues the timed calls before the GPU runs them
+
+
 def _kernel_seconds(case: Case, options: BenchOptions, group,
                     device: torch.device) -> Optional[Dict[str, float]]:
     """Median GPU seconds of each kernel in ``case.kernels`` over ``options.iters`` calls; None when the engine
@@ -202,10 +206,6 @@ def _back_to_back_seconds(case: Case, options: BenchOptions, group, device: torc
         events.append((start, end))
     _settle(case, device)
     return [start.elapsed_time(end) / 1e3 for start, end in events[1:]]
-
-
-_L2_FLUSH_BYTES = 256 * 10 ** 6   # DeepEP's flush: more than any GPU's L2
-_HEAD_START_GEMMS = 32            # about 10 ms on an H200: the host queues the timed calls before the GPU runs them
 
 
 def num_cases(options: BenchOptions) -> int:
@@ -435,7 +435,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     median_s = statistics.median(slowest(0, n))     # the slowest rank sets each step
     mean_bytes = float(per_rank[:, n].mean())
     all_correct = bool(per_rank[:, n + 1].min() > 0.5)
-    host_s = float(per_rank[:, n + 2].max()) if host_s is not None else None   # the slowest rank's
+    host_s = slowest(n + 2, 1)[0] if host_s is not None else None
     kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 3, len(kernel_names)))))
     back_to_back_s = (statistics.median(slowest(n + 3 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
