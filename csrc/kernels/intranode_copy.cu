@@ -22,6 +22,10 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
   return NormalRowBytes{static_cast<int64_t>(a.hidden) * 2, 0, a.num_topk};
 }
 
+// Loads in flight per lane in the local row copies of the 1024-thread kernels below: 4 fit their 64
+// registers without spilling (8 spilled), and 32 warps per SM keep enough loads in flight.
+constexpr int kLocalCopyUnroll = 4;
+
 // Combine, before the pushes: every rank has freed the previous exchange.
 __global__ void wait_destinations_freed(NormalRegion r) { wait_destinations_free(r, kNormalCombineSend); }
 
@@ -54,7 +58,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispat
     for (int dst = 0; dst < r.num_ranks; ++dst) {
       const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
       if (dst == r.rank || pos < 0) continue;
-      write_dispatch_row(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a), w.lane);
+      write_dispatch_row<kLocalCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a), w.lane);
     }
   }
   __threadfence_system();
@@ -78,7 +82,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
         a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
         a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
         a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
-    write_dispatch_row(a, token, me, out, w.lane);
+    write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane);
   }
   if (a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
   for (int src = 0; src < num_ranks; ++src) {

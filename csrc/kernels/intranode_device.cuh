@@ -109,13 +109,13 @@ __device__ __forceinline__ WarpPosition warp_position() {
                       static_cast<int>(gridDim.x * warps_per_block)};
 }
 
-// A warp copies `bytes` (a multiple of 4) through L2: in 16-byte vectors, several loads in flight
-// before their stores, when everything is aligned to them; else in 4-byte words.
+// A warp copies `bytes` (a multiple of 4) through L2: in 16-byte vectors, kUnroll loads in flight
+// per lane before their stores, when everything is aligned to them; else in 4-byte words.
+template <int kUnroll = 8>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
   const auto d = reinterpret_cast<uintptr_t>(dst);
   const auto s = reinterpret_cast<uintptr_t>(src);
   if (((d | s | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    constexpr int kUnroll = 8;
     const int64_t vectors = bytes / 16;
     const auto* from = reinterpret_cast<const int4*>(src);
     auto* to = reinterpret_cast<int4*>(dst);
@@ -173,12 +173,13 @@ __device__ __forceinline__ DispatchRowOut dispatch_row_in_area(uint8_t* base, co
 
 // A warp writes token `token`'s row as rank `dst` receives it: its top-k ids become `dst`'s local
 // experts (-1 for the others, their weights 0).
+template <int kUnroll = 8>
 __device__ __forceinline__ void write_dispatch_row(const NormalDispatchArgs& a, int token, int dst,
                                                    const DispatchRowOut& out, int lane) {
-  warp_copy(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes, a.x_row_bytes,
-            lane);
+  warp_copy<kUnroll>(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes,
+                     a.x_row_bytes, lane);
   if (a.scale_row_bytes > 0) {
-    warp_copy(out.scales, static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
+    warp_copy<kUnroll>(out.scales, static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
               a.scale_row_bytes, lane);
   }
   if (out.topk_idx != nullptr && lane < a.num_topk) {
