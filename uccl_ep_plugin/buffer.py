@@ -19,7 +19,7 @@ from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
-from .streams import StreamScope
+from .streams import CommStream, StreamScope
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
@@ -154,7 +154,7 @@ class Buffer:
                 _warned.add(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._comm = CommStream(self.device) if self.device.type == "cuda" else None
         native_normal_buffer = None if self._native is None else self._native.normal_buffer
         self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
                             else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
@@ -221,7 +221,7 @@ class Buffer:
                 engine.destroy()
         self._reference = self._native = None
         self._nvl_buffer = self._rdma_buffer = self._mask = self._traffic = None
-        self._comm_stream = None
+        self._comm = None
         self._destroyed = True
 
     def __del__(self) -> None:
@@ -270,7 +270,7 @@ class Buffer:
     def get_comm_stream(self):
         """The stream normal-mode communication runs on (a CPU stream object on CPU)."""
         self._check_alive()
-        return self._comm_stream if self._comm_stream is not None else torch.cpu.current_stream()
+        return self._comm.stream if self._comm is not None else torch.cpu.current_stream()
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -321,7 +321,7 @@ class Buffer:
         check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        return StreamScope(self._comm_stream if use_comm_stream else None, self.device, previous_event, async_finish)
+        return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish)
 
     def _check_owner(self, handle, name: str = "handle") -> None:
         owner = owner_of(handle)

@@ -154,7 +154,23 @@ void bind_normal(py::module_& m) {
            py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
            py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("num_tokens"),
            py::arg("num_rows_out"), py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"),
-           py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"));
+           py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"))
+      .def(
+          "with_outputs",
+          [](const uccl_ep::NormalDispatchArgs& args, int32_t num_rows_out, std::uintptr_t recv_x,
+             std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
+             std::uintptr_t recv_src_idx) {
+            uccl_ep::NormalDispatchArgs out = args;
+            out.num_rows_out = num_rows_out;
+            out.recv_x = ptr<void>(recv_x);
+            out.recv_x_scales = ptr<void>(recv_x_scales);
+            out.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
+            out.recv_topk_weights = ptr<float>(recv_topk_weights);
+            out.recv_src_idx = ptr<int32_t>(recv_src_idx);
+            return out;
+          },
+          "A copy with the receive side set (positional: num_rows_out, recv_x, recv_x_scales, recv_topk_idx, "
+          "recv_topk_weights, recv_src_idx), once the counts are known.");
   py::class_<uccl_ep::NormalCombineArgs>(m, "NormalCombineArgs", "One normal-mode combine (pointers as integers).")
       .def(py::init(&combine_args), py::arg("region"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"),
            py::arg("topk_weights"), py::arg("num_topk"), py::arg("rank_prefix_matrix"), py::arg("is_token_in_rank"),

@@ -158,7 +158,7 @@ class NativeNormal:
     # ------------------------------------------------------------------ operations
     def _layout_and_notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                            num_tokens_per_expert: torch.Tensor, num_channels: int, expert_alignment: int,
-                           num_worst_tokens: int) -> Tuple[torch.Tensor, ...]:
+                           num_worst_tokens: int, stream: int) -> Tuple[torch.Tensor, ...]:
         """One int32 allocation and one call: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
         recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened, then the tokens each
         local expert receives, aligned), which one copy brings to the host."""
@@ -178,7 +178,7 @@ class NativeNormal:
             num_worst_tokens=num_worst_tokens, send_pos=send_pos.data_ptr(),
             channel_prefix_matrix=channel_prefix_matrix.data_ptr(), send_head=send_head.data_ptr(),
             rank_prefix_matrix=counts.data_ptr(), recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
-            recv_tokens_per_expert=counts[num_ranks * num_ranks:].data_ptr(), stream=self._stream())
+            recv_tokens_per_expert=counts.data_ptr() + 4 * num_ranks * num_ranks, stream=stream)
         return (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
                 send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
                 counts)
@@ -222,17 +222,14 @@ class NativeNormal:
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         num_recv_tokens_per_expert_list = []
         local_experts = 0
+        stream = self._stream()
 
-        def arguments(rank_prefix_matrix, send_pos, num_rows_out=0, outputs=(None,) * 5):
-            recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+        def send_side(rank_prefix_matrix, send_pos):
+            """The call's arguments with no outputs yet (positional: built on every dispatch)."""
             return self._C.NormalDispatchArgs(
-                region=self.region, x=x.data_ptr(), x_row_bytes=x_row_bytes, x_scales=_ptr(x_scales),
-                scale_row_bytes=scale_row_bytes, topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-                num_topk=num_topk, num_local_experts=local_experts, send_pos=send_pos.data_ptr(),
-                rank_prefix_matrix=rank_prefix_matrix.data_ptr(), num_tokens=x.size(0), num_rows_out=num_rows_out,
-                recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_x_scales), recv_topk_idx=_ptr(recv_topk_idx),
-                recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
-                num_sms=2 * num_channels)
+                self.region, x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx),
+                _ptr(topk_weights), num_topk, local_experts, send_pos.data_ptr(), rank_prefix_matrix.data_ptr(),
+                x.size(0), 0, 0, 0, 0, 0, 0, 2 * num_channels)
 
         host_prefix, by_copy_engine, gathered = None, False, False
         if cached_handle is not None:
@@ -251,7 +248,7 @@ class NativeNormal:
                                      scale_row_bytes, hidden, num_topk)
             send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = self._layout_and_notify(
                 is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_channels, expert_alignment,
-                num_worst_tokens)
+                num_worst_tokens, stream)
             rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
             setattr(rank_prefix_matrix, _SEND_POS, send_pos)
             if num_worst_tokens > 0:
@@ -261,7 +258,7 @@ class NativeNormal:
                 gathered = self.rows_by_copy_engine
                 on_host = self.copy_engine.read_counts(
                     self.region, counts.data_ptr(), counts.numel(),
-                    arguments(rank_prefix_matrix, send_pos) if gathered else None, self._stream())
+                    send_side(rank_prefix_matrix, send_pos) if gathered else None, stream)
                 self.check()
                 host_prefix = on_host[:self.num_ranks ** 2]
                 num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
@@ -271,7 +268,7 @@ class NativeNormal:
                     setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
                 else:
                     if gathered:   # every rank decided alike: end the gather's exchange, nothing pulled
-                        self.copy_engine.abandon_dispatch(self.region, self._stream())
+                        self.copy_engine.abandon_dispatch(self.region, stream)
                     sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
                     self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
                                          scale_row_bytes, hidden, num_topk)
@@ -286,15 +283,15 @@ class NativeNormal:
             recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
         recv_src_idx = (cached_handle[3] if cached_handle is not None else
                         torch.empty(num_rows_out, dtype=torch.int32, **options))
-        args = arguments(rank_prefix_matrix, send_pos, num_rows_out,
-                         (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-                          None if cached_handle is not None else recv_src_idx))
+        args = send_side(rank_prefix_matrix, send_pos).with_outputs(
+            num_rows_out, recv_x.data_ptr(), _ptr(recv_x_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
+            0 if cached_handle is not None else recv_src_idx.data_ptr())
         if by_copy_engine and gathered:
-            self.copy_engine.dispatch_receive(args, host_prefix, self._stream())
+            self.copy_engine.dispatch_receive(args, host_prefix, stream)
         elif by_copy_engine:
-            self.copy_engine.dispatch(args, host_prefix, self._stream())
+            self.copy_engine.dispatch(args, host_prefix, stream)
         else:
-            self._C.normal_dispatch(args, self._stream())
+            self._C.normal_dispatch(args, stream)
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
