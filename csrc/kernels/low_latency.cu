@@ -997,7 +997,8 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t st
   }
   const int local_experts = a.num_experts / a.region.num_ranks;
   const int units = (a.phases & kLowLatencySend) ? std::max(a.num_tokens, a.num_experts) : local_experts;
-  const int64_t staging = a.use_fp8 ? kGroupsPerBlock * staging_bytes(a.hidden) : 0;
+  // Only the send casts into shared memory: a receive alone asks for none (no carveout to set up).
+  const int64_t staging = a.use_fp8 && (a.phases & kLowLatencySend) ? kGroupsPerBlock * staging_bytes(a.hidden) : 0;
   require(staging + static_cast<int64_t>(sizeof(GroupShared)) * kGroupsPerBlock <= kMaxSharedBytes,
           "hidden " + std::to_string(a.hidden) + " is too large for the fp8 staging in shared memory");
   const auto kernel = dispatch_kernel(a.phases);
