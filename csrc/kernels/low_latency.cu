@@ -11,9 +11,9 @@
 //     an index entry (expert, slot) -> token. The last sender of an expert (a per-expert
 //     counter in this rank's signal area) publishes the count with the epoch; experts nobody
 //     chose get a zero count from the group that owns them.
-//   dispatch recv: one unit per local expert. It waits for every source's flag, lays the
-//     sources out in rank order, and copies each row's message (found through the index) into
-//     the packed outputs.
+//   dispatch recv: warps, not groups: each local expert's rows are dealt to several warps of
+//     the grid. A warp waits for every source's flag, lays the sources out in rank order, and
+//     copies its rows' messages (found through the index) into the packed outputs.
 //   combine send: one unit per local expert: each received row goes back to its source
 //     rank's block for this rank, after the rows of this rank's smaller experts, then one flag
 //     per source.
@@ -65,7 +65,6 @@ struct GroupShared {
   int32_t starts[kLowLatencyMaxRanks];     // combine send: this expert's first row in each source's block
   float weights[kLowLatencyMaxTopk];
   int64_t messages[kLowLatencyMaxTopk];    // combine receive: each entry's row in this rank's area
-  int32_t total;
   int32_t found;
 };
 
@@ -239,47 +238,49 @@ __device__ bool last_staged_unit(const LowLatencyRegion& r, int num_experts, int
   return true;
 }
 
+// A use of a half counts as kUseShares: each block of the receiving launch adds its share when its
+// reads are done, and the count of uses is the count of shares divided down. One counter serves
+// both (nothing to reset between launches), for any grid up to kUseShares blocks; a block reads the
+// count before its own share is in, so the quotient is the same for every block of one launch.
+constexpr uint64_t kUseShares = 1ull << 16;
+
+__device__ __forceinline__ uint64_t completed_uses(const LowLatencyRegion& r) { return r.control[0] / kUseShares; }
+
 // Before a group stores into its peers' halves for use `epoch`, each peer must have finished reading
 // the previous use of this half (a graph replaying one call uses the same half back to back).
 __device__ void wait_until_released(const LowLatencyRegion& r, const GroupPosition& g, uint64_t epoch, int32_t phase) {
   for (int peer = g.thread; peer < r.num_ranks; peer += kGroupThreads) {
     uint64_t value;
-    wait_for(r, release_count_at(r, r.rank, peer), [epoch](uint64_t uses) { return uses + 1 >= epoch; }, peer,
-             phase, -1, nullptr, value);
+    wait_for(r, release_count_at(r, r.rank, peer),
+             [epoch](uint64_t shares) { return shares / kUseShares + 1 >= epoch; }, peer, phase, -1, nullptr, value);
   }
   group_sync(g);
 }
 
-// The use of a half ends when the last block of its receiving launch finishes: it counts the use and
-// tells every peer that this rank has read it.
+// A block of a receiving launch ends its use of the half by adding its share to this rank's count;
+// the block whose share completes the use (every other block's reads are then done) publishes the
+// count to every peer. Masked peers too, so a peer unmasked later finds it current (an IPC mapping
+// keeps a dead peer's memory valid); a proxy peer's count is staged and written by the proxy.
 __device__ void finish_use(const LowLatencyRegion& r) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const auto done = atomicAdd(reinterpret_cast<unsigned long long*>(r.control + 1), 1ull);
-    if (done == gridDim.x - 1) {
-      __threadfence();
-      const uint64_t uses = r.control[0] + 1;
-      r.control[1] = 0;
-      r.control[0] = uses;
-      // Masked peers too, so a peer unmasked later finds the count current (an IPC mapping keeps a
-      // dead peer's memory valid). One system fence releases all of them; a proxy peer's count
-      // is staged and written by the proxy.
-      for (int peer = 0; peer < r.num_ranks; ++peer) {
-        if (via_proxy(r, peer)) *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = uses;
-      }
-      __threadfence_system();
-      for (int peer = 0; peer < r.num_ranks; ++peer) {
-        if (!via_proxy(r, peer)) {
-          store_relaxed_system(release_count_at(r, peer, r.rank), uses);
-          continue;
-        }
-        const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
-                                          r.release_offset + r.rank * kLowLatencyReleaseStride,
-                                          kLowLatencyReleaseStride);
-        push_commands(r, peer, &write, 1, kLowLatencyRelease);
-      }
+  if (threadIdx.x != 0) return;
+  const uint64_t share = kUseShares / gridDim.x + (blockIdx.x < kUseShares % gridDim.x ? 1 : 0);
+  __threadfence();
+  const uint64_t shares = fetch_add_device_relaxed(r.control, share) + share;
+  if (shares % kUseShares != 0) return;
+  __threadfence();
+  for (int peer = 0; peer < r.num_ranks; ++peer) {
+    if (via_proxy(r, peer)) *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = shares;
+  }
+  __threadfence_system();  // one system fence releases every peer's count
+  for (int peer = 0; peer < r.num_ranks; ++peer) {
+    if (!via_proxy(r, peer)) {
+      store_relaxed_system(release_count_at(r, peer, r.rank), shares);
+      continue;
     }
+    const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
+                                      r.release_offset + r.rank * kLowLatencyReleaseStride, kLowLatencyReleaseStride);
+    push_commands(r, peer, &write, 1, kLowLatencyRelease);
   }
 }
 
@@ -542,76 +543,99 @@ __device__ void dispatch_send_empty_expert(const LowLatencyDispatchArgs& a, Grou
   if (g.thread == 0 && via_proxy(r, dst)) dispatch_staged(a, dst);
 }
 
-// Waits for the flags of `count` peers (one per group thread) and fills sh.counts/begins/total.
-template <typename FlagOf>
-__device__ void gather_counts(const LowLatencyRegion& r, GroupShared& sh, const GroupPosition& g, uint64_t epoch,
-                              int32_t phase, int32_t detail, int64_t* wait_cost_stats, FlagOf flag_of) {
-  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
-    const int rows = wait_flag(r, flag_of(src), epoch, src, phase, detail, wait_cost_stats);
-    sh.counts[src] = max(rows, 0);
-  }
-  group_sync(g);
-  if (g.thread == 0) {
-    int begin = 0;
-    for (int src = 0; src < r.num_ranks; ++src) {
-      sh.begins[src] = begin;
-      begin += sh.counts[src];
-    }
-    sh.total = begin;
-  }
-  group_sync(g);
-}
-
 __device__ __forceinline__ int source_of_row(const GroupShared& sh, int row, int num_ranks) {
   int src = 0;
   while (src + 1 < num_ranks && row >= sh.begins[src + 1]) ++src;
   return src;
 }
 
-__device__ void dispatch_recv_expert(const LowLatencyDispatchArgs& a, GroupShared& sh, const GroupPosition& g,
-                                     int local, uint64_t epoch) {
+// Copies received row `row` of local expert `local` (the `index`-th row `src` sent it) into the
+// packed outputs: one warp.
+__device__ void dispatch_recv_row(const LowLatencyDispatchArgs& a, int local, int src, int index, int row, int lane) {
   const LowLatencyRegion& r = a.region;
   const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
-  gather_counts(r, sh, g, epoch, kLowLatencyDispatchRecv, local, a.wait_cost_stats,
-                [&](int src) { return dispatch_flag_at(a, r.rank, src, local); });
-  for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
-    a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src] =
-        (static_cast<int64_t>(sh.begins[src]) << 32) | sh.counts[src];
-  }
-  const int total = sh.total;
-  if (g.thread == 0) {
-    a.recv_count[local] = total;
-    if (a.cumulative_recv_stats != nullptr) a.cumulative_recv_stats[local] += total;
-  }
   const int64_t row_bytes = a.use_fp8 ? a.hidden : 2LL * a.hidden;
   const int num_scales = a.hidden / kChannels;
-  for (int row = g.warp; row < total; row += kWarpsPerGroup) {
-    const int src = source_of_row(sh, row, r.num_ranks);
-    const int token = __ldcg(dispatch_index_at(a, r.rank, local, src, row - sh.begins[src]));
-    const uint8_t* msg = dispatch_message_at(a, r.rank, src, token);
-    const int64_t out_row = local * slots_per_expert + row;
-    if (g.lane == 0) a.src_info[out_row] = token;
-    warp_copy<true>(reinterpret_cast<uint8_t*>(a.recv_x) + out_row * row_bytes, msg + 16, row_bytes, g.lane);
-    if (!a.use_fp8) continue;
-    const auto* scales = reinterpret_cast<const float*>(msg + 16 + a.hidden);
+  const int token = __ldcg(dispatch_index_at(a, r.rank, local, src, index));
+  const uint8_t* msg = dispatch_message_at(a, r.rank, src, token);
+  const int64_t out_row = local * slots_per_expert + row;
+  if (lane == 0) a.src_info[out_row] = token;
+  warp_copy<true>(reinterpret_cast<uint8_t*>(a.recv_x) + out_row * row_bytes, msg + 16, row_bytes, lane);
+  if (!a.use_fp8) return;
+  // Scales four at a time (the message slot has room past the last one): either packed as four
+  // exponent bytes per int32, lowest channel group first, or stored one float per column.
+  const auto* scales = reinterpret_cast<const float*>(msg + 16 + a.hidden);
+  const int num_words = (num_scales + 3) / 4;
+  for (int w = lane; w < num_words; w += kWarpSize) {
+    const int4 four = load_l2_16(scales + 4 * w);
     if (a.use_ue8m0) {
-      // Four exponent bytes per int32, lowest channel group first.
-      const int num_words = num_scales / 4;
-      auto* out = reinterpret_cast<int32_t*>(a.recv_scales) + static_cast<int64_t>(local) * num_words * slots_per_expert;
-      for (int w = g.lane; w < num_words; w += kWarpSize) {
-        const int4 four = load_l2_16(scales + 4 * w);
-        const uint32_t word = ((static_cast<uint32_t>(four.x) >> 23) & 0xFF) |
-                              (((static_cast<uint32_t>(four.y) >> 23) & 0xFF) << 8) |
-                              (((static_cast<uint32_t>(four.z) >> 23) & 0xFF) << 16) |
-                              (((static_cast<uint32_t>(four.w) >> 23) & 0xFF) << 24);
-        out[w * slots_per_expert + row] = static_cast<int32_t>(word);
-      }
-    } else {
-      auto* out = reinterpret_cast<float*>(a.recv_scales) + static_cast<int64_t>(local) * num_scales * slots_per_expert;
-      for (int s = g.lane; s < num_scales; s += kWarpSize) out[s * slots_per_expert + row] = __ldcg(scales + s);
+      const uint32_t word = ((static_cast<uint32_t>(four.x) >> 23) & 0xFF) |
+                            (((static_cast<uint32_t>(four.y) >> 23) & 0xFF) << 8) |
+                            (((static_cast<uint32_t>(four.z) >> 23) & 0xFF) << 16) |
+                            (((static_cast<uint32_t>(four.w) >> 23) & 0xFF) << 24);
+      reinterpret_cast<int32_t*>(a.recv_scales)[(local * num_words + w) * slots_per_expert + row] = static_cast<int32_t>(word);
+      continue;
+    }
+    const int values[4] = {four.x, four.y, four.z, four.w};
+    auto* out = reinterpret_cast<int32_t*>(a.recv_scales) + (local * num_scales + 4 * w) * slots_per_expert + row;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (4 * w + i < num_scales) out[i * slots_per_expert] = values[i];
     }
   }
-  group_sync(g);  // shared counts are reused by the group's next unit
+}
+
+// One warp's share of local expert `local`: it waits for every source's count (a lane per source),
+// lays the sources out in rank order, and copies the rows whose position is `slice` modulo
+// `slices`. The first slice also writes the expert's layout, count and stats.
+__device__ void dispatch_recv_slice(const LowLatencyDispatchArgs& a, int local, int slice, int slices, int lane,
+                                    uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  int begin = 0;  // rows of the sources before this chunk of 32
+  for (int chunk = 0; chunk < r.num_ranks; chunk += kWarpSize) {
+    const int src = chunk + lane;
+    int count = 0;
+    if (src < r.num_ranks) {
+      count = max(wait_flag(r, dispatch_flag_at(a, r.rank, src, local), epoch, src, kLowLatencyDispatchRecv, local,
+                            slice == 0 ? a.wait_cost_stats : nullptr), 0);
+    }
+    __syncwarp();  // orders each lane's acquire before the other lanes' reads of that source's rows
+    int inclusive = count;
+#pragma unroll
+    for (int shift = 1; shift < kWarpSize; shift <<= 1) {
+      const int below = __shfl_up_sync(0xffffffffu, inclusive, shift);
+      if (lane >= shift) inclusive += below;
+    }
+    const int first_row = begin + inclusive - count;
+    if (slice == 0 && src < r.num_ranks) {
+      a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src] = (static_cast<int64_t>(first_row) << 32) | count;
+    }
+#pragma unroll 1
+    for (int s = 0; s < kWarpSize && chunk + s < r.num_ranks; ++s) {
+      const int rows = __shfl_sync(0xffffffffu, count, s);
+      const int first = __shfl_sync(0xffffffffu, first_row, s);
+      for (int row = first + (slice - first % slices + slices) % slices; row < first + rows; row += slices) {
+        dispatch_recv_row(a, local, chunk + s, row - first, row, lane);
+      }
+    }
+    begin += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+  }
+  if (slice == 0 && lane == 0) {
+    a.recv_count[local] = begin;
+    if (a.cumulative_recv_stats != nullptr) a.cumulative_recv_stats[local] += begin;
+  }
+}
+
+// The receive spreads every local expert's rows over warps of the whole grid (a few busy experts
+// would otherwise leave most SMs idle); warp w of a block is the grid's w * gridDim.x + blockIdx.x.
+__device__ void dispatch_recv(const LowLatencyDispatchArgs& a, const GroupPosition& g, uint64_t epoch) {
+  const int local_experts = a.num_experts / a.region.num_ranks;
+  const int warps = gridDim.x * kGroupsPerBlock * kWarpsPerGroup;
+  const int warp = (g.index * kWarpsPerGroup + g.warp) * gridDim.x + blockIdx.x;
+  const int slices = max(1, warps / local_experts);
+  for (int unit = warp; unit < local_experts * slices; unit += warps) {
+    dispatch_recv_slice(a, unit % local_experts, unit / local_experts, slices, g.lane, epoch);
+  }
 }
 
 // One body, three kernels named after what they do (profilers tell the hook's halves apart).
@@ -622,7 +646,7 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
   const GroupPosition g = group_position();
   GroupShared& sh = shared[g.index];
   uint8_t* message = reinterpret_cast<uint8_t*>(staging) + (a.use_fp8 ? g.index * staging_bytes(a.hidden) : 0);
-  const uint64_t epoch = a.region.control[0] + 1;
+  const uint64_t epoch = completed_uses(a.region) + 1;
   if (kPhases & kLowLatencySend) {
     wait_until_released(a.region, g, epoch, kLowLatencyDispatchSend);
     for (int token = g.first; token < a.num_tokens; token += g.stride) {
@@ -634,8 +658,7 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
     }
   }
   if (kPhases & kLowLatencyRecv) {
-    const int local_experts = a.num_experts / a.region.num_ranks;
-    for (int local = g.first; local < local_experts; local += g.stride) dispatch_recv_expert(a, sh, g, local, epoch);
+    dispatch_recv(a, g, epoch);
     finish_use(a.region);
   }
 }
@@ -898,7 +921,7 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   __shared__ GroupShared shared[kGroupsPerBlock];
   const GroupPosition g = group_position();
   GroupShared& sh = shared[g.index];
-  const uint64_t epoch = a.region.control[0] + 1;
+  const uint64_t epoch = completed_uses(a.region) + 1;
   if (kPhases & kLowLatencySend) {
     wait_until_released(a.region, g, epoch, kLowLatencyCombineSend);
     const int local_experts = a.num_experts / a.region.num_ranks;
@@ -995,8 +1018,8 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t st
             "receive outputs must be set");
     require(!a.use_fp8 || a.recv_scales != nullptr, "recv_scales must be set for fp8");
   }
-  const int local_experts = a.num_experts / a.region.num_ranks;
-  const int units = (a.phases & kLowLatencySend) ? std::max(a.num_tokens, a.num_experts) : local_experts;
+  // A receive alone deals its rows over every SM.
+  const int units = (a.phases & kLowLatencySend) ? std::max(a.num_tokens, a.num_experts) : a.num_sms;
   // Only the send casts into shared memory: a receive alone asks for none (no carveout to set up).
   const int64_t staging = a.use_fp8 && (a.phases & kLowLatencySend) ? kGroupsPerBlock * staging_bytes(a.hidden) : 0;
   require(staging + static_cast<int64_t>(sizeof(GroupShared)) * kGroupsPerBlock <= kMaxSharedBytes,

@@ -10,8 +10,9 @@
 //    (epoch << 32) | rows with a system-scope release store. A receiver waits until the
 //    flag's epoch is the current one, so flags never need zeroing between uses, and a flag
 //    from a peer that ran ahead is not mistaken for the current one.
-//  * A rank that has read a use of a half tells every peer (a per-reader count of finished uses), and
-//    a sender waits for it before storing into that half again, so a half reused back to back (one
+//  * A rank that has read a use of a half tells every peer (a per-reader count of finished uses,
+//    which each block of the reading launch advances by its share as it finishes), and a sender
+//    waits for it before storing into that half again, so a half reused back to back (one
 //    call captured in a graph and replayed) never overwrites rows that are still being read.
 //  * A dispatched token crosses to each destination rank once, whatever the number of its experts
 //    there; an index per (source, expert, row) names the token each packed row copies.
@@ -68,7 +69,7 @@ struct LowLatencyRegion {
   int64_t counters_offset;     // this rank's own: int32 rows sent [num_experts], int32 staged [2][num_ranks]
   int64_t release_offset;      // uses of this half each rank has finished reading, 16 bytes per rank
   int64_t recv_offset;
-  uint64_t* control;           // device [2]: completed uses of this half, blocks done in this use
+  uint64_t* control;           // device [3]: completed uses of this half (in shares), spare, aborted
   uint8_t* masked;             // device bool [num_ranks], or null without enable_shrink
   LowLatencyStatus* status;    // mapped host memory
   int64_t timeout_ns;

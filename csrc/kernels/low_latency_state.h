@@ -10,7 +10,7 @@ namespace uccl_ep {
 
 class LowLatencyState {
  public:
-  static constexpr int kControlWords = 4;  // per half: uses, blocks done, aborted, spare
+  static constexpr int kControlWords = 4;  // per half: uses (in shares), spare, aborted, spare
 
   explicit LowLatencyState(int device);
   ~LowLatencyState();
