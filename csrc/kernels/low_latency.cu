@@ -991,7 +991,10 @@ void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens,
           "num_topk must be in [1, " + std::to_string(kLowLatencyMaxTopk) + "]");
   require(num_experts > 0 && num_experts % r.num_ranks == 0, "num_experts must be a positive multiple of num_ranks");
   require(phases >= 1 && phases <= (kLowLatencySend | kLowLatencyRecv), "phases must be send, recv or both");
-  require(num_sms >= 1, "num_sms must be positive");
+  // A receiving launch splits a use into kUseShares shares, at least one per block.
+  require(num_sms >= 1 && static_cast<uint64_t>(num_sms) * kCombineRecvBlocksPerSm <= kUseShares,
+          "num_sms must be in [1, " + std::to_string(kUseShares / kCombineRecvBlocksPerSm) + "], got " +
+              std::to_string(num_sms));
 }
 
 // One block per unit up to the SM count: units spread over every SM before any SM takes two.
