@@ -19,8 +19,9 @@ def progress_line(index: int, total: int, result: Dict) -> str:
                                                                  ("back_to_back_us", "back to back"))
                if result.get(key) is not None]
     kernel = f" ({', '.join(details)})" if details else ""
+    note = f"; {result['kernel_note']}" if result.get("kernel_note") else ""
     return (f"[{index}/{total}] {result['mode']} {result['op']} {result['dtype']}: "
-            f"{result['median_us']:.1f} us{kernel}{bandwidth}, {status}")
+            f"{result['median_us']:.1f} us{kernel}{bandwidth}, {status}{note}")
 
 
 def table(results: List[Dict], columns=COLUMNS) -> str:

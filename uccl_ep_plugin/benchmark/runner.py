@@ -176,6 +176,23 @@ def _kernel_seconds(case: Case, options: BenchOptions, group,
     return {name: statistics.median(values) / 1e6 for name, values in durations.items()}
 
 
+# DeepEP's eager procedure times waiting, not kernels, when a rank's Python host falls behind: the kernels then
+# wait for that rank's later launches. A step whose kernels take this many times its graph replay (launch gap
+# included) gets no kernel figure, only a note with the raw value.
+_KERNEL_OVER_GRAPH = 1.5
+
+
+def _trusted_kernel_us(kernel_us: Dict[str, float], median_us: float,
+                       timing: str) -> Tuple[Optional[Dict[str, float]], Optional[str]]:
+    """``(kernel_us or None, note or None)`` for a case's per-kernel times."""
+    total = sum(kernel_us.values())
+    if timing == "cuda-graph" and total > _KERNEL_OVER_GRAPH * median_us:
+        return None, (f"kernel time not reported: DeepEP's eager procedure gave {total:.1f} us against "
+                      f"{median_us:.1f} us per graph replay (a rank's host fell behind and the kernels waited "
+                      "for its launches)")
+    return kernel_us or None, None
+
+
 def _run_steps(case: Case) -> None:
     for step in (case.prepare, case.run, case.finish):
         if step is not None:
@@ -440,6 +457,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     back_to_back_s = (statistics.median(slowest(n + 3 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
     workload = case.workload
+    kernel_us, kernel_note = _trusted_kernel_us(kernel_us, median_s * 1e6, timing)
 
     def bandwidth(seconds: Optional[float]) -> Optional[float]:
         return None if case.bytes_per_rank is None or seconds is None else mean_bytes / seconds / 1e9
@@ -450,12 +468,14 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "num_sms": options.num_sms if case.mode == "normal" else None,
               "median_us": median_s * 1e6, "timing": timing,
               "kernel_us": sum(kernel_us.values()) if kernel_us else None,
-              "kernel_us_each": kernel_us or None,
+              "kernel_us_each": kernel_us,
               "host_us": None if host_s is None else host_s * 1e6,
               "back_to_back_us": None if back_to_back_s is None else back_to_back_s * 1e6,
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),
               "correct": all_correct, "iters": options.iters, "device": options.device_name, "commit": options.commit}
+    if kernel_note is not None:
+        result["kernel_note"] = kernel_note
     if rank == 0:
         report(result)
     return result
