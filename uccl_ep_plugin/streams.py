@@ -28,7 +28,6 @@ class StreamScope:
     def __init__(self, comm: Optional[CommStream], device: torch.device,
                  previous_event: Optional[EventOverlap], async_finish: bool) -> None:
         self.comm = comm
-        self.comm_stream = None if comm is None else comm.stream
         self.device = device
         self.previous_event = previous_event
         self.async_finish = async_finish
@@ -43,11 +42,11 @@ class StreamScope:
             return self
         self._compute_stream = torch.cuda.current_stream(self.device)
         if previous is not None:
-            previous.stream_wait(self.comm_stream)
+            previous.stream_wait(self.comm.stream)
         else:
             self.comm.caller_ready.record(self._compute_stream)
-            self.comm_stream.wait_event(self.comm.caller_ready)
-        self._stream_context = torch.cuda.stream(self.comm_stream)
+            self.comm.stream.wait_event(self.comm.caller_ready)
+        self._stream_context = torch.cuda.stream(self.comm.stream)
         self._stream_context.__enter__()
         return self
 
@@ -59,14 +58,14 @@ class StreamScope:
     def finish(self, outputs: Iterable[Optional[torch.Tensor]] = (),
                extra_tensors: Optional[tuple] = None) -> EventOverlap:
         """Call after leaving the scope: hands ``outputs`` to the caller's stream and returns the event."""
-        if self.comm_stream is None:
+        if self.comm is None:
             return EventOverlap(EventHandle(device=self.device), extra_tensors) if self.async_finish else EventOverlap()
         for tensor in outputs:
             if tensor is not None and tensor.device.type == "cuda":
                 # Allocated on the communication stream, used on the caller's.
                 tensor.record_stream(self._compute_stream)
         if self.async_finish:
-            return EventOverlap(EventHandle(stream=self.comm_stream, device=self.device), extra_tensors)
-        self.comm.comm_done.record(self.comm_stream)
+            return EventOverlap(EventHandle(stream=self.comm.stream, device=self.device), extra_tensors)
+        self.comm.comm_done.record(self.comm.stream)
         self._compute_stream.wait_event(self.comm.comm_done)
         return EventOverlap()
