@@ -179,8 +179,9 @@ __device__ __forceinline__ void write_dispatch_row(const NormalDispatchArgs& a, 
   warp_copy<kUnroll>(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes,
                      a.x_row_bytes, lane);
   if (a.scale_row_bytes > 0) {
-    warp_copy<kUnroll>(out.scales, static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
-              a.scale_row_bytes, lane);
+    warp_copy<kUnroll>(out.scales,
+                       static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
+                       a.scale_row_bytes, lane);
   }
   if (out.topk_idx != nullptr && lane < a.num_topk) {
     const int64_t entry = static_cast<int64_t>(token) * a.num_topk + lane;
