@@ -1,0 +1,83 @@
+"""StreamScope's hand-off between the caller's stream and the Buffer's communication stream, played with
+stand-in streams and events on CPU (the CUDA path otherwise runs only on GPU machines): the communication
+stream waits for the caller's work, the outputs are recorded for the caller's stream, and without
+async_finish the caller's stream waits for the communication stream before the call returns."""
+
+import contextlib
+
+import torch
+
+from uccl_ep_plugin import streams
+
+
+class _Log(list):
+    def add(self, *entry):
+        self.append(entry)
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        self.log.add("wait", self.name, event.name)
+
+
+class _Event:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def record(self, stream):
+        self.log.add("record", self.name, stream.name)
+
+
+class _Comm:
+    def __init__(self, log):
+        self.stream = _Stream("comm", log)
+        self.caller_ready = _Event("caller_ready", log)
+        self.comm_done = _Event("comm_done", log)
+
+
+class _Output:
+    device = torch.device("cuda", 0)
+
+    def __init__(self, log):
+        self.log = log
+
+    def record_stream(self, stream):
+        self.log.add("record_stream", stream.name)
+
+
+def _scope(monkeypatch, log, async_finish):
+    caller = _Stream("caller", log)
+    monkeypatch.setattr(streams.torch.cuda, "current_stream", lambda device=None: caller)
+
+    @contextlib.contextmanager
+    def current(stream):
+        log.add("enter", stream.name)
+        yield
+        log.add("leave", stream.name)
+    monkeypatch.setattr(streams.torch.cuda, "stream", current)
+    return streams.StreamScope(_Comm(log), torch.device("cuda", 0), None, async_finish)
+
+
+def test_the_caller_waits_for_the_communication_stream(monkeypatch):
+    log = _Log()
+    with _scope(monkeypatch, log, async_finish=False) as scope:
+        log.add("work")
+    event = scope.finish([_Output(log), None])
+    assert log == [("record", "caller_ready", "caller"), ("wait", "comm", "caller_ready"), ("enter", "comm"),
+                   ("work",), ("leave", "comm"), ("record_stream", "caller"), ("record", "comm_done", "comm"),
+                   ("wait", "caller", "comm_done")]
+    assert event.event is None
+
+
+def test_async_finish_hands_back_an_event_on_the_communication_stream(monkeypatch):
+    log = _Log()
+    recorded = []
+    monkeypatch.setattr(streams, "EventHandle", lambda stream, device: recorded.append(stream.name) or "handle")
+    with _scope(monkeypatch, log, async_finish=True) as scope:
+        log.add("work")
+    scope.finish([_Output(log)])
+    assert recorded == ["comm"]
+    assert ("wait", "caller", "comm_done") not in log and log[-1] == ("record_stream", "caller")
