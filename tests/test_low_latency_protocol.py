@@ -2,12 +2,12 @@
 barrier between them, while the transport delivers late and out of order (reorder injection).
 
 Each call on a buffer half is what a low-latency kernel does for its proxy peers (KERNEL_NOTES.md, "Low-latency
-through the proxy"): wait until every peer has finished reading this half's previous use (its release count in
-this rank's half), stage the rows and a flag word (epoch << 32 | rows) in the outbox for each peer, push
-write(rows), QUIET, write(flag); then wait for every peer's flag of this epoch and check the rows it announces;
-then count the use and push write(release count) to every peer. The halves alternate as eager calls use them,
-or one half is used again and again as a replayed CUDA graph does. Host memory stands in for GPU memory in CI;
-on 2 GPUs the same runs over cuda-copy and over tcp with device memory.
+through the proxy"): push write(release count: the uses of this half this rank has read) to every peer, wait
+until every peer has finished reading this half's previous use (its release count in this rank's half), stage the
+rows and a flag word (epoch << 32 | rows) in the outbox for each peer, push write(rows), QUIET, write(flag); then
+wait for every peer's flag of this epoch, check the rows it announces and count the use. The halves alternate as
+eager calls use them, or one half is used again and again as a replayed CUDA graph does. Host memory stands in
+for GPU memory in CI; on 2 GPUs the same runs over cuda-copy and over tcp with device memory.
 """
 
 import time
@@ -98,6 +98,13 @@ def _protocol_body(rank, num_ranks, group, transport, reorder_seed, calls, same_
         half = 0 if same_half else call % 2
         epoch = uses[half] + 1
         where = f"call {call} (half {half}, epoch {epoch})"
+        # This rank's count goes out before it waits for the peers' counts, so no two ranks wait on each other.
+        for p in peers:
+            store(L.box(half, p) + MAX_ROWS * ROW + WORD, torch.tensor([uses[half]], dtype=torch.int64))
+        settle(region)
+        for p in peers:
+            fifos[p % len(fifos)].push(WRITE, p, length_bytes=WORD, local_offset=L.box(half, p) + MAX_ROWS * ROW + WORD,
+                                       remote_offset=L.at(half, L.release + rank * WORD))
         for p in peers:
             wait_word(L.at(half, L.release + p * WORD), lambda v: v + 1 >= epoch,
                       f"{where}: rank {p}'s release of the previous use")
@@ -124,14 +131,6 @@ def _protocol_body(rank, num_ranks, group, transport, reorder_seed, calls, same_
             got = region[start:start + n * ROW].view(torch.int64).cpu()
             assert torch.equal(got, _rows(call, p, rank, n)), f"rank {rank}: {where}: rows from rank {p} differ"
         uses[half] = epoch
-        for p in peers:
-            box = L.box(half, p)
-            store(box + MAX_ROWS * ROW + WORD, torch.tensor([epoch], dtype=torch.int64))
-        settle(region)
-        for p in peers:
-            box = L.box(half, p)
-            fifos[p % len(fifos)].push(WRITE, p, length_bytes=WORD, local_offset=box + MAX_ROWS * ROW + WORD,
-                                       remote_offset=L.at(half, L.release + rank * WORD))
     # The last release counts may still be in flight (held by the reorder window): no rank closes before
     # every rank's requests are acknowledged.
     deadline = time.monotonic() + wait_s

@@ -22,7 +22,7 @@
 //     positions the dispatch recorded) in float32.
 // Peers reached through the CPU proxy (LowLatencyRegion::via_proxy) get the same stores in an outbox
 // of this rank's buffer; the unit that completes a phase for such a peer pushes its writes (data,
-// quiet, flags) into the proxy's FIFOs, and the last block of a receive pushes the release count.
+// quiet, flags) into the proxy's FIFOs, and a send launch pushes the release count.
 // Sending and receiving are one launch unless the caller asked for a hook; a group only
 // starts receiving after all its sends, so a grid no larger than the SM count cannot
 // deadlock on itself.
@@ -246,9 +246,33 @@ constexpr uint64_t kUseShares = 1ull << 16;
 
 __device__ __forceinline__ uint64_t completed_uses(const LowLatencyRegion& r) { return r.control[0] / kUseShares; }
 
+// A send launch for use `epoch` first tells every peer that this rank has finished reading the
+// half's earlier uses: stream order puts every earlier receive of this rank before it, so the
+// receive itself ends without fences or remote stores. A peer needs the count only before its next
+// write into this half, in a later call whose send every rank launches too. Masked peers get it as
+// well, so a peer unmasked later finds it current (an IPC mapping keeps a dead peer's memory valid);
+// a proxy peer's count is staged and written by the proxy.
+__device__ void publish_release(const LowLatencyRegion& r, uint64_t epoch) {
+  if (blockIdx.x != 0) return;
+  const uint64_t shares = (epoch - 1) * kUseShares;
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    if (!via_proxy(r, peer)) {
+      store_relaxed_system(release_count_at(r, peer, r.rank), shares);
+      continue;
+    }
+    *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = shares;
+    __threadfence_system();
+    const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
+                                      r.release_offset + r.rank * kLowLatencyReleaseStride, kLowLatencyReleaseStride);
+    push_commands(r, peer, &write, 1, kLowLatencyRelease);
+  }
+}
+
 // Before a group stores into its peers' halves for use `epoch`, each peer must have finished reading
-// the previous use of this half (a graph replaying one call uses the same half back to back).
-__device__ void wait_until_released(const LowLatencyRegion& r, const GroupPosition& g, uint64_t epoch, int32_t phase) {
+// the previous use of this half (a graph replaying one call uses the same half back to back). This
+// rank's own count goes out first, so two ranks never wait on each other.
+__device__ void exchange_releases(const LowLatencyRegion& r, const GroupPosition& g, uint64_t epoch, int32_t phase) {
+  publish_release(r, epoch);
   for (int peer = g.thread; peer < r.num_ranks; peer += kGroupThreads) {
     uint64_t value;
     wait_for(r, release_count_at(r, r.rank, peer),
@@ -257,31 +281,12 @@ __device__ void wait_until_released(const LowLatencyRegion& r, const GroupPositi
   group_sync(g);
 }
 
-// A block of a receiving launch ends its use of the half by adding its share to this rank's count;
-// the block whose share completes the use (every other block's reads are then done) publishes the
-// count to every peer. Masked peers too, so a peer unmasked later finds it current (an IPC mapping
-// keeps a dead peer's memory valid); a proxy peer's count is staged and written by the proxy.
-__device__ void finish_use(const LowLatencyRegion& r) {
-  __syncthreads();
+// A block of a receiving launch ends its use of the half by adding its share to this rank's count,
+// which only later launches read (the next send publishes it).
+__device__ __forceinline__ void finish_use(const LowLatencyRegion& r) {
   if (threadIdx.x != 0) return;
   const uint64_t share = kUseShares / gridDim.x + (blockIdx.x < kUseShares % gridDim.x ? 1 : 0);
-  __threadfence();
-  const uint64_t shares = fetch_add_device_relaxed(r.control, share) + share;
-  if (shares % kUseShares != 0) return;
-  __threadfence();
-  for (int peer = 0; peer < r.num_ranks; ++peer) {
-    if (via_proxy(r, peer)) *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = shares;
-  }
-  __threadfence_system();  // one system fence releases every peer's count
-  for (int peer = 0; peer < r.num_ranks; ++peer) {
-    if (!via_proxy(r, peer)) {
-      store_relaxed_system(release_count_at(r, peer, r.rank), shares);
-      continue;
-    }
-    const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
-                                      r.release_offset + r.rank * kLowLatencyReleaseStride, kLowLatencyReleaseStride);
-    push_commands(r, peer, &write, 1, kLowLatencyRelease);
-  }
+  fetch_add_device_relaxed(r.control, share);
 }
 
 // A warp copies `bytes` (a multiple of 16): kCopyBatch loads in flight per lane before their stores.
@@ -648,7 +653,7 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
   uint8_t* message = reinterpret_cast<uint8_t*>(staging) + (a.use_fp8 ? g.index * staging_bytes(a.hidden) : 0);
   const uint64_t epoch = completed_uses(a.region) + 1;
   if (kPhases & kLowLatencySend) {
-    wait_until_released(a.region, g, epoch, kLowLatencyDispatchSend);
+    exchange_releases(a.region, g, epoch, kLowLatencyDispatchSend);
     for (int token = g.first; token < a.num_tokens; token += g.stride) {
       dispatch_send_token(a, sh, message, g, token, epoch, sent_counters(a.region));
       dispatch_unit_staged(a, g);
@@ -923,7 +928,7 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   GroupShared& sh = shared[g.index];
   const uint64_t epoch = completed_uses(a.region) + 1;
   if (kPhases & kLowLatencySend) {
-    wait_until_released(a.region, g, epoch, kLowLatencyCombineSend);
+    exchange_releases(a.region, g, epoch, kLowLatencyCombineSend);
     const int local_experts = a.num_experts / a.region.num_ranks;
     for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
   }

@@ -10,10 +10,11 @@
 //    (epoch << 32) | rows with a system-scope release store. A receiver waits until the
 //    flag's epoch is the current one, so flags never need zeroing between uses, and a flag
 //    from a peer that ran ahead is not mistaken for the current one.
-//  * A rank that has read a use of a half tells every peer (a per-reader count of finished uses,
-//    which each block of the reading launch advances by its share as it finishes), and a sender
-//    waits for it before storing into that half again, so a half reused back to back (one
-//    call captured in a graph and replayed) never overwrites rows that are still being read.
+//  * A rank counts the uses of a half it has read (each block of the reading launch adds its share
+//    as it finishes). Its next send launch on that half first tells every peer that count (a
+//    per-reader word in the peer's half), then waits for each peer's count before storing into
+//    the half, so a half reused back to back (one call captured in a graph and replayed) never
+//    overwrites rows that are still being read, and a receive ends without a release tail.
 //  * A dispatched token crosses to each destination rank once, whatever the number of its experts
 //    there; an index per (source, expert, row) names the token each packed row copies.
 //  * Dispatch rows of one (expert, source) are numbered by (token, top-k slot), so the

@@ -88,8 +88,8 @@ class NativeEngine:
         return self.low_latency is not None or self.normal is not None
 
     def drain_proxy(self, timeout_s: float) -> None:
-        """After a device synchronize: wait until the proxy has carried out what the kernels pushed (the last
-        release counts go out after the kernels finish), so no peer closes its transport under them and no
+        """After a device synchronize: wait until the proxy has carried out what the kernels pushed (writes
+        and release counts go out after the kernels finish), so no peer closes its transport under them and no
         collective this rank issues next holds them up (Buffer.synchronize)."""
         proxy_path = None if self.low_latency is None else self.low_latency.proxy_path
         if proxy_path is not None:
