@@ -179,6 +179,15 @@ int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& ran
   return normal_staging_offset(kind, rank_prefix_matrix_host.data(), num_ranks, owner, num_ranks, row_bytes);
 }
 
+int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host,
+                                  int num_ranks, NormalRowBytes row_bytes) {
+  int64_t most = 0;
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    most = std::max(most, normal_staging_bytes(kind, rank_prefix_matrix_host, num_ranks, owner, row_bytes));
+  }
+  return most;
+}
+
 NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks)
     : device_(device), combine_chunks_(combine_chunks), peer_bases_(std::move(peer_bases)) {
   require(combine_chunks >= 1 && static_cast<uint64_t>(combine_chunks) < kNormalChunkStride,

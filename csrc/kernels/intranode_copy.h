@@ -92,5 +92,8 @@ class NormalCopyEngine {
 // Bytes of `owner`'s data area that an exchange of this kind with these counts needs.
 int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host, int num_ranks,
                              int owner, NormalRowBytes row_bytes);
+// The most any owner's data area needs: the path fits when this is at most the region's data_bytes.
+int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host,
+                                  int num_ranks, NormalRowBytes row_bytes);
 
 }  // namespace uccl_ep

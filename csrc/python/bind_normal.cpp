@@ -5,7 +5,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -198,12 +197,8 @@ void bind_normal(py::module_& m) {
       "normal_staging_most_bytes",
       [](uccl_ep::NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix, int num_ranks,
          int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
-        const uccl_ep::NormalRowBytes row_bytes{x_row_bytes, scale_row_bytes, num_topk};
-        int64_t most = 0;
-        for (int owner = 0; owner < num_ranks; ++owner) {
-          most = std::max(most, uccl_ep::normal_staging_bytes(kind, rank_prefix_matrix, num_ranks, owner, row_bytes));
-        }
-        return most;
+        return uccl_ep::normal_staging_most_bytes(kind, rank_prefix_matrix, num_ranks,
+                                                  uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk});
       },
       py::arg("kind"), py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("x_row_bytes"),
       py::arg("scale_row_bytes"), py::arg("num_topk"),
