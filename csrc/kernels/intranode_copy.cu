@@ -355,6 +355,36 @@ std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, c
   return std::vector<int32_t>(counts_host_, counts_host_ + num_counts);
 }
 
+NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
+                                                     const NormalDispatchArgs* gather, int64_t combine_row_bytes,
+                                                     gpuStream_t stream) {
+  const NormalRegion& region = notify.region;
+  const int num_ranks = region.num_ranks;
+  const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
+  require_unreleased();
+  require(notify.recv_tokens_per_expert == notify.rank_prefix_matrix + prefix_size,
+          "recv_tokens_per_expert must follow rank_prefix_matrix (one copy brings the counts to the host)");
+  if (gather != nullptr) {
+    // Checked before the notify too: a bad gather must not leave the exchange half started.
+    check_normal_dispatch_args(*gather);
+    require(gather->send_pos == layout.send_pos && gather->rank_prefix_matrix == notify.rank_prefix_matrix,
+            "the gather must read this dispatch's send_pos and rank_prefix_matrix");
+  }
+  launch_normal_layout_and_notify(layout, notify, stream);
+  NormalDispatchStart start;
+  start.counts =
+      read_counts(region, notify.rank_prefix_matrix, prefix_size + notify.num_local_experts, gather, stream);
+  if (gather == nullptr) return start;
+  const std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
+  const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
+  const NormalRowBytes combine_rows{combine_row_bytes, 0, gather->num_topk};
+  start.by_copy_engine =
+      normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, dispatch_rows) <= region.data_bytes &&
+      normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine_rows) <= region.data_bytes;
+  if (!start.by_copy_engine) abandon_dispatch(region, stream);
+  return start;
+}
+
 void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
   check_normal_combine_args(a);
   check_usable(a.region, prefix);

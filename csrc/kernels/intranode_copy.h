@@ -27,7 +27,14 @@ namespace uccl_ep {
 // Loads NormalCopyEngine's kernels into the current device's context (gpu_load_kernels).
 void load_normal_copy_kernels();
 
-// Also the normal mode's host side in general: read_counts serves the SM path too.
+// What start_dispatch brings back: the dispatch's counts on the host (rank_prefix_matrix
+// flattened, then the tokens each local expert receives), and whether the copy engines carry its rows.
+struct NormalDispatchStart {
+  std::vector<int32_t> counts;
+  bool by_copy_engine = false;
+};
+
+// Also the normal mode's host side in general: start_dispatch serves the SM path too.
 class NormalCopyEngine {
  public:
   // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
@@ -38,26 +45,23 @@ class NormalCopyEngine {
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
 
-  // A dispatch in two halves, so the gather runs while the host reads the counts:
-  //  - dispatch_send: the gather and the arrival, from args.rank_prefix_matrix on the device (the
-  //    output pointers are not used yet). A rank whose staging would not fit gathers nothing.
-  //  - then exactly one of dispatch_receive (the pulls and own rows; rank_prefix_matrix_host is the
-  //    [R, R] matrix read on the host, args.num_rows_out the rows this rank receives) or
-  //    abandon_dispatch (every rank alike, when the host decided against this path: the exchange
-  //    ends with nothing read).
-  // dispatch does both halves (a cached dispatch: its counts are known on the host already).
-  void dispatch_send(const NormalDispatchArgs& args, gpuStream_t stream);
+  // A dispatch's first half and its one host sync: the send layout and notify, then the counts
+  // (rank_prefix_matrix, recv_tokens_per_expert right after it) copied to the host. `gather` (the
+  // dispatch's arguments, outputs not set yet; or null) runs behind the copy, while the host waits.
+  // by_copy_engine: `gather` was given and every owner's staging fits its rows and a combine of bf16
+  // rows of `combine_row_bytes`; otherwise the gather's exchange is ended unread (every rank decides
+  // alike, from shared counts) and the rows go by SMs. Throws if the counts are not on the host 5 s
+  // after the region's timeout (by then the device's record names the peer).
+  NormalDispatchStart start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
+                                     const NormalDispatchArgs* gather, int64_t combine_row_bytes, gpuStream_t stream);
+  // The second half after start_dispatch chose the copy engines: the pulls and own rows
+  // (rank_prefix_matrix_host is the [R, R] matrix read on the host, args.num_rows_out the rows this
+  // rank receives).
   void dispatch_receive(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                         gpuStream_t stream);
-  void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
+  // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
-  // A dispatch's one host sync: copies `num_counts` int32 at `counts` (device, written by the notify
-  // on `stream`) to pinned host memory and returns them. With `gather`, dispatch_send is enqueued
-  // behind the copy, so it runs while the host waits. The notify gives up after the region's
-  // timeout; this waits 5 s longer (so the device's record names the peer), then throws.
-  std::vector<int32_t> read_counts(const NormalRegion& region, const int32_t* counts, int64_t num_counts,
-                                   const NormalDispatchArgs* gather, gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
   void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                gpuStream_t stream);
@@ -65,6 +69,15 @@ class NormalCopyEngine {
   void release();
 
  private:
+  // The gather and the arrival, from args.rank_prefix_matrix on the device (the output pointers are
+  // not used yet). A rank whose staging would not fit gathers nothing.
+  void dispatch_send(const NormalDispatchArgs& args, gpuStream_t stream);
+  // Ends a dispatch_send's exchange with nothing read (every rank alike).
+  void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
+  // Copies `num_counts` int32 at `counts` (device, written on `stream`) to pinned host memory and
+  // returns them; `gather` (or null) goes to dispatch_send behind the copy.
+  std::vector<int32_t> read_counts(const NormalRegion& region, const int32_t* counts, int64_t num_counts,
+                                   const NormalDispatchArgs* gather, gpuStream_t stream);
   void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
   void require_unreleased() const;
   // Each peer's stream waits for `stream` (up to now), then `queue(peer, peer_stream)` puts that

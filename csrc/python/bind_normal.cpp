@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels/intranode.h"
@@ -25,29 +26,34 @@ uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t cont
                                ptr<uccl_ep::LowLatencyStatus>(status), data_bytes, timeout_ns, rank, num_ranks};
 }
 
-void layout_and_notify(const uccl_ep::NormalRegion& region, std::uintptr_t is_token_in_rank, int64_t num_tokens,
-                       std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_expert, int32_t num_channels,
-                       int32_t num_local_experts, int32_t expert_alignment, int32_t num_worst_tokens,
-                       std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix, std::uintptr_t send_head,
-                       std::uintptr_t rank_prefix_matrix, std::uintptr_t recv_channel_prefix_matrix,
-                       std::uintptr_t recv_tokens_per_expert, std::uintptr_t stream) {
-  const uccl_ep::NormalSendLayoutArgs layout{ptr<const bool>(is_token_in_rank), num_tokens,
-                                             region.num_ranks,                  num_channels,
-                                             ptr<int32_t>(send_pos),            ptr<int32_t>(channel_prefix_matrix),
-                                             ptr<int32_t>(send_head)};
-  const uccl_ep::NormalNotifyArgs notify{region,
-                                         ptr<const int32_t>(num_tokens_per_rank),
-                                         ptr<const int32_t>(channel_prefix_matrix),
-                                         ptr<const int32_t>(num_tokens_per_expert),
-                                         num_channels,
-                                         num_local_experts,
-                                         expert_alignment,
-                                         num_worst_tokens,
-                                         ptr<int32_t>(rank_prefix_matrix),
-                                         ptr<int32_t>(recv_channel_prefix_matrix),
-                                         ptr<int32_t>(recv_tokens_per_expert)};
-  py::gil_scoped_release no_gil;
-  uccl_ep::launch_normal_layout_and_notify(layout, notify, as_stream(stream));
+// A dispatch's send layout and notify arguments, built once per dispatch and handed to
+// normal_layout_and_notify or NormalCopyEngine.start_dispatch.
+struct LayoutNotifyArgs {
+  uccl_ep::NormalSendLayoutArgs layout;
+  uccl_ep::NormalNotifyArgs notify;
+};
+
+LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::uintptr_t is_token_in_rank,
+                                    int64_t num_tokens, std::uintptr_t num_tokens_per_rank,
+                                    std::uintptr_t num_tokens_per_expert, int32_t num_channels,
+                                    int32_t num_local_experts, int32_t expert_alignment, int32_t num_worst_tokens,
+                                    std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix,
+                                    std::uintptr_t send_head, std::uintptr_t rank_prefix_matrix,
+                                    std::uintptr_t recv_channel_prefix_matrix, std::uintptr_t recv_tokens_per_expert) {
+  return LayoutNotifyArgs{uccl_ep::NormalSendLayoutArgs{ptr<const bool>(is_token_in_rank), num_tokens,
+                                                        region.num_ranks, num_channels, ptr<int32_t>(send_pos),
+                                                        ptr<int32_t>(channel_prefix_matrix), ptr<int32_t>(send_head)},
+                          uccl_ep::NormalNotifyArgs{region,
+                                                    ptr<const int32_t>(num_tokens_per_rank),
+                                                    ptr<const int32_t>(channel_prefix_matrix),
+                                                    ptr<const int32_t>(num_tokens_per_expert),
+                                                    num_channels,
+                                                    num_local_experts,
+                                                    expert_alignment,
+                                                    num_worst_tokens,
+                                                    ptr<int32_t>(rank_prefix_matrix),
+                                                    ptr<int32_t>(recv_channel_prefix_matrix),
+                                                    ptr<int32_t>(recv_tokens_per_expert)}};
 }
 
 uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
@@ -142,12 +148,20 @@ void bind_normal(py::module_& m) {
       "Enqueue send_pos [N, R] and, when given, channel_prefix_matrix [R, C] and send_head [N, R].");
   m.def("normal_notify_slot_ints", &uccl_ep::normal_notify_slot_ints, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"));
-  m.def("normal_layout_and_notify", &layout_and_notify, py::arg("region"), py::arg("is_token_in_rank"),
-        py::arg("num_tokens"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
-        py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
-        py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("rank_prefix_matrix"),
-        py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"), py::arg("stream"),
-        "Enqueue a dispatch's send layout and notify exchange on `stream`.");
+  py::class_<LayoutNotifyArgs>(m, "NormalLayoutNotifyArgs",
+                               "A dispatch's send layout and notify (pointers as integers).")
+      .def(py::init(&layout_notify_args), py::arg("region"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
+           py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
+           py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
+           py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("rank_prefix_matrix"),
+           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"));
+  m.def(
+      "normal_layout_and_notify",
+      [](const LayoutNotifyArgs& args, std::uintptr_t stream) {
+        uccl_ep::launch_normal_layout_and_notify(args.layout, args.notify, as_stream(stream));
+      },
+      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "Enqueue a dispatch's send layout and notify exchange on `stream`.");
   py::class_<uccl_ep::NormalDispatchArgs>(m, "NormalDispatchArgs", "One normal-mode dispatch (pointers as integers).")
       .def(py::init(&dispatch_args), py::arg("region"), py::arg("x"), py::arg("x_row_bytes"), py::arg("x_scales"),
            py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
@@ -223,11 +237,17 @@ void bind_normal(py::module_& m) {
           },
           py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def(
-          "dispatch_send",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
-            self.dispatch_send(args, as_stream(stream));
+          "start_dispatch",
+          [](uccl_ep::NormalCopyEngine& self, const LayoutNotifyArgs& args, const uccl_ep::NormalDispatchArgs* gather,
+             int64_t combine_row_bytes, std::uintptr_t stream) {
+            uccl_ep::NormalDispatchStart start =
+                self.start_dispatch(args.layout, args.notify, gather, combine_row_bytes, as_stream(stream));
+            return std::make_pair(std::move(start.counts), start.by_copy_engine);
           },
-          py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+          py::arg("args"), py::arg("gather"), py::arg("combine_row_bytes"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Launch the layout and notify, read the counts; `gather` (NormalDispatchArgs or None) runs meanwhile. "
+          "Returns (counts, by_copy_engine).")
       .def(
           "dispatch_receive",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
@@ -235,21 +255,6 @@ void bind_normal(py::module_& m) {
             self.dispatch_receive(args, rank_prefix_matrix, as_stream(stream));
           },
           py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "abandon_dispatch",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t stream) {
-            self.abandon_dispatch(region, as_stream(stream));
-          },
-          py::arg("region"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "read_counts",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t counts,
-             int64_t num_counts, const uccl_ep::NormalDispatchArgs* gather, std::uintptr_t stream) {
-            return self.read_counts(region, ptr<const int32_t>(counts), num_counts, gather, as_stream(stream));
-          },
-          py::arg("region"), py::arg("counts"), py::arg("num_counts"), py::arg("gather"), py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>(),
-          "The dispatch's counts on the host (a list); `gather` (NormalDispatchArgs or None) runs meanwhile.")
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // UCCL_EP_WITH_CUDA

@@ -158,10 +158,10 @@ class NativeNormal:
     # ------------------------------------------------------------------ operations
     def _layout_and_notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                            num_tokens_per_expert: torch.Tensor, num_channels: int, expert_alignment: int,
-                           num_worst_tokens: int, stream: int) -> Tuple[torch.Tensor, ...]:
-        """One int32 allocation and one call: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
-        recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened, then the tokens each
-        local expert receives, aligned), which one copy brings to the host."""
+                           num_worst_tokens: int) -> Tuple[object, Tuple[torch.Tensor, ...]]:
+        """The NormalLayoutNotifyArgs that fill one int32 allocation: send_pos [N, R], channel_prefix_matrix
+        [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened,
+        then the tokens each local expert receives, aligned), which one copy brings to the host."""
         num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
         local_experts = num_tokens_per_expert.numel() // num_ranks
         slot_bytes = 4 * self._C.normal_notify_slot_ints(num_ranks, num_channels, local_experts)
@@ -171,17 +171,14 @@ class NativeNormal:
                  num_ranks * num_ranks + local_experts)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
         send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
-        self._C.normal_layout_and_notify(
-            region=self.region, is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
-            num_tokens_per_rank=num_tokens_per_rank.data_ptr(), num_tokens_per_expert=num_tokens_per_expert.data_ptr(),
-            num_channels=num_channels, num_local_experts=local_experts, expert_alignment=expert_alignment,
-            num_worst_tokens=num_worst_tokens, send_pos=send_pos.data_ptr(),
-            channel_prefix_matrix=channel_prefix_matrix.data_ptr(), send_head=send_head.data_ptr(),
-            rank_prefix_matrix=counts.data_ptr(), recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
-            recv_tokens_per_expert=counts.data_ptr() + 4 * num_ranks * num_ranks, stream=stream)
-        return (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
-                send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
-                counts)
+        args = self._C.NormalLayoutNotifyArgs(
+            self.region, is_token_in_rank.contiguous().data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
+            num_tokens_per_expert.data_ptr(), num_channels, local_experts, expert_alignment, num_worst_tokens,
+            send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
+            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
+        return args, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
+                      send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
+                      counts)
 
     def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
                         hidden: int, num_topk: int) -> None:
@@ -223,15 +220,7 @@ class NativeNormal:
         num_recv_tokens_per_expert_list = []
         local_experts = 0
         stream = self._stream()
-
-        def send_side(rank_prefix_matrix, send_pos):
-            """The call's arguments with no outputs yet (positional: built on every dispatch)."""
-            return self._C.NormalDispatchArgs(
-                self.region, x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx),
-                _ptr(topk_weights), num_topk, local_experts, send_pos.data_ptr(), rank_prefix_matrix.data_ptr(),
-                x.size(0), 0, 0, 0, 0, 0, 0, 2 * num_channels)
-
-        host_prefix, by_copy_engine, gathered = None, False, False
+        host_prefix, by_copy_engine = None, False
         if cached_handle is not None:
             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
                 cached_handle
@@ -246,32 +235,33 @@ class NativeNormal:
                 # num_ranks times that (no receiver took more from it).
                 self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
                                      scale_row_bytes, hidden, num_topk)
-            send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = self._layout_and_notify(
-                is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_channels, expert_alignment,
-                num_worst_tokens, stream)
+            layout_notify, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts) = \
+                self._layout_and_notify(is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_channels,
+                                        expert_alignment, num_worst_tokens)
             rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
             setattr(rank_prefix_matrix, _SEND_POS, send_pos)
             if num_worst_tokens > 0:
+                self._C.normal_layout_and_notify(layout_notify, stream)
                 num_rows_out = num_worst_tokens
+        # The call's arguments with no outputs yet (positional: cheaper), set once the counts are known.
+        send_args = self._C.NormalDispatchArgs(
+            self.region, x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx),
+            _ptr(topk_weights), num_topk, local_experts, send_pos.data_ptr(), rank_prefix_matrix.data_ptr(),
+            x.size(0), 0, 0, 0, 0, 0, 0, 2 * num_channels)
+        if cached_handle is None and num_worst_tokens == 0:
+            # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
+            on_host, by_copy_engine = self.copy_engine.start_dispatch(
+                layout_notify, send_args if self.rows_by_copy_engine else None, 2 * hidden, stream)
+            self.check()
+            host_prefix = on_host[:self.num_ranks ** 2]
+            num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
+            num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
+            if by_copy_engine:
+                setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
             else:
-                # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
-                gathered = self.rows_by_copy_engine
-                on_host = self.copy_engine.read_counts(
-                    self.region, counts.data_ptr(), counts.numel(),
-                    send_side(rank_prefix_matrix, send_pos) if gathered else None, stream)
-                self.check()
-                host_prefix = on_host[:self.num_ranks ** 2]
-                num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
-                num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
-                by_copy_engine = self._copy_engine_serves(host_prefix, hidden, num_topk, (x_row_bytes, scale_row_bytes))
-                if by_copy_engine:
-                    setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
-                else:
-                    if gathered:   # every rank decided alike: end the gather's exchange, nothing pulled
-                        self.copy_engine.abandon_dispatch(self.region, stream)
-                    sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
-                    self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
-                                         scale_row_bytes, hidden, num_topk)
+                sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
+                self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
+                                     scale_row_bytes, hidden, num_topk)
 
         options = dict(device=self.device)
         recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
@@ -283,15 +273,15 @@ class NativeNormal:
             recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
         recv_src_idx = (cached_handle[3] if cached_handle is not None else
                         torch.empty(num_rows_out, dtype=torch.int32, **options))
-        args = send_side(rank_prefix_matrix, send_pos).with_outputs(
+        args = send_args.with_outputs(
             num_rows_out, recv_x.data_ptr(), _ptr(recv_x_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
             0 if cached_handle is not None else recv_src_idx.data_ptr())
-        if by_copy_engine and gathered:
-            self.copy_engine.dispatch_receive(args, host_prefix, stream)
-        elif by_copy_engine:
-            self.copy_engine.dispatch(args, host_prefix, stream)
-        else:
+        if not by_copy_engine:
             self._C.normal_dispatch(args, stream)
+        elif cached_handle is None:   # start_dispatch gathered
+            self.copy_engine.dispatch_receive(args, host_prefix, stream)
+        else:
+            self.copy_engine.dispatch(args, host_prefix, stream)
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
