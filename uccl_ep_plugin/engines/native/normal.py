@@ -34,8 +34,10 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
-# (the copy engines need it), and the dispatch's send positions (its cached dispatches and combine reuse them).
+# (the copy engines need it), whether a combine fits their staging, by (hidden, num_topk), and the dispatch's
+# send positions (its cached dispatches and combine reuse them).
 _HOST_PREFIX = "_uccl_ep_host_prefix"
+_COMBINE_FITS = "_uccl_ep_combine_fits"
 _SEND_POS = "_uccl_ep_send_pos"
 
 
@@ -190,20 +192,26 @@ class NativeNormal:
         self._check_fits(f"combine of up to {most_sent} rows back to one rank",
                          self._C.normal_combine_area_bytes(most_sent, 2 * hidden, num_topk))
 
-    def _copy_engine_serves(self, host_prefix: Optional[List[int]], hidden: int, num_topk: int,
+    def _copy_engine_serves(self, rank_prefix_matrix: torch.Tensor, hidden: int, num_topk: int,
                             dispatch_row: Optional[Tuple[int, int]] = None) -> bool:
-        """Whether the copy engines carry a combine of these counts (bf16 rows of ``hidden``), and with
-        ``dispatch_row = (x_row_bytes, scale_row_bytes)`` the dispatch too: every owner's staging fits. Decided
-        from values every rank shares, so every rank takes the same path."""
-        if not self.rows_by_copy_engine or host_prefix is None:
+        """Whether the copy engines carry a combine of this handle's rows (bf16 rows of ``hidden``), and with
+        ``dispatch_row = (x_row_bytes, scale_row_bytes)`` its cached dispatch too: every owner's staging fits.
+        Decided from values every rank shares, so every rank takes the same path. A handle has counts on the host
+        only when the copy engines carried its dispatch; the combine's answer is kept on it."""
+        host_prefix = _host_prefix(rank_prefix_matrix)
+        if host_prefix is None:
             return False
-        staging = self._C.NormalStaging
-        needs = [(staging.COMBINE, 2 * hidden, 0)]
-        if dispatch_row is not None:
-            needs.append((staging.DISPATCH, *dispatch_row))
-        return all(self._C.normal_staging_most_bytes(kind, host_prefix, self.num_ranks, row_bytes, scale_bytes,
-                                                     num_topk) <= self.data_bytes
-                   for kind, row_bytes, scale_bytes in needs)
+        combine_fits, key = getattr(rank_prefix_matrix, _COMBINE_FITS), (hidden, num_topk)
+        if key not in combine_fits:
+            combine_fits[key] = self._staging_fits(self._C.NormalStaging.COMBINE, host_prefix, 2 * hidden, 0, num_topk)
+        if not combine_fits[key]:
+            return False
+        return dispatch_row is None or self._staging_fits(self._C.NormalStaging.DISPATCH, host_prefix, *dispatch_row,
+                                                          num_topk)
+
+    def _staging_fits(self, kind, host_prefix: List[int], row_bytes: int, scale_row_bytes: int, num_topk: int) -> bool:
+        return self._C.normal_staging_most_bytes(kind, host_prefix, self.num_ranks, row_bytes, scale_row_bytes,
+                                                 num_topk) <= self.data_bytes
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
@@ -226,7 +234,8 @@ class NativeNormal:
                 cached_handle
             num_rows_out = cached_src_idx.size(0)
             host_prefix = _host_prefix(rank_prefix_matrix)
-            by_copy_engine = self._copy_engine_serves(host_prefix, hidden, num_topk, (x_row_bytes, scale_row_bytes))
+            by_copy_engine = self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk,
+                                                      (x_row_bytes, scale_row_bytes))
             send_pos = self._send_positions(cached_handle)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
@@ -258,6 +267,7 @@ class NativeNormal:
             num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
             if by_copy_engine:
                 setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
+                setattr(rank_prefix_matrix, _COMBINE_FITS, {(hidden, num_topk): True})   # start_dispatch checked it
             else:
                 sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
                 self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
@@ -307,9 +317,8 @@ class NativeNormal:
             is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_positions(handle).data_ptr(),
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
             combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
-        host_prefix = _host_prefix(rank_prefix_matrix)
-        if self._copy_engine_serves(host_prefix, hidden, num_topk):
-            self.copy_engine.combine(args, host_prefix, self._stream())
+        if self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk):
+            self.copy_engine.combine(args, _host_prefix(rank_prefix_matrix), self._stream())
         else:
             self._C.normal_combine(args, self._stream())
         return combined_x, combined_topk_weights
