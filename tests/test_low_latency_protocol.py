@@ -2,7 +2,7 @@
 barrier between them, while the transport delivers late and out of order (reorder injection).
 
 Each call on a buffer half is what a low-latency kernel does for its proxy peers (KERNEL_NOTES.md, "Low-latency
-through the proxy"): push write(release count: the uses of this half this rank has read) to every peer, wait
+through the proxy"): push write(release count: the uses of each half this rank has read) to every peer, wait
 until every peer has finished reading this half's previous use (its release count in this rank's half), stage the
 rows and a flag word (epoch << 32 | rows) in the outbox for each peer, push write(rows), QUIET, write(flag); then
 wait for every peer's flag of this epoch, check the rows it announces and count the use. The halves alternate as
@@ -10,6 +10,7 @@ eager calls use them, or one half is used again and again as a replayed CUDA gra
 for GPU memory in CI; on 2 GPUs the same runs over cuda-copy and over tcp with device memory.
 """
 
+import itertools
 import time
 
 import pytest
@@ -98,13 +99,14 @@ def _protocol_body(rank, num_ranks, group, transport, reorder_seed, calls, same_
         half = 0 if same_half else call % 2
         epoch = uses[half] + 1
         where = f"call {call} (half {half}, epoch {epoch})"
-        # This rank's count goes out before it waits for the peers' counts, so no two ranks wait on each other.
-        for p in peers:
-            store(L.box(half, p) + MAX_ROWS * ROW + WORD, torch.tensor([uses[half]], dtype=torch.int64))
+        # This rank's counts of both halves go out before it waits for the peers' counts, so no two ranks wait
+        # on each other.
+        for h, p in itertools.product((0, 1), peers):
+            store(L.box(h, p) + MAX_ROWS * ROW + WORD, torch.tensor([uses[h]], dtype=torch.int64))
         settle(region)
-        for p in peers:
-            fifos[p % len(fifos)].push(WRITE, p, length_bytes=WORD, local_offset=L.box(half, p) + MAX_ROWS * ROW + WORD,
-                                       remote_offset=L.at(half, L.release + rank * WORD))
+        for h, p in itertools.product((0, 1), peers):
+            fifos[p % len(fifos)].push(WRITE, p, length_bytes=WORD, local_offset=L.box(h, p) + MAX_ROWS * ROW + WORD,
+                                       remote_offset=L.at(h, L.release + rank * WORD))
         for p in peers:
             wait_word(L.at(half, L.release + p * WORD), lambda v: v + 1 >= epoch,
                       f"{where}: rank {p}'s release of the previous use")

@@ -190,9 +190,10 @@ __device__ int wait_flag(const LowLatencyRegion& r, const uint64_t* flag, uint64
   return arrived ? static_cast<int>(value & 0xFFFFFFFFu) : -1;
 }
 
-// Where `rank`'s buffer holds the count of uses of this half that `reader` has finished reading.
-__device__ __forceinline__ uint64_t* release_count_at(const LowLatencyRegion& r, int rank, int reader) {
-  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + r.release_offset + reader * kLowLatencyReleaseStride);
+// Where a rank's buffer holds the count of uses of a half (its release counts at `release_offset`)
+// that `reader` has finished reading.
+__device__ __forceinline__ int64_t release_slot(int64_t release_offset, int reader) {
+  return release_offset + reader * kLowLatencyReleaseStride;
 }
 
 // ------------------------------------------------------------------------------ proxy path
@@ -246,25 +247,36 @@ constexpr uint64_t kUseShares = 1ull << 16;
 
 __device__ __forceinline__ uint64_t completed_uses(const LowLatencyRegion& r) { return r.control[0] / kUseShares; }
 
-// A send launch for use `epoch` first tells every peer that this rank has finished reading the
-// half's earlier uses: stream order puts every earlier receive of this rank before it, so the
-// receive itself ends without fences or remote stores. A peer needs the count only before its next
-// write into this half, in a later call whose send every rank launches too. Masked peers get it as
-// well, so a peer unmasked later finds it current (an IPC mapping keeps a dead peer's memory valid);
-// a proxy peer's count is staged and written by the proxy.
+// A send launch for use `epoch` first tells every peer how many uses of each half this rank has
+// finished reading: stream order puts every earlier receive of this rank before it, so the receive
+// itself ends without fences or remote stores. A peer needs a count only before its next write into
+// that half, in a later call whose send every rank launches too; the other half's count goes out a
+// call before that half's own next send. Masked peers get them as well, so a peer unmasked later
+// finds them current (an IPC mapping keeps a dead peer's memory valid); a proxy peer's counts are
+// staged and written by the proxy.
 __device__ void publish_release(const LowLatencyRegion& r, uint64_t epoch) {
   if (blockIdx.x != 0) return;
-  const uint64_t shares = (epoch - 1) * kUseShares;
+  const int64_t release_offsets[2] = {r.release_offset, r.other_half_release_offset};
+  const int64_t outbox_offsets[2] = {r.outbox_offset, r.other_half_outbox_offset};
+  // No launch on the other half runs meanwhile (stream order), so its count is whole uses.
+  const uint64_t shares[2] = {(epoch - 1) * kUseShares, *r.other_half_control / kUseShares * kUseShares};
   for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    if (!via_proxy(r, peer)) {
-      store_relaxed_system(release_count_at(r, peer, r.rank), shares);
-      continue;
+    const bool proxy = via_proxy(r, peer);
+    Command writes[2];
+    for (int half = 0; half < 2; ++half) {
+      const int64_t slot = release_slot(release_offsets[half], r.rank);
+      if (!proxy) {
+        store_relaxed_system(reinterpret_cast<uint64_t*>(rank_base(r, peer) + slot), shares[half]);
+        continue;
+      }
+      const int64_t staged = outbox_offsets[half] + peer * r.outbox_peer_bytes + r.outbox_release_pos;
+      *reinterpret_cast<uint64_t*>(rank_base(r, r.rank) + staged) = shares[half];
+      writes[half] = proxy_write(peer, staged, slot, kLowLatencyReleaseStride);
     }
-    *reinterpret_cast<uint64_t*>(outbox(r, peer) + r.outbox_release_pos) = shares;
-    __threadfence_system();
-    const Command write = proxy_write(peer, outbox_offset(r, peer) + r.outbox_release_pos,
-                                      r.release_offset + r.rank * kLowLatencyReleaseStride, kLowLatencyReleaseStride);
-    push_commands(r, peer, &write, 1, kLowLatencyRelease);
+    if (proxy) {
+      __threadfence_system();
+      push_commands(r, peer, writes, 2, kLowLatencyRelease);
+    }
   }
 }
 
@@ -275,7 +287,7 @@ __device__ void exchange_releases(const LowLatencyRegion& r, const GroupPosition
   publish_release(r, epoch);
   for (int peer = g.thread; peer < r.num_ranks; peer += kGroupThreads) {
     uint64_t value;
-    wait_for(r, release_count_at(r, r.rank, peer),
+    wait_for(r, reinterpret_cast<const uint64_t*>(rank_base(r, r.rank) + release_slot(r.release_offset, peer)),
              [epoch](uint64_t shares) { return shares / kUseShares + 1 >= epoch; }, peer, phase, -1, nullptr, value);
   }
   group_sync(g);

@@ -71,6 +71,10 @@ struct LowLatencyRegion {
   int64_t release_offset;      // uses of this half each rank has finished reading, 16 bytes per rank
   int64_t recv_offset;
   uint64_t* control;           // device [3]: completed uses of this half (in shares), spare, aborted
+  // The other half's count and release counts: a send launch publishes both halves' counts, so a
+  // peer's next write into either half finds its count a call early.
+  const uint64_t* other_half_control;
+  int64_t other_half_release_offset;
   uint8_t* masked;             // device bool [num_ranks], or null without enable_shrink
   LowLatencyStatus* status;    // mapped host memory
   int64_t timeout_ns;
@@ -83,6 +87,7 @@ struct LowLatencyRegion {
   const FifoView* fifos;       // device [num_fifos]: the proxy's command FIFOs
   int32_t num_fifos;
   int64_t outbox_offset;       // this half's outboxes, one per peer
+  int64_t other_half_outbox_offset;
   int64_t outbox_peer_bytes;
   int64_t outbox_index_pos;    // inside one outbox: dispatch index block (data rows start at 0)
   int64_t outbox_flags_pos;    // count flags block

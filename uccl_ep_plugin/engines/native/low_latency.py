@@ -121,12 +121,15 @@ class NativeLowLatency:
                                  "multiple of 8")
             proxy = dict(via_proxy=self.proxy_path.via_proxy.data_ptr(), fifos=self.proxy_path.fifo_views,
                          num_fifos=self.proxy_path.num_fifos, outbox_offset=layout.outbox_offset(buffer_idx),
+                         other_half_outbox_offset=layout.outbox_offset(1 - buffer_idx),
                          outbox_peer_bytes=layout.outbox_peer_bytes, outbox_index_pos=layout.outbox_index_pos,
                          outbox_flags_pos=layout.outbox_flags_pos, outbox_release_pos=layout.outbox_release_pos)
         return self._C.LowLatencyRegion(
             peer_bases=self.peer_buffer.peer_bases, signal_offset=layout.signal_offset(buffer_idx),
             counters_offset=layout.counters_offset(buffer_idx), release_offset=layout.release_offset(buffer_idx),
             recv_offset=layout.recv_offset(buffer_idx), control=self.state.control(buffer_idx),
+            other_half_control=self.state.control(1 - buffer_idx),
+            other_half_release_offset=layout.release_offset(1 - buffer_idx),
             masked=_ptr(masked_ranks), status=self.state.status_device,
             timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks, **proxy)
 
