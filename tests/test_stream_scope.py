@@ -1,7 +1,8 @@
 """StreamScope's hand-off between the caller's stream and the Buffer's communication stream, played with
 stand-in streams and events on CPU (the CUDA path otherwise runs only on GPU machines): the communication
 stream waits for the caller's work, the outputs are recorded for the caller's stream, and without
-async_finish the caller's stream waits for the communication stream before the call returns."""
+async_finish the caller's stream waits for the communication stream before the call returns; with it, the
+caller's inputs are recorded for the communication stream."""
 
 import contextlib
 
@@ -65,7 +66,7 @@ def test_the_caller_waits_for_the_communication_stream(monkeypatch):
     log = _Log()
     with _scope(monkeypatch, log, async_finish=False) as scope:
         log.add("work")
-    event = scope.finish([_Output(log), None])
+    event = scope.finish([_Output(log), None], inputs=[_Output(log)])   # the caller waits: inputs not recorded
     assert log == [("record", "caller_ready", "caller"), ("wait", "comm", "caller_ready"), ("enter", "comm"),
                    ("work",), ("leave", "comm"), ("record_stream", "caller"), ("record", "comm_done", "comm"),
                    ("wait", "caller", "comm_done")]
@@ -78,6 +79,8 @@ def test_async_finish_hands_back_an_event_on_the_communication_stream(monkeypatc
     monkeypatch.setattr(streams, "EventHandle", lambda stream, device: recorded.append(stream.name) or "handle")
     with _scope(monkeypatch, log, async_finish=True) as scope:
         log.add("work")
-    scope.finish([_Output(log)])
+    scope.finish([_Output(log)], inputs=[_Output(log), None])
     assert recorded == ["comm"]
-    assert ("wait", "caller", "comm_done") not in log and log[-1] == ("record_stream", "caller")
+    # The output is the caller's to use; the input must outlive the communication stream's reads of it.
+    assert ("wait", "caller", "comm_done") not in log
+    assert log[-2:] == [("record_stream", "caller"), ("record_stream", "comm")]

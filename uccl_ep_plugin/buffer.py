@@ -344,7 +344,7 @@ class Buffer:
         check_same_device(self.device, topk_idx=topk_idx)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
-        event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank))
+        event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank), inputs=(topk_idx,))
         return per_rank, per_rdma_rank, per_expert, in_rank, event
 
     def dispatch(self, x: XType, handle: Optional[Tuple] = None,
@@ -416,7 +416,8 @@ class Buffer:
             if self._traffic is not None:
                 self._traffic.add_dispatch(is_token_in_rank, result.handle[0])
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
-        event = scope.finish(outputs)
+        event = scope.finish(outputs, inputs=(x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                                              is_token_in_rank, num_tokens_per_expert))
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
             return recv_x, None, None, None, None, event
@@ -448,7 +449,7 @@ class Buffer:
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels)
-        event = scope.finish((combined_x, combined_topk_weights))
+        event = scope.finish((combined_x, combined_topk_weights), inputs=(x, topk_weights) + tuple(biases))
         return combined_x, combined_topk_weights, event
 
     def internode_dispatch(self, x: XType, handle: Optional[Tuple] = None,

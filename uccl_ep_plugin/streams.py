@@ -55,17 +55,24 @@ class StreamScope:
             self._stream_context.__exit__(exc_type, exc_val, exc_tb)
             self._stream_context = None
 
-    def finish(self, outputs: Iterable[Optional[torch.Tensor]] = (),
-               extra_tensors: Optional[tuple] = None) -> EventOverlap:
-        """Call after leaving the scope: hands ``outputs`` to the caller's stream and returns the event."""
+    def finish(self, outputs: Iterable[Optional[torch.Tensor]] = (), extra_tensors: Optional[tuple] = None,
+               inputs: Iterable[Optional[torch.Tensor]] = ()) -> EventOverlap:
+        """Call after leaving the scope: hands ``outputs`` to the caller's stream and returns the event. With
+        async_finish, the caller's ``inputs`` are kept from reuse until the communication stream's work ends
+        (as DeepEP records them): the caller may free them before it waits for the event."""
         if self.comm is None:
             return EventOverlap(EventHandle(device=self.device), extra_tensors) if self.async_finish else EventOverlap()
-        for tensor in outputs:
-            if tensor is not None and tensor.device.type == "cuda":
-                # Allocated on the communication stream, used on the caller's.
-                tensor.record_stream(self._compute_stream)
+        _record(outputs, self._compute_stream)   # allocated on the communication stream, used on the caller's
         if self.async_finish:
+            _record(inputs, self.comm.stream)
             return EventOverlap(EventHandle(stream=self.comm.stream, device=self.device), extra_tensors)
         self.comm.comm_done.record(self.comm.stream)
         self._compute_stream.wait_event(self.comm.comm_done)
         return EventOverlap()
+
+
+def _record(tensors: Iterable[Optional[torch.Tensor]], stream) -> None:
+    """Tell the caching allocator that ``stream`` uses these CUDA tensors."""
+    for tensor in tensors:
+        if tensor is not None and tensor.device.type == "cuda":
+            tensor.record_stream(stream)
