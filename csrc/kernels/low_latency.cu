@@ -104,9 +104,13 @@ __device__ __forceinline__ bool via_proxy(const LowLatencyRegion& r, int rank) {
   return r.via_proxy != nullptr && rank != r.rank && r.via_proxy[rank] != 0;
 }
 
-// Offset in this rank's buffer of its outbox for `peer`.
+// Offset in this rank's buffer of its outbox for `peer`, in the half whose outboxes start at
+// `half_outboxes` (this half's by default).
+__device__ __forceinline__ int64_t outbox_offset(const LowLatencyRegion& r, int peer, int64_t half_outboxes) {
+  return half_outboxes + peer * r.outbox_peer_bytes;
+}
 __device__ __forceinline__ int64_t outbox_offset(const LowLatencyRegion& r, int peer) {
-  return r.outbox_offset + peer * r.outbox_peer_bytes;
+  return outbox_offset(r, peer, r.outbox_offset);
 }
 
 __device__ __forceinline__ uint8_t* outbox(const LowLatencyRegion& r, int peer) {
@@ -269,7 +273,7 @@ __device__ void publish_release(const LowLatencyRegion& r, uint64_t epoch) {
         store_relaxed_system(reinterpret_cast<uint64_t*>(rank_base(r, peer) + slot), shares[half]);
         continue;
       }
-      const int64_t staged = outbox_offsets[half] + peer * r.outbox_peer_bytes + r.outbox_release_pos;
+      const int64_t staged = outbox_offset(r, peer, outbox_offsets[half]) + r.outbox_release_pos;
       *reinterpret_cast<uint64_t*>(rank_base(r, r.rank) + staged) = shares[half];
       writes[half] = proxy_write(peer, staged, slot, kLowLatencyReleaseStride);
     }
