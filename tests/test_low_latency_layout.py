@@ -3,7 +3,7 @@
 
 import pytest
 
-from uccl_ep_plugin.dispatch_config import LowLatencyLayout, low_latency_rdma_size_hint
+from uccl_ep_plugin.dispatch_config import LowLatencyLayout, low_latency_layout, low_latency_rdma_size_hint
 
 SHAPES = [(128, 7168, 2, 288), (1, 2048, 2, 16), (7, 2560, 4, 12), (256, 8192, 8, 256), (3, 4096, 2, 6)]
 
@@ -42,3 +42,14 @@ def test_areas_are_16_byte_units_and_do_not_overlap(shape):
     assert layout.outbox_flags_pos >= layout.outbox_index_pos + 4 * layout.index_per_source
     assert layout.flags_per_source % 2 == 0 and layout.index_per_source % 4 == 0   # whole 16-byte units
     assert low_latency_rdma_size_hint(*shape) >= layout.total_bytes
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_shared_layout_of_a_shape_is_one_instance_with_the_same_offsets(shape):
+    shared, fresh = low_latency_layout(*shape), LowLatencyLayout(*shape)
+    assert low_latency_layout(*shape) is shared and shared == fresh
+    for half in (0, 1):
+        for offset in ("signal_offset", "counters_offset", "release_offset", "send_offset", "recv_offset",
+                       "outbox_offset"):
+            assert getattr(shared, offset)(half) == getattr(fresh, offset)(half), (offset, half)
+    assert shared.total_bytes == fresh.total_bytes and shared.outbox_peer_bytes == fresh.outbox_peer_bytes

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from . import engines
-from .dispatch_config import Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_rdma_size_hint
+from .dispatch_config import (Config, LowLatencyLayout, combine_config, dispatch_config, low_latency_layout,
+                              low_latency_rdma_size_hint)
 from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
 from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
@@ -656,7 +657,7 @@ class Buffer:
             raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for low-latency mode with "
                              f"T={num_tokens_limit}, H={hidden}, R={self.group_size}, E={num_experts}: need {needed} "
                              "(Buffer.get_low_latency_rdma_size_hint)")
-        return LowLatencyLayout(num_tokens_limit, hidden, self.group_size, num_experts)
+        return low_latency_layout(num_tokens_limit, hidden, self.group_size, num_experts)
 
     def _check_dispatch_x(self, x: XType) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if isinstance(x, tuple):

@@ -5,6 +5,7 @@ callers that size buffers from them (SGLang, vLLM, DeepEP's tests) always get en
 """
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 BUFFER_ALIGNMENT_BYTES = 128
 NVL_PEERS_PER_NODE = 8           # ranks per NVLink domain assumed by the rdma-rank split
@@ -127,6 +128,9 @@ class LowLatencyLayout:
 
     The send area is large enough for the combine payload of every local expert, so
     ``get_next_low_latency_combine_buffer`` can hand out a ``[El, R*T, H]`` bf16 view of it.
+
+    Sizes are computed once per instance, and ``low_latency_layout`` keeps one instance per shape:
+    every low-latency call reads several offsets, each of which sums most of them.
     """
 
     num_max_dispatch_tokens_per_rank: int
@@ -134,43 +138,43 @@ class LowLatencyLayout:
     num_ranks: int
     num_experts: int
 
-    @property
+    @cached_property
     def dispatch_msg_bytes(self) -> int:
         # 16-byte header (source token), then the larger of a bf16 row and an fp8 row with its scales.
         num_scales = (self.hidden + 127) // 128
         return 16 + max(2 * self.hidden, self.hidden + 4 * num_scales)
 
-    @property
+    @cached_property
     def combine_msg_bytes(self) -> int:
         # The bf16 row, then an 8-byte LogFMT header per 128 channels, in whole 16-byte units.
         num_groups = (self.hidden + 127) // 128
         return _align_up(2 * self.hidden + 8 * num_groups, 16)
 
-    @property
+    @cached_property
     def local_experts(self) -> int:
         return self.num_experts // self.num_ranks
 
     # A proxy moves whole 16-byte units, so each source's flags and index entries are padded to them
     # (low_latency.h has the same rules).
-    @property
+    @cached_property
     def flags_per_source(self) -> int:
         return _align_up(self.local_experts, 2)
 
-    @property
+    @cached_property
     def index_per_source(self) -> int:
         return _align_up(self.local_experts * self.num_max_dispatch_tokens_per_rank, 4)
 
-    @property
+    @cached_property
     def _counters_start(self) -> int:
         # After the flags [source][flags_per_source]: this rank's own int32 counters: rows sent per expert,
         # then per peer the units and the rows staged for it (the proxy path).
         return 8 * self.num_ranks * self.flags_per_source
 
-    @property
+    @cached_property
     def _release_start(self) -> int:
         return _align_up(self._counters_start + 4 * self.num_experts + 8 * self.num_ranks, 16)
 
-    @property
+    @cached_property
     def signal_bytes(self) -> int:
         # Then, per rank (16 bytes each), how many uses of this half it has finished reading.
         return _align_up(self._release_start + 16 * self.num_ranks, BUFFER_ALIGNMENT_BYTES)
@@ -187,17 +191,17 @@ class LowLatencyLayout:
     def outbox_offset(self, buffer_idx: int) -> int:
         return self.recv_offset(buffer_idx) + self.recv_bytes
 
-    @property
+    @cached_property
     def send_bytes(self) -> int:
         t, e = self.num_max_dispatch_tokens_per_rank, self.num_experts
         return _align_up(max(t * self.dispatch_msg_bytes, e * t * self.combine_msg_bytes), BUFFER_ALIGNMENT_BYTES)
 
-    @property
+    @cached_property
     def _combine_rows_per_source(self) -> int:
         # At most min(top-k, local experts) rows per token; the top-k is not known here: its largest value.
         return self.num_max_dispatch_tokens_per_rank * min(MAX_TOPK, self.local_experts)
 
-    @property
+    @cached_property
     def recv_bytes(self) -> int:
         # Dispatch: a message per (source rank, token) and the row index [source][index_per_source].
         # Combine: per source rank a block of the rows its experts return.
@@ -207,32 +211,32 @@ class LowLatencyLayout:
         return _align_up(max(dispatch, combine), BUFFER_ALIGNMENT_BYTES)
 
     # The outbox for one peer (the proxy path): what this rank sends it, in the layout of its block there.
-    @property
+    @cached_property
     def outbox_index_pos(self) -> int:
         return _align_up(self.num_max_dispatch_tokens_per_rank * self.dispatch_msg_bytes, 16)
 
-    @property
+    @cached_property
     def outbox_flags_pos(self) -> int:
         dispatch = self.outbox_index_pos + 4 * self.index_per_source
         return _align_up(max(dispatch, self._combine_rows_per_source * self.combine_msg_bytes), 16)
 
-    @property
+    @cached_property
     def outbox_release_pos(self) -> int:
         return self.outbox_flags_pos + 8 * self.flags_per_source
 
-    @property
+    @cached_property
     def outbox_peer_bytes(self) -> int:
         return self.outbox_release_pos + 16
 
-    @property
+    @cached_property
     def outbox_bytes(self) -> int:
         return _align_up(self.num_ranks * self.outbox_peer_bytes, BUFFER_ALIGNMENT_BYTES)
 
-    @property
+    @cached_property
     def half_bytes(self) -> int:
         return self.signal_bytes + self.send_bytes + self.recv_bytes + self.outbox_bytes
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return 2 * self.half_bytes
 
@@ -243,10 +247,16 @@ class LowLatencyLayout:
         return buffer_idx * self.half_bytes + self.signal_bytes
 
 
+@lru_cache(maxsize=64)
+def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                       num_experts: int) -> LowLatencyLayout:
+    return LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+
 def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                num_experts: int) -> int:
     for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                         ("num_ranks", num_ranks), ("num_experts", num_experts)):
         _check_positive(name, value)
-    layout = LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    layout = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
     return _align_up(layout.total_bytes, BUFFER_ALIGNMENT_BYTES)

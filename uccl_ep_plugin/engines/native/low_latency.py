@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...dispatch_config import LowLatencyLayout
+from ...dispatch_config import LowLatencyLayout, low_latency_layout
 from ..reference.collectives import CommTimeoutError
 from ..reference.low_latency import LowLatencyDispatchResult
 from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
@@ -66,6 +66,7 @@ class NativeLowLatency:
         self.timeout_s = timeout_s
         self.state = extension.LowLatencyState(device.index)
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._regions = {}   # (layout, half, mask address) -> LowLatencyRegion: built once, not per call
 
     # ------------------------------------------------------------------ state and errors
     def check(self) -> None:
@@ -114,6 +115,13 @@ class NativeLowLatency:
             self.peer_buffer = None
 
     def _region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
+        key = (layout, buffer_idx, _ptr(masked_ranks))
+        region = self._regions.get(key)
+        if region is None:
+            region = self._regions[key] = self._new_region(layout, buffer_idx, masked_ranks)
+        return region
+
+    def _new_region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
         proxy = dict()
         if self.proxy_path is not None:
             if layout.dispatch_msg_bytes % 16:
@@ -160,7 +168,7 @@ class NativeLowLatency:
                              buffer_idx: int) -> LowLatencyDispatchResult:
         self.check()
         hidden = x.size(1)
-        layout = LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
         local_experts = num_experts // self.num_ranks
         slots = self.num_ranks * num_max_tokens
         options = dict(device=self.device)
@@ -202,7 +210,7 @@ class NativeLowLatency:
                             return_recv_hook: bool, buffer_idx: int):
         self.check()
         hidden = x.size(2)
-        layout = LowLatencyLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
         num_tokens = topk_idx.size(0)
         # The Buffer checked that out (if given) is contiguous bf16 [num_tokens, hidden].
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
