@@ -7,7 +7,7 @@ are checked here, before any communication, so both engines see only valid input
 import itertools
 import os
 import warnings
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,7 @@ class Buffer:
                              else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
         self._low_latency_buffer_idx = 0
         self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
+        self._default_configs: Dict[Tuple[Callable[[int], Config], int], Config] = {}
         self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
                          else None)
         self._destroyed = False
@@ -683,7 +684,11 @@ class Buffer:
 
     def _check_config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
         if config is None:
-            return default(self.group_size)
+            # Built once per (kind, set_num_sms value): the calls only read it, and building it is not free.
+            key = (default, Buffer.num_sms)
+            if key not in self._default_configs:
+                self._default_configs[key] = default(self.group_size)
+            return self._default_configs[key]
         if not isinstance(config, Config):
             raise TypeError(f"config must be a uccl_ep_plugin.Config, got {type(config).__name__}")
         return config
