@@ -323,7 +323,9 @@ class Buffer:
         check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish)
+        # The traffic counters run torch ops on the call's results: on the communication stream, in its order.
+        return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish,
+                           allocate_on_comm_stream or self._traffic is not None)
 
     def _check_owner(self, handle, name: str = "handle") -> None:
         owner = owner_of(handle)
@@ -345,7 +347,8 @@ class Buffer:
         self._check_topk_idx(engine, topk_idx, num_experts)
         check_same_device(self.device, topk_idx=topk_idx)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
-            per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts)
+            per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
+                                                                                      scope.launch_stream)
         event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank), inputs=(topk_idx,))
         return per_rank, per_rdma_rank, per_expert, in_rank, event
 
@@ -408,6 +411,7 @@ class Buffer:
                          expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                          num_channels=config.num_channels, cached_handle=cached)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
+            arguments["stream"] = scope.launch_stream
             try:
                 result = engine.dispatch(x_data, x_scales, **arguments)
             except ExchangeTooLarge as error:
@@ -450,7 +454,8 @@ class Buffer:
         check_same_device(self.device, x=x, topk_weights=topk_weights)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
-                                                               num_channels=config.num_channels)
+                                                               num_channels=config.num_channels,
+                                                               stream=scope.launch_stream)
         event = scope.finish((combined_x, combined_topk_weights), inputs=(x, topk_weights) + tuple(biases))
         return combined_x, combined_topk_weights, event
 

@@ -4,6 +4,12 @@ The work runs on the Buffer's communication stream after ``previous_event`` (or 
 everything already queued on the caller's stream). With ``async_finish`` the caller gets an
 event to wait for; otherwise the caller's stream waits before the call returns. On CPU
 every operation completes before it returns.
+
+Outputs are allocated on the caller's stream, as DeepEP's are, when the caller's stream waits for
+the communication stream before the call returns and the communication stream waited for all of the
+caller's work: then nothing needs recording. Otherwise (``async_finish``, ``previous_event``,
+``allocate_on_comm_stream``) the operation runs under the communication stream, so its allocations
+and torch ops go there, and its outputs are recorded for the caller's stream.
 """
 
 from typing import Iterable, Optional
@@ -20,19 +26,27 @@ class CommStream:
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
+        self.handle = self.stream.cuda_stream   # what the native kernels launch on
         self.caller_ready = torch.cuda.Event()
         self.comm_done = torch.cuda.Event()
 
 
 class StreamScope:
     def __init__(self, comm: Optional[CommStream], device: torch.device,
-                 previous_event: Optional[EventOverlap], async_finish: bool) -> None:
+                 previous_event: Optional[EventOverlap], async_finish: bool, allocate_on_comm_stream: bool) -> None:
         self.comm = comm
         self.device = device
         self.previous_event = previous_event
         self.async_finish = async_finish
+        self.on_comm_stream = comm is not None and (async_finish or previous_event is not None or
+                                                    allocate_on_comm_stream)
         self._compute_stream = None
         self._stream_context = None
+
+    @property
+    def launch_stream(self) -> int:
+        """The stream the native kernels launch on (0 without a communication stream)."""
+        return 0 if self.comm is None else self.comm.handle
 
     def __enter__(self) -> "StreamScope":
         previous = getattr(self.previous_event, "event", None)
@@ -46,8 +60,9 @@ class StreamScope:
         else:
             self.comm.caller_ready.record(self._compute_stream)
             self.comm.stream.wait_event(self.comm.caller_ready)
-        self._stream_context = torch.cuda.stream(self.comm.stream)
-        self._stream_context.__enter__()
+        if self.on_comm_stream:
+            self._stream_context = torch.cuda.stream(self.comm.stream)
+            self._stream_context.__enter__()
         return self
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
@@ -62,7 +77,8 @@ class StreamScope:
         (as DeepEP records them): the caller may free them before it waits for the event."""
         if self.comm is None:
             return EventOverlap(EventHandle(device=self.device), extra_tensors) if self.async_finish else EventOverlap()
-        _record(outputs, self._compute_stream)   # allocated on the communication stream, used on the caller's
+        if self.on_comm_stream:
+            _record(outputs, self._compute_stream)   # allocated on the communication stream, used on the caller's
         if self.async_finish:
             _record(inputs, self.comm.stream)
             return EventOverlap(EventHandle(stream=self.comm.stream, device=self.device), extra_tensors)

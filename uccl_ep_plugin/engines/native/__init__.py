@@ -99,9 +99,9 @@ class NativeEngine:
         with torch.cuda.device(self.device):
             return self.normal.dispatch(x, x_scales, **kwargs)
 
-    def combine(self, x, handle, topk_weights, biases, num_channels: int):
+    def combine(self, x, handle, topk_weights, biases, num_channels: int, stream: int):
         with torch.cuda.device(self.device):
-            return self.normal.combine(x, handle, topk_weights, biases, num_channels)
+            return self.normal.combine(x, handle, topk_weights, biases, num_channels, stream)
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map every rank's low-latency buffer (collective). Returns ``{operation: reason}`` for the
@@ -131,7 +131,7 @@ class NativeEngine:
         with torch.cuda.device(self.device):
             return self.low_latency.low_latency_combine(*args, **kwargs)
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
         num_tokens, num_topk = topk_idx.shape
         options = dict(device=self.device)
         num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, **options)
@@ -141,7 +141,7 @@ class NativeEngine:
         with torch.cuda.device(self.device):
             self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
                                     num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-                                    is_token_in_rank.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
+                                    is_token_in_rank.data_ptr(), stream)
         return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:

@@ -140,10 +140,7 @@ class NativeNormal:
             self.peer_buffer.release()
             self.peer_buffer = None
 
-    def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _send_positions(self, handle: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _send_positions(self, handle: Sequence[torch.Tensor], stream: int) -> torch.Tensor:
         """send_pos [N, R] of a handle's dispatch: each token's position among the tokens sent to each rank, -1
         where not sent. Kept by the dispatch that made the handle, else computed from its is_token_in_rank."""
         send_pos = getattr(handle[0], _SEND_POS, None)
@@ -154,7 +151,7 @@ class NativeNormal:
         send_pos = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=self.device)
         self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
                                    num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
-                                   channel_prefix_matrix=0, send_head=0, stream=self._stream())
+                                   channel_prefix_matrix=0, send_head=0, stream=stream)
         return send_pos
 
     # ------------------------------------------------------------------ operations
@@ -216,8 +213,8 @@ class NativeNormal:
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
-                 num_worst_tokens: int, num_channels: int,
-                 cached_handle: Optional[Sequence[torch.Tensor]]) -> DispatchResult:
+                 num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
+                 stream: int) -> DispatchResult:
         self.check()
         hidden = x.size(1)
         x_row_bytes = hidden * x.element_size()
@@ -227,7 +224,6 @@ class NativeNormal:
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         num_recv_tokens_per_expert_list = []
         local_experts = 0
-        stream = self._stream()
         host_prefix, by_copy_engine = None, False
         if cached_handle is not None:
             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
@@ -236,7 +232,7 @@ class NativeNormal:
             host_prefix = _host_prefix(rank_prefix_matrix)
             by_copy_engine = self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk,
                                                       (x_row_bytes, scale_row_bytes))
-            send_pos = self._send_positions(cached_handle)
+            send_pos = self._send_positions(cached_handle, stream)
         else:
             local_experts = num_tokens_per_expert.numel() // self.num_ranks
             if num_worst_tokens > 0:
@@ -298,7 +294,8 @@ class NativeNormal:
                               num_recv_tokens_per_expert_list, handle)
 
     def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                biases: Sequence[torch.Tensor], num_channels: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                biases: Sequence[torch.Tensor], num_channels: int,
+                stream: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         self.check()
         rank_prefix_matrix, _, _, _, is_token_in_rank, _ = handle
         num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
@@ -314,11 +311,11 @@ class NativeNormal:
         args = self._C.NormalCombineArgs(
             region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
             num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
-            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_positions(handle).data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_positions(handle, stream).data_ptr(),
             num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
             combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
         if self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk):
-            self.copy_engine.combine(args, _host_prefix(rank_prefix_matrix), self._stream())
+            self.copy_engine.combine(args, _host_prefix(rank_prefix_matrix), stream)
         else:
-            self._C.normal_combine(args, self._stream())
+            self._C.normal_combine(args, stream)
         return combined_x, combined_topk_weights

@@ -20,14 +20,15 @@ class ReferenceEngine:
                  timeout_s: float) -> None:
         self.comm = GroupComm(group, rank, num_ranks, device, timeout_s)
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+    # `stream` is where the native kernels launch; the reference runs on the current stream. num_channels
+    # sizes the native kernels' grid only.
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
         return layout.dispatch_layout(topk_idx, num_experts, self.comm.num_ranks)
 
-    def dispatch(self, x, x_scales, **kwargs) -> normal.DispatchResult:
+    def dispatch(self, x, x_scales, *, stream: int, **kwargs) -> normal.DispatchResult:
         return normal.dispatch(self.comm, x, x_scales, **kwargs)
 
-    # num_channels sizes the native kernels' grid only.
-    def combine(self, x, handle, topk_weights, biases, num_channels):
+    def combine(self, x, handle, topk_weights, biases, num_channels, stream: int):
         return normal.combine(self.comm, x, handle, topk_weights, biases)
 
     # The buffer half (buffer_idx) and the handle's src_info/sizes matter to the native kernels only: the
