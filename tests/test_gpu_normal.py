@@ -258,10 +258,38 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
+def _plain_calls(native, reference, rank: int, device: torch.device) -> None:
+    """Without any stream flag a call sees every op queued before it on the caller's stream (fp8 scales given
+    column-major, as DeepGEMM makes them, so the call copies them first), and the caller's next op sees its
+    outputs."""
+    case = Case("plain_fp8_h2048_k8_e64", 2048, 8, 64, (500, 333), fp8=True)
+    (data, scales), topk_idx, topk_weights, gen = _inputs(case, rank, 12, device)
+    layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+    want = _dispatch(reference, (data, scales), layout, topk_idx, topk_weights, case)
+    torch.cuda.synchronize(device)
+    column_major = torch.full((scales.size(1), scales.size(0)), float("nan"), device=device).t()
+    torch.cuda._sleep(50_000_000)
+    column_major.copy_(scales)
+    got = _dispatch(native, (data, column_major), layout, topk_idx, topk_weights, case)
+    received = tuple(tensor.clone() for tensor in got[0])   # on the caller's stream, right after the call
+    _assert_equal(received, want[0], "plain call: recv_x and its scales")
+
+    rows = want[0][0].size(0)
+    expert_out = (torch.randn((rows, case.hidden), generator=gen) + 0.5).to(torch.bfloat16).to(device)
+    want_combined = reference.combine(expert_out, want[4], topk_weights=want[2])
+    torch.cuda.synchronize(device)
+    staged = torch.full_like(expert_out, float("nan"))
+    torch.cuda._sleep(50_000_000)
+    staged.copy_(expert_out)
+    combined = native.combine(staged, got[4], topk_weights=got[2])
+    _assert_equal((combined[0].clone(), combined[1].clone()), want_combined[:2], "plain call: combine")
+
+
 def _streams_body(rank: int, num_ranks: int, group) -> None:
     """DeepEP's stream semantics: with previous_event the communication stream waits for that event (x is
     written behind a long sleep on the compute stream, after a poisoned fill), with async_finish the call
-    returns an event the caller waits on, with allocate_on_comm_stream the outputs come from that stream."""
+    returns an event the caller waits on, with allocate_on_comm_stream the outputs come from that stream; then
+    plain calls (_plain_calls)."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     case = Case("streams_bf16_h4096_k8_e64", 4096, 8, 64, (300, 211), num_biases=1)
@@ -297,6 +325,7 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
                                   async_finish=True, allocate_on_comm_stream=True)
         combined[2].current_stream_wait()
         _assert_equal(combined[:2], want_combined[:2], "streams: combine")
+        _plain_calls(native, reference, rank, device)
     finally:
         torch.cuda.synchronize(device)
         native.destroy()

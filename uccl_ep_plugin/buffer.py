@@ -412,6 +412,9 @@ class Buffer:
                          num_channels=config.num_channels, cached_handle=cached)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             arguments["stream"] = scope.launch_stream
+            if x_scales is not None and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
+                with scope.on_launch_stream():
+                    x_scales = x_scales.contiguous()
             try:
                 result = engine.dispatch(x_data, x_scales, **arguments)
             except ExchangeTooLarge as error:

@@ -12,6 +12,7 @@ caller's work: then nothing needs recording. Otherwise (``async_finish``, ``prev
 and torch ops go there, and its outputs are recorded for the caller's stream.
 """
 
+from contextlib import nullcontext
 from typing import Iterable, Optional
 
 import torch
@@ -47,6 +48,11 @@ class StreamScope:
     def launch_stream(self) -> int:
         """The stream the native kernels launch on (0 without a communication stream)."""
         return 0 if self.comm is None else self.comm.handle
+
+    def on_launch_stream(self):
+        """A context for torch ops whose results the native kernels read: they must run where the kernels do."""
+        return torch.cuda.stream(self.comm.stream) if self.comm is not None and not self.on_comm_stream \
+            else nullcontext()
 
     def __enter__(self) -> "StreamScope":
         previous = getattr(self.previous_event, "event", None)

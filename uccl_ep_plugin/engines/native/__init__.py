@@ -8,6 +8,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ...dispatch_config import NVL_PEERS_PER_NODE
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
@@ -142,7 +143,11 @@ class NativeEngine:
             self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
                                     num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
                                     is_token_in_rank.data_ptr(), stream)
-        return num_tokens_per_rank, rdma_rank_counts(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
+        per_rdma_rank = None
+        if self.num_ranks > NVL_PEERS_PER_NODE:   # torch ops reading the kernel's output: on its stream
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+                per_rdma_rank = rdma_rank_counts(is_token_in_rank)
+        return num_tokens_per_rank, per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:
         if self.normal is not None:

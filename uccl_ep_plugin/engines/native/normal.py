@@ -218,8 +218,6 @@ class NativeNormal:
         self.check()
         hidden = x.size(1)
         x_row_bytes = hidden * x.element_size()
-        if x_scales is not None:
-            x_scales = x_scales.contiguous()
         scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         num_recv_tokens_per_expert_list = []
