@@ -42,7 +42,8 @@ class LowLatencyHandle(_TaggedHandle):
     - ``layout_range[e, i]``: ``begin << 32 | count`` of the rows local expert ``e`` got from rank ``i`` (int64 ``[El, R]``).
 
     ``positions`` (an attribute, not an item): the native engine's record of where each (token, top-k)
-    entry's combined row will land; None from the reference engine or on a handle rebuilt as a plain tuple.
+    entry's combined row will land and of its slot among its expert's rows (int32 ``[2, N, K]``); None from
+    the reference engine or on a handle rebuilt as a plain tuple.
     """
 
     positions: Optional[Any] = None

@@ -20,6 +20,9 @@
 //   combine recv: one unit per token (or per slice of its channels when there are more groups
 //     than tokens): wait for the flags of its experts, then sum the weighted rows (found at the
 //     positions the dispatch recorded) in float32.
+//   pre-reduced combine (bf16, every peer mapped; low_latency.h): one group sends this rank's routing
+//     records to every rank; then one unit per (source rank, token) sums the token's rows over this
+//     rank's experts into its slot at the source, and the receive adds one slot per rank.
 // Peers reached through the CPU proxy (LowLatencyRegion::via_proxy) get the same stores in an outbox
 // of this rank's buffer; the unit that completes a phase for such a peer pushes its writes (data,
 // quiet, flags) into the proxy's FIFOs, and a send launch pushes the release count.
@@ -516,12 +519,14 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
   if (g.thread < a.num_topk) {
     const int k = g.thread;
     const int expert = sh.experts[k];
-    if (expert < 0) a.positions[first_entry + k] = -1;
+    int32_t* slots = a.positions + entries;
+    if (expert < 0) a.positions[first_entry + k] = slots[first_entry + k] = -1;
     if (expert >= 0) {
       const int dst = expert / local_experts, local = expert % local_experts;
       const int slot = sh.before[k];
       const int position = sh.smaller[k] + slot;
       a.positions[first_entry + k] = position;
+      slots[first_entry + k] = slot;
       if (slot < a.num_max_tokens &&
           position < low_latency_combine_rows_per_source(a.num_max_tokens, a.num_topk, local_experts)) {
         *dispatch_index_at(a, dst, local, r.rank, slot) = token;
@@ -869,6 +874,151 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
 // registers) spills.
 constexpr int kSumBatch = 4;
 
+// ------------------------------------------------------------------ pre-reduced combine (low_latency.h)
+__host__ __device__ inline bool prereduces(const LowLatencyCombineArgs& a) {
+  return !a.use_logfmt && a.region.via_proxy == nullptr &&
+         low_latency_combine_prereduces(a.num_max_tokens, a.hidden, a.num_topk, a.num_experts / a.region.num_ranks);
+}
+
+// What `src` returns to `rank` for token `token`: a two-row slot, its flag in the last 8 bytes.
+__device__ __forceinline__ uint8_t* partial_slot_at(const LowLatencyCombineArgs& a, int rank, int src, int token) {
+  return combine_message_at(a, rank, src, 2LL * token);
+}
+__device__ __forceinline__ uint64_t* partial_flag_at(const LowLatencyCombineArgs& a, int rank, int src, int token) {
+  return reinterpret_cast<uint64_t*>(partial_slot_at(a, rank, src, token + 1)) - 1;
+}
+
+// `src`'s routing records in `rank`'s block for it: [T, K] (local expert, slot), [T, K] weights, a flag.
+struct CombineRecords {
+  int2* rows;
+  float* weights;
+  uint64_t* flag;
+};
+__device__ __forceinline__ CombineRecords combine_records_at(const LowLatencyCombineArgs& a, int rank, int src) {
+  uint8_t* base = combine_message_at(a, rank, src, 2LL * a.num_max_tokens);
+  const int64_t entries = static_cast<int64_t>(a.num_max_tokens) * a.num_topk;
+  const int64_t flag_at = low_latency_combine_records_bytes(a.num_max_tokens, a.num_topk) - 16;
+  return {reinterpret_cast<int2*>(base), reinterpret_cast<float*>(base + 8 * entries),
+          reinterpret_cast<uint64_t*>(base + flag_at)};
+}
+
+// One group tells every rank which of this rank's top-k entries its experts hold (local expert and slot,
+// -1 for the others) with their weights, then raises each rank's records flag with this rank's tokens.
+constexpr int kRecordBatch = 4;   // entries a thread loads before it stores any (the loads overlap)
+__device__ void send_combine_records(const LowLatencyCombineArgs& a, const GroupPosition& g, uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  const int64_t entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
+  const int32_t* slots = a.positions + entries;
+  for (int64_t base = g.thread; base < entries; base += kGroupThreads * kRecordBatch) {
+    int owner[kRecordBatch];
+    int2 held[kRecordBatch];
+    float weight[kRecordBatch];
+#pragma unroll
+    for (int u = 0; u < kRecordBatch; ++u) {
+      const int64_t entry = base + u * kGroupThreads;
+      owner[u] = -1;
+      if (entry >= entries) continue;
+      const int64_t chosen = a.topk_idx[entry];
+      if (chosen >= 0 && chosen < a.num_experts && a.positions[entry] >= 0) owner[u] = static_cast<int>(chosen / local_experts);
+      held[u] = make_int2(static_cast<int>(chosen % local_experts), slots[entry]);
+      weight[u] = a.topk_weights[entry];
+    }
+#pragma unroll
+    for (int u = 0; u < kRecordBatch; ++u) {
+      const int64_t entry = base + u * kGroupThreads;
+      if (entry >= entries) continue;
+      for (int dst = 0; dst < r.num_ranks; ++dst) {
+        if (is_masked(r, dst)) continue;
+        const CombineRecords records = combine_records_at(a, dst, r.rank);
+        records.rows[entry] = owner[u] == dst ? held[u] : make_int2(-1, -1);
+        if (owner[u] == dst) records.weights[entry] = weight[u];
+      }
+    }
+  }
+  group_sync(g);
+  for (int dst = g.thread; dst < r.num_ranks; dst += kGroupThreads) {
+    if (!is_masked(r, dst)) {
+      store_release_system(combine_records_at(a, dst, r.rank).flag, (epoch << 32) | static_cast<uint32_t>(a.num_tokens));
+    }
+  }
+}
+
+// The sum of source `src`'s token `token` over this rank's experts, into the token's slot at `src`:
+// float32 weighted in top-k order, or the one row as it is.
+__device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int src,
+                             int token, uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  if (g.thread == 0) {
+    sh.found = wait_flag(r, combine_records_at(a, r.rank, src).flag, epoch, src, kLowLatencyCombineRecords, token,
+                         nullptr);
+  }
+  group_sync(g);
+  if (token >= sh.found) {   // a masked source (-1) or past its tokens
+    group_sync(g);
+    return;
+  }
+  if (g.thread < a.num_topk) {
+    const CombineRecords records = combine_records_at(a, r.rank, src);
+    const int64_t entry = static_cast<int64_t>(token) * a.num_topk + g.thread;
+    const int2 held = __ldcg(records.rows + entry);   // a peer wrote them (not through this SM's L1)
+    int64_t offset = -1;
+    if (held.x >= 0 && held.x < local_experts) {
+      const int64_t range = a.layout_range[static_cast<int64_t>(held.x) * r.num_ranks + src];
+      if (held.y >= 0 && held.y < static_cast<int32_t>(range & 0xFFFFFFFF)) {
+        const int64_t row = static_cast<int64_t>(held.x) * r.num_ranks * a.num_max_tokens + (range >> 32) + held.y;
+        offset = row * 2LL * a.hidden;
+      }
+    }
+    sh.messages[g.thread] = offset;
+    sh.weights[g.thread] = held.x >= 0 ? __ldcg(records.weights + entry) : 0.0f;
+  }
+  group_sync(g);
+  int held = 0, only = 0;
+  for (int k = 0; k < a.num_topk; ++k) {
+    if (sh.messages[k] >= 0) {
+      ++held;
+      only = k;
+    }
+  }
+  const auto* x = reinterpret_cast<const uint8_t*>(a.x);
+  auto* slot = reinterpret_cast<int4*>(partial_slot_at(a, src, r.rank, token));
+  if (held == 1) {
+    const auto* row = reinterpret_cast<const int4*>(x + sh.messages[only]);
+    for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) slot[chunk] = row[chunk];
+  } else if (held > 1) {
+    for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) {
+      float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k0 = 0; k0 < a.num_topk; k0 += kSumBatch) {
+        int4 rows[kSumBatch];
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u) {
+          const int k = k0 + u;
+          if (k < a.num_topk && sh.messages[k] >= 0) rows[u] = reinterpret_cast<const int4*>(x + sh.messages[k])[chunk];
+        }
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u) {
+          const int k = k0 + u;
+          if (k >= a.num_topk || sh.messages[k] < 0) continue;
+          float values[8];
+          bf16x8_to_float(rows[u], values);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(values[i], sh.weights[k]));
+        }
+      }
+      slot[2 * chunk] = make_int4(__float_as_int(sum[0]), __float_as_int(sum[1]), __float_as_int(sum[2]),
+                                  __float_as_int(sum[3]));
+      slot[2 * chunk + 1] = make_int4(__float_as_int(sum[4]), __float_as_int(sum[5]), __float_as_int(sum[6]),
+                                      __float_as_int(sum[7]));
+    }
+  }
+  group_sync(g);
+  if (held > 0 && g.thread == 0) {
+    store_release_system(partial_flag_at(a, src, r.rank, token), (epoch << 32) | static_cast<uint32_t>(held));
+  }
+}
+
 // Sums one token's rows; with several slices per token, this group does every slices-th chunk
 // of 8 channels starting at `slice` (the first slice alone counts the wait in the stats).
 // kLogfmt: the rows came as LogFMT (a compile-time choice: the bf16 path then fits the receive
@@ -937,23 +1087,100 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
   group_sync(g);
 }
 
+// Sums one token from the slots its experts' ranks returned (see combine_recv_token for slices): a rank's
+// float32 partial, or its one row times the entry's weight, in the order the ranks first appear in top-k.
+__device__ void combine_recv_partials(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g,
+                                      int token, int slice, int slices, uint64_t epoch) {
+  const LowLatencyRegion& r = a.region;
+  const int local_experts = a.num_experts / r.num_ranks;
+  const int64_t first_entry = static_cast<int64_t>(token) * a.num_topk;
+  if (g.thread < a.num_topk) {
+    const int64_t chosen = a.topk_idx[first_entry + g.thread];
+    const bool sent = chosen >= 0 && chosen < a.num_experts && a.positions[first_entry + g.thread] >= 0;
+    sh.experts[g.thread] = sent ? static_cast<int>(chosen / local_experts) : -1;
+    sh.weights[g.thread] = a.topk_weights[first_entry + g.thread];
+  }
+  group_sync(g);
+  if (g.thread < a.num_topk) {
+    const int owner = sh.experts[g.thread];
+    int held = 0;
+    bool first = owner >= 0;
+    for (int k = 0; k < a.num_topk; ++k) {
+      if (sh.experts[k] != owner) continue;
+      ++held;
+      first &= k >= g.thread;
+    }
+    const int expert = static_cast<int>(a.topk_idx[first_entry + g.thread]);   // names the wait in a timeout
+    if (first && wait_flag(r, partial_flag_at(a, r.rank, owner, token), epoch, owner, kLowLatencyCombineRecv,
+                           expert, slice == 0 ? a.wait_cost_stats : nullptr) < 0) {
+      held = 0;
+    }
+    sh.before[g.thread] = first ? held : 0;
+    sh.messages[g.thread] = first ? partial_slot_at(a, r.rank, owner, token) - rank_base(r, r.rank) : 0;
+  }
+  group_sync(g);
+  const uint8_t* area = rank_base(r, r.rank);
+  auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
+  for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
+    float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k = 0; k < a.num_topk; ++k) {
+      const int held = sh.before[k];
+      if (held == 0) continue;
+      const auto* slot = reinterpret_cast<const int4*>(area + sh.messages[k]);
+      float values[8];
+      if (held == 1) {
+        bf16x8_to_float(load_l2_16(slot + chunk), values);
+        const float weight = sh.weights[k];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) values[i] = __fmul_rn(values[i], weight);
+      } else {
+        const int4 lo = load_l2_16(slot + 2 * chunk), hi = load_l2_16(slot + 2 * chunk + 1);
+        const int words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) values[i] = __int_as_float(words[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], values[i]);
+    }
+    int4 packed;
+    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
+    reinterpret_cast<int4*>(out)[chunk] = packed;
+  }
+  group_sync(g);
+}
+
 template <int kPhases, bool kLogfmt>
 __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombineArgs& a) {
   __shared__ GroupShared shared[kGroupsPerBlock];
   const GroupPosition g = group_position();
   GroupShared& sh = shared[g.index];
   const uint64_t epoch = completed_uses(a.region) + 1;
+  const bool prereduced = !kLogfmt && prereduces(a);
   if (kPhases & kLowLatencySend) {
     exchange_releases(a.region, g, epoch, kLowLatencyCombineSend);
-    const int local_experts = a.num_experts / a.region.num_ranks;
-    for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
+    if (prereduced) {
+      if (g.first == 0) send_combine_records(a, g, epoch);
+      const int units = a.region.num_ranks * a.num_max_tokens;
+      for (int unit = g.first; unit < units; unit += g.stride) {
+        send_partial(a, sh, g, unit / a.num_max_tokens, unit % a.num_max_tokens, epoch);
+      }
+    } else {
+      const int local_experts = a.num_experts / a.region.num_ranks;
+      for (int local = g.first; local < local_experts; local += g.stride) combine_send_expert(a, sh, g, local, epoch);
+    }
   }
   if (kPhases & kLowLatencyRecv) {
     // Few tokens: split each token's channels over several groups, so every SM has work.
     const int chunk_rounds = (a.hidden / 8 + kGroupThreads - 1) / kGroupThreads;
     const int slices = max(1, min(g.stride / max(a.num_tokens, 1), chunk_rounds));
     for (int unit = g.first; unit < a.num_tokens * slices; unit += g.stride) {
-      combine_recv_token<kLogfmt>(a, sh, g, unit / slices, unit % slices, slices, epoch);
+      if (prereduced) {
+        combine_recv_partials(a, sh, g, unit / slices, unit % slices, slices, epoch);
+      } else {
+        combine_recv_token<kLogfmt>(a, sh, g, unit / slices, unit % slices, slices, epoch);
+      }
     }
     finish_use(a.region);
   }
@@ -1058,15 +1285,19 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stre
   using namespace kernels;
   check_common(a.region, a.num_tokens, a.num_max_tokens, a.hidden, a.num_topk, a.num_experts, a.phases, a.num_sms);
   require(!a.use_logfmt || a.hidden % kChannels == 0, "use_logfmt needs hidden % 128 == 0");
+  const int local_experts = a.num_experts / a.region.num_ranks;
+  const bool prereduced = prereduces(a);
   if (a.phases & kLowLatencySend) {
     require(a.x != nullptr && a.src_info != nullptr && a.layout_range != nullptr, "x and the handle must be set");
   }
-  if (a.phases & kLowLatencyRecv) {
-    require(a.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr && a.out != nullptr),
-            "topk_idx, topk_weights and out must be set");
+  // The pre-reduced send reads the routing too (it tells the experts' ranks the weights).
+  if ((a.phases & kLowLatencyRecv) || prereduced) {
+    require(a.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr && a.positions != nullptr),
+            "topk_idx, topk_weights and the dispatch's positions must be set");
   }
-  const int local_experts = a.num_experts / a.region.num_ranks;
-  int units = std::max((a.phases & kLowLatencySend) ? local_experts : 0, (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
+  if (a.phases & kLowLatencyRecv) require(a.num_tokens == 0 || a.out != nullptr, "out must be set");
+  const int send_units = prereduced ? a.region.num_ranks * a.num_max_tokens : local_experts;
+  int units = std::max((a.phases & kLowLatencySend) ? send_units : 0, (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
   int max_blocks = a.num_sms;
   if (a.phases == kLowLatencyRecv) {
     // A block per kGroupsPerBlock slices of a token's channels (one round of chunks per group).

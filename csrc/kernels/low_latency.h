@@ -57,6 +57,7 @@ enum LowLatencyPhase : int32_t {
   kLowLatencyDispatchSend = 3,
   kLowLatencyCombineSend = 4,
   kLowLatencyRelease = 5,       // telling the peers a half was read (through the proxy)
+  kLowLatencyCombineRecords = 6,  // pre-reduced combine send: waiting for a source's routing records
 };
 
 // What a kernel launch does: the sends, the receives, or both (one kernel, no hook).
@@ -120,7 +121,8 @@ struct LowLatencyDispatchArgs {
   int32_t* recv_count;         // [El]
   int32_t* src_info;           // [El, R*T]
   int64_t* layout_range;       // [El, R]: begin << 32 | count
-  int32_t* positions;          // [num_tokens, num_topk]: where each entry's combined row lands (see below)
+  int32_t* positions;          // [2, num_tokens, num_topk]: where each entry's combined row lands (see below),
+                               // then its slot among its expert's rows from this rank (-1 both: not sent)
   int32_t* cumulative_recv_stats;  // [El] or null
   int64_t* wait_cost_stats;        // [R] or null: nanoseconds waited per source
   int32_t phases;              // LowLatencyPhases
@@ -134,7 +136,7 @@ struct LowLatencyCombineArgs {
   const float* topk_weights;   // [num_tokens, num_topk]
   const int32_t* src_info;     // from the dispatch
   const int64_t* layout_range;
-  const int32_t* positions;    // from the dispatch
+  const int32_t* positions;    // from the dispatch: [2, num_tokens, num_topk]
   int32_t num_tokens;
   int32_t num_max_tokens;
   int32_t hidden;
@@ -169,6 +171,23 @@ UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_rows_per_source(int64_t n
 UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_msg_bytes(int64_t hidden) {
   const int64_t groups = (hidden + kLowLatencyChannelsPerScale - 1) / kLowLatencyChannelsPerScale;
   return (2 * hidden + 8 * groups + 15) / 16 * 16;
+}
+// Pre-reduced combine (bf16 rows, every peer mapped, and room for it in the blocks): the expert's rank
+// sums a token's rows for all of its local experts into one float32 row (one bf16 row, unweighted, when
+// the token has a single expert there), so each (rank, token) pair crosses NVLink once. Each source first
+// writes its tokens' routing records (per top-k entry: local expert and slot, or -1, and the weight) into
+// every rank's block for it. Rank X's block from rank b then holds, in rows of combine messages: a slot
+// of two rows per token of X (what b returns for it, a flag in the slot's last 8 bytes), then from row
+// 2 * num_max_tokens b's records for X ([num_max_tokens, num_topk] int2, then float) and their flag.
+UCCL_EP_HOST_DEVICE inline int64_t low_latency_combine_records_bytes(int64_t num_max_tokens, int64_t num_topk) {
+  return (num_max_tokens * num_topk * 12 + 15) / 16 * 16 + 16;
+}
+UCCL_EP_HOST_DEVICE inline bool low_latency_combine_prereduces(int64_t num_max_tokens, int64_t hidden,
+                                                               int64_t num_topk, int64_t local_experts) {
+  const int64_t msg_bytes = low_latency_combine_msg_bytes(hidden);
+  return num_topk >= 2 &&
+         2 * num_max_tokens * msg_bytes + low_latency_combine_records_bytes(num_max_tokens, num_topk) <=
+             low_latency_combine_rows_per_source(num_max_tokens, num_topk, local_experts) * msg_bytes;
 }
 
 // Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument

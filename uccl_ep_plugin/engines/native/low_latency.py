@@ -18,8 +18,10 @@ from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
                 3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)",
-                5: "telling the peers a buffer half was read"}
+                5: "telling the peers a buffer half was read",
+                6: "low_latency_combine (send, pre-reduced)"}
 _SEND_PHASES = (3, 4)
+_RECORDS_PHASE = 6
 _TIMEOUT, _TOO_MANY_ROWS, _PROXY_STALLED = 1, 2, 3
 
 
@@ -29,11 +31,12 @@ def _ptr(tensor: Optional[torch.Tensor]) -> int:
 
 def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_ranks: int,
                        masked_ranks: Optional[torch.Tensor]) -> torch.Tensor:
-    """The dispatch kernel's record of combine positions, computed with torch: an entry's place in its
-    expert's rank's block is the number of entries choosing a smaller expert of that rank plus the
-    entries before it choosing the same expert, i.e. its index in the entries sorted stably by expert,
-    less the index of that rank's first entry. -1 for entries with no expert or on a masked rank (all of
-    them when this rank is masked)."""
+    """The dispatch kernel's record of combine positions, computed with torch, ``[2, N, K]``. Plane 0: an
+    entry's place in its expert's rank's block is the number of entries choosing a smaller expert of that
+    rank plus the entries before it choosing the same expert, i.e. its index in the entries sorted stably
+    by expert, less the index of that rank's first entry. Plane 1: its slot, the entries before it choosing
+    the same expert. -1 for entries with no expert or on a masked rank (all of them when this rank is
+    masked)."""
     flat = topk_idx.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
     local_experts = num_experts // num_ranks
@@ -49,7 +52,8 @@ def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_
     first_of_expert = torch.cat([first_of_expert.new_zeros(1), first_of_expert[:-1]])
     first_of_owner = first_of_expert[torch.clamp(owner * local_experts, max=num_experts)]
     positions = torch.where(valid, sorted_index - first_of_owner, -1)
-    return positions.to(torch.int32).view_as(topk_idx)
+    slots = torch.where(valid, sorted_index - first_of_expert[expert], -1)
+    return torch.stack([positions, slots]).to(torch.int32).view((2,) + tuple(topk_idx.shape))
 
 
 class NativeLowLatency:
@@ -78,7 +82,9 @@ class NativeLowLatency:
             return
         where = _PHASE_NAMES.get(phase, f"phase {phase}")
         if code == _TIMEOUT:
-            if phase in _SEND_PHASES:
+            if phase == _RECORDS_PHASE:
+                what = f"for the routing of its tokens (its combine has not started; token {detail})"
+            elif phase in _SEND_PHASES:
                 what = ("to finish reading this buffer half (is it more than two low-latency calls behind: "
                         "at most two results may be alive?)")
             else:
@@ -184,7 +190,7 @@ class NativeLowLatency:
         recv_count = torch.empty(local_experts, dtype=torch.int32, **options)
         src_info = torch.empty((local_experts, slots), dtype=torch.int32, **options)
         layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, **options)
-        positions = torch.empty(tuple(topk_idx.shape), dtype=torch.int32, **options)
+        positions = torch.empty((2,) + tuple(topk_idx.shape), dtype=torch.int32, **options)
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         region = self._region(layout, buffer_idx, masked_ranks)
 
