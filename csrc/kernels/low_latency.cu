@@ -875,6 +875,7 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
 constexpr int kSumBatch = 4;
 
 // ------------------------------------------------------------------ pre-reduced combine (low_latency.h)
+constexpr int kPartialChunks = 2;
 __host__ __device__ inline bool prereduces(const LowLatencyCombineArgs& a) {
   return !a.use_logfmt && a.region.via_proxy == nullptr &&
          low_latency_combine_prereduces(a.num_max_tokens, a.hidden, a.num_topk, a.num_experts / a.region.num_ranks);
@@ -902,46 +903,40 @@ __device__ __forceinline__ CombineRecords combine_records_at(const LowLatencyCom
           reinterpret_cast<uint64_t*>(base + flag_at)};
 }
 
-// One group tells every rank which of this rank's top-k entries its experts hold (local expert and slot,
-// -1 for the others) with their weights, then raises each rank's records flag with this rank's tokens.
+// A group tells rank `dst` which of this rank's top-k entries its experts hold (local expert and slot,
+// -1 for the others) with their weights, then raises the records flag with this rank's token count.
 constexpr int kRecordBatch = 4;   // entries a thread loads before it stores any (the loads overlap)
-__device__ void send_combine_records(const LowLatencyCombineArgs& a, const GroupPosition& g, uint64_t epoch) {
+__device__ void send_combine_records(const LowLatencyCombineArgs& a, const GroupPosition& g, int dst, uint64_t epoch) {
   const LowLatencyRegion& r = a.region;
+  if (is_masked(r, dst)) return;
   const int local_experts = a.num_experts / r.num_ranks;
   const int64_t entries = static_cast<int64_t>(a.num_tokens) * a.num_topk;
   const int32_t* slots = a.positions + entries;
+  const CombineRecords records = combine_records_at(a, dst, r.rank);
   for (int64_t base = g.thread; base < entries; base += kGroupThreads * kRecordBatch) {
-    int owner[kRecordBatch];
     int2 held[kRecordBatch];
     float weight[kRecordBatch];
 #pragma unroll
     for (int u = 0; u < kRecordBatch; ++u) {
       const int64_t entry = base + u * kGroupThreads;
-      owner[u] = -1;
+      held[u] = make_int2(-1, -1);
       if (entry >= entries) continue;
       const int64_t chosen = a.topk_idx[entry];
-      if (chosen >= 0 && chosen < a.num_experts && a.positions[entry] >= 0) owner[u] = static_cast<int>(chosen / local_experts);
-      held[u] = make_int2(static_cast<int>(chosen % local_experts), slots[entry]);
+      if (chosen >= 0 && chosen < a.num_experts && a.positions[entry] >= 0 && chosen / local_experts == dst) {
+        held[u] = make_int2(static_cast<int>(chosen % local_experts), slots[entry]);
+      }
       weight[u] = a.topk_weights[entry];
     }
 #pragma unroll
     for (int u = 0; u < kRecordBatch; ++u) {
       const int64_t entry = base + u * kGroupThreads;
       if (entry >= entries) continue;
-      for (int dst = 0; dst < r.num_ranks; ++dst) {
-        if (is_masked(r, dst)) continue;
-        const CombineRecords records = combine_records_at(a, dst, r.rank);
-        records.rows[entry] = owner[u] == dst ? held[u] : make_int2(-1, -1);
-        if (owner[u] == dst) records.weights[entry] = weight[u];
-      }
+      records.rows[entry] = held[u];
+      if (held[u].x >= 0) records.weights[entry] = weight[u];
     }
   }
   group_sync(g);
-  for (int dst = g.thread; dst < r.num_ranks; dst += kGroupThreads) {
-    if (!is_masked(r, dst)) {
-      store_release_system(combine_records_at(a, dst, r.rank).flag, (epoch << 32) | static_cast<uint32_t>(a.num_tokens));
-    }
-  }
+  if (g.thread == 0) store_release_system(records.flag, (epoch << 32) | static_cast<uint32_t>(a.num_tokens));
 }
 
 // The sum of source `src`'s token `token` over this rank's experts, into the token's slot at `src`:
@@ -975,42 +970,66 @@ __device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, co
     sh.weights[g.thread] = held.x >= 0 ? __ldcg(records.weights + entry) : 0.0f;
   }
   group_sync(g);
-  int held = 0, only = 0;
-  for (int k = 0; k < a.num_topk; ++k) {
-    if (sh.messages[k] >= 0) {
-      ++held;
-      only = k;
+  if (g.thread == 0) {   // the entries this rank holds, in top-k order (every thread has read sh.found)
+    int held = 0;
+    for (int k = 0; k < a.num_topk; ++k) {
+      if (sh.messages[k] >= 0) sh.smaller[held++] = k;
     }
+    sh.found = held;
   }
+  group_sync(g);
+  const int held = sh.found;
   const auto* x = reinterpret_cast<const uint8_t*>(a.x);
-  auto* slot = reinterpret_cast<int4*>(partial_slot_at(a, src, r.rank, token));
+  uint8_t* slot = partial_slot_at(a, src, r.rank, token);
+  const int chunks = a.hidden / 8;   // of 8 channels (16 bytes of bf16)
   if (held == 1) {
-    const auto* row = reinterpret_cast<const int4*>(x + sh.messages[only]);
-    for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) slot[chunk] = row[chunk];
+    const int per_warp = (chunks + kWarpsPerGroup - 1) / kWarpsPerGroup;
+    const int first = g.warp * per_warp, count = max(0, min(chunks - first, per_warp));
+    warp_copy<false>(slot + 16LL * first, x + sh.messages[sh.smaller[0]] + 16LL * first, 16LL * count, g.lane);
   } else if (held > 1) {
-    for (int chunk = g.thread; chunk < a.hidden / 8; chunk += kGroupThreads) {
-      float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (int k0 = 0; k0 < a.num_topk; k0 += kSumBatch) {
-        int4 rows[kSumBatch];
+    // kPartialChunks chunks per thread at once, kSumBatch rows each: their loads overlap.
+    auto* partial = reinterpret_cast<int4*>(slot);
+    for (int chunk0 = g.thread; chunk0 < chunks; chunk0 += kPartialChunks * kGroupThreads) {
+      float sum[kPartialChunks][8];
 #pragma unroll
-        for (int u = 0; u < kSumBatch; ++u) {
-          const int k = k0 + u;
-          if (k < a.num_topk && sh.messages[k] >= 0) rows[u] = reinterpret_cast<const int4*>(x + sh.messages[k])[chunk];
+      for (int c = 0; c < kPartialChunks; ++c) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[c][i] = 0.0f;
+      }
+      for (int i0 = 0; i0 < held; i0 += kSumBatch) {
+        int4 rows[kPartialChunks][kSumBatch];
+#pragma unroll
+        for (int c = 0; c < kPartialChunks; ++c) {
+#pragma unroll
+          for (int u = 0; u < kSumBatch; ++u) {
+            const int chunk = chunk0 + c * kGroupThreads;
+            if (i0 + u < held && chunk < chunks) {
+              rows[c][u] = reinterpret_cast<const int4*>(x + sh.messages[sh.smaller[i0 + u]])[chunk];
+            }
+          }
         }
 #pragma unroll
-        for (int u = 0; u < kSumBatch; ++u) {
-          const int k = k0 + u;
-          if (k >= a.num_topk || sh.messages[k] < 0) continue;
-          float values[8];
-          bf16x8_to_float(rows[u], values);
+        for (int c = 0; c < kPartialChunks; ++c) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(values[i], sh.weights[k]));
+          for (int u = 0; u < kSumBatch; ++u) {
+            if (i0 + u >= held) continue;
+            const float weight = sh.weights[sh.smaller[i0 + u]];
+            float values[8];
+            bf16x8_to_float(rows[c][u], values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum[c][i] = __fadd_rn(sum[c][i], __fmul_rn(values[i], weight));
+          }
         }
       }
-      slot[2 * chunk] = make_int4(__float_as_int(sum[0]), __float_as_int(sum[1]), __float_as_int(sum[2]),
-                                  __float_as_int(sum[3]));
-      slot[2 * chunk + 1] = make_int4(__float_as_int(sum[4]), __float_as_int(sum[5]), __float_as_int(sum[6]),
-                                      __float_as_int(sum[7]));
+#pragma unroll
+      for (int c = 0; c < kPartialChunks; ++c) {
+        const int chunk = chunk0 + c * kGroupThreads;
+        if (chunk >= chunks) continue;
+        partial[2 * chunk] = make_int4(__float_as_int(sum[c][0]), __float_as_int(sum[c][1]),
+                                       __float_as_int(sum[c][2]), __float_as_int(sum[c][3]));
+        partial[2 * chunk + 1] = make_int4(__float_as_int(sum[c][4]), __float_as_int(sum[c][5]),
+                                           __float_as_int(sum[c][6]), __float_as_int(sum[c][7]));
+      }
     }
   }
   group_sync(g);
@@ -1161,7 +1180,7 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   if (kPhases & kLowLatencySend) {
     exchange_releases(a.region, g, epoch, kLowLatencyCombineSend);
     if (prereduced) {
-      if (g.first == 0) send_combine_records(a, g, epoch);
+      for (int dst = g.first; dst < a.region.num_ranks; dst += g.stride) send_combine_records(a, g, dst, epoch);
       const int units = a.region.num_ranks * a.num_max_tokens;
       for (int unit = g.first; unit < units; unit += g.stride) {
         send_partial(a, sh, g, unit / a.num_max_tokens, unit % a.num_max_tokens, epoch);
