@@ -812,22 +812,33 @@ def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidat
 
 # ---------------------------------------------------------------------------------------- a peer that never comes
 def missing_peer_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, enable_shrink: bool,
-                      timeout_s: float) -> None:
+                      timeout_s: float, in_combine: bool = False) -> None:
     """Rank 0 calls low_latency_dispatch; no other rank does. Without enable_shrink rank 0 must get a
     CommTimeoutError naming itself, the operation and a silent rank; with it, every silent rank is masked and
-    rank 0 carries on alone. The silent ranks wait on a gloo barrier until rank 0 is done."""
+    rank 0 carries on alone. The silent ranks wait on a gloo barrier until rank 0 is done.
+
+    ``in_combine`` (without enable_shrink): every rank dispatches, then only rank 0 calls low_latency_combine
+    (the pre-reduced combine's send waits for each peer's routing records)."""
     side = dist.new_group(backend="gloo")
     case = TIMEOUT_CASE
     silent = list(range(1, num_ranks))
-    section = "missing_peer_masked" if enable_shrink else "missing_peer_raises"
+    section = ("missing_peer_masked" if enable_shrink else
+               "missing_combine_peer_raises" if in_combine else "missing_peer_raises")
     with rec.section(section):
         with environment(TIMEOUT_ENV, str(timeout_s)):
             buffer = make_buffer(group, candidate, case.rdma_bytes(num_ranks), enable_shrink=enable_shrink)
         inputs = make_inputs(case, rank, case.seed, buffer.device)
-        tag = f"{case.describe(case.seed)}, ranks {silent} silent, timeout {timeout_s:g} s"
-        if rank == 0:
-            check = check_silent_peer_masked if enable_shrink else check_silent_peer_raises
-            check(rec, buffer, case, inputs, tag, timeout_s, silent)
+        dispatched = None
+        if in_combine:
+            dispatched = buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts,
+                                                     use_fp8=False)
+            _sync(buffer)
+        tag = (f"{case.describe(case.seed)}, ranks {silent} silent{' in the combine' if in_combine else ''}, "
+               f"timeout {timeout_s:g} s")
+        if rank == 0 and enable_shrink:
+            check_silent_peer_masked(rec, buffer, case, inputs, tag, timeout_s, silent)
+        elif rank == 0:
+            check_silent_peer_raises(rec, buffer, case, inputs, tag, timeout_s, silent, dispatched)
     dist.barrier(group=side)
 
 
@@ -837,17 +848,24 @@ def _sync(buffer: Buffer) -> None:
 
 
 def check_silent_peer_raises(rec: Recorder, buffer: Buffer, case: Case, inputs: Inputs, tag: str, timeout_s: float,
-                             silent: List[int]) -> None:
-    """The first call's kernel gives up after the timeout; the error surfaces by the next call."""
+                             silent: List[int], dispatched=None) -> None:
+    """The first call's kernel gives up after the timeout; the error surfaces by the next call. The call is a
+    dispatch, or with ``dispatched`` (every rank's dispatch done) a combine of it."""
+    operation = "low_latency_dispatch" if dispatched is None else "low_latency_combine"
     start = time.monotonic()
     try:
         for _ in range(2):
-            buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts, use_fp8=False)
+            if dispatched is None:
+                buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts,
+                                            use_fp8=False)
+            else:
+                buffer.low_latency_combine(expert_outputs(dispatched), inputs.topk_idx, inputs.topk_weights,
+                                           dispatched[2])
             _sync(buffer)
     except CommTimeoutError as error:
         elapsed = time.monotonic() - start
         message = str(error)
-        for needed in ("rank 0", "low_latency_dispatch"):
+        for needed in ("rank 0", operation):
             rec.expect(needed in message, f"{tag}: the CommTimeoutError does not mention {needed!r}: {message}")
         rec.expect(any(re.search(rf"\brank {peer}\b", message) for peer in silent),
                    f"{tag}: the CommTimeoutError names none of the silent ranks: {message}")
@@ -856,7 +874,7 @@ def check_silent_peer_raises(rec: Recorder, buffer: Buffer, case: Case, inputs: 
     except Exception as error:  # noqa: BLE001 - any other failure is what the check reports
         rec.fail(f"{tag}: raised {type(error).__name__} ({error}) instead of CommTimeoutError")
     else:
-        rec.fail(f"{tag}: two low_latency_dispatch calls with ranks {silent} absent raised no CommTimeoutError "
+        rec.fail(f"{tag}: two {operation} calls with ranks {silent} absent raised no CommTimeoutError "
                  f"({time.monotonic() - start:.1f} s)")
 
 

@@ -80,6 +80,17 @@ def test_missing_peer(enable_shrink):
     assert_section(results, "missing_peer_masked" if enable_shrink else "missing_peer_raises")
 
 
+@pytest.mark.gpu
+@needs_gpus
+@needs_native
+def test_missing_peer_in_combine():
+    """Every rank dispatches, then only rank 0 combines: it raises CommTimeoutError (naming rank 0, the combine
+    and a silent rank) within timeout + 5 s; the pre-reduced combine's send is what waits for the peers."""
+    results = SectionCache(ll.missing_peer_body, backend="nccl", deadline_s=90.0, candidate=CANDIDATE,
+                           enable_shrink=False, timeout_s=MISSING_PEER_TIMEOUT_S, in_combine=True).get(RANKS)
+    assert_section(results, "missing_combine_peer_raises")
+
+
 # ---------------------------------------------------------------------------------------- the harness, on CPU
 _SELF_CHECK = SectionCache(ll.comparison_body, deadline_s=120.0, candidate="reference", cases=ll.SELF_CHECK_CASES,
                            mask_cases=ll.SELF_CHECK_MASK_CASES, graph_cases=(), tampers=tuple(ll.TAMPER_DETECTED_BY))
