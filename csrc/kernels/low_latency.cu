@@ -330,6 +330,15 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
   }
 }
 
+// Eight floats rounded to bf16, packed as one 16-byte store.
+__device__ __forceinline__ int4 float_to_bf16x8(const float* values) {
+  int4 packed;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
+  return packed;
+}
+
 __device__ __forceinline__ void bf16x8_to_float(const int4& packed, float* out) {
   const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
 #pragma unroll
@@ -1097,11 +1106,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
         for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], __fmul_rn(values[i], weight));
       }
     }
-    int4 packed;
-    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
-    reinterpret_cast<int4*>(out)[chunk] = packed;
+    reinterpret_cast<int4*>(out)[chunk] = float_to_bf16x8(sum);
   }
   group_sync(g);
 }
@@ -1161,11 +1166,7 @@ __device__ void combine_recv_partials(const LowLatencyCombineArgs& a, GroupShare
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum[i] = __fadd_rn(sum[i], values[i]);
     }
-    int4 packed;
-    auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(sum[2 * i], sum[2 * i + 1]);
-    reinterpret_cast<int4*>(out)[chunk] = packed;
+    reinterpret_cast<int4*>(out)[chunk] = float_to_bf16x8(sum);
   }
   group_sync(g);
 }
