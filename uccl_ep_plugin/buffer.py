@@ -712,7 +712,13 @@ class Buffer:
             check_same_device(self.device, **{f"bias[{i}]": b})
         return biases
 
+    def _made_here(self, handle, kind: type) -> bool:
+        """Whether ``handle`` is one this Buffer's dispatch returned, as built (its items were checked then)."""
+        return type(handle) is kind and handle.owner_id == self._owner_id
+
     def _check_normal_handle(self, handle) -> Tuple[torch.Tensor, ...]:
+        if self._made_here(handle, NormalHandle):
+            return tuple(handle)
         self._check_owner(handle)
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
             raise ValueError("handle must be the 6-tuple returned by dispatch (rank_prefix_matrix, "
@@ -731,6 +737,8 @@ class Buffer:
         return tuple(handle)
 
     def _check_low_latency_handle(self, handle) -> Tuple:
+        if self._made_here(handle, LowLatencyHandle):
+            return tuple(handle)
         self._check_owner(handle)
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:
             raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch (src_info, layout_range, "

@@ -1,8 +1,9 @@
 """Communication handles: plain tuples (as DeepEP returns them) tagged with the Buffer that made them.
 
 Code that unpacks or indexes a handle keeps working; the tag lets a Buffer refuse a handle
-produced by another Buffer. A handle rebuilt by the caller as a plain tuple loses the tag
-and is checked by shape instead.
+produced by another Buffer, and take its own without checking the items again (they were checked
+when it was built). A handle rebuilt by the caller as a plain tuple loses the tag and is checked
+by shape instead.
 """
 
 from typing import Any, Optional
