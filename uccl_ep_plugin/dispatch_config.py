@@ -204,7 +204,8 @@ class LowLatencyLayout:
     @cached_property
     def recv_bytes(self) -> int:
         # Dispatch: a message per (source rank, token) and the row index [source][index_per_source].
-        # Combine: per source rank a block of the rows its experts return.
+        # Combine: per source rank a block of the rows its experts return (the pre-reduced combine puts a
+        # two-row slot per token there, then that rank's routing records: csrc/kernels/low_latency.h).
         t, r = self.num_max_dispatch_tokens_per_rank, self.num_ranks
         dispatch = r * t * self.dispatch_msg_bytes + 4 * r * self.index_per_source
         combine = r * self._combine_rows_per_source * self.combine_msg_bytes
