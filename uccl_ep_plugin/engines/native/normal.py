@@ -149,7 +149,7 @@ class NativeNormal:
         is_token_in_rank = handle[4]
         num_tokens = is_token_in_rank.size(0)
         send_pos = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=self.device)
-        self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.contiguous().data_ptr(), num_tokens=num_tokens,
+        self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.data_ptr(), num_tokens=num_tokens,
                                    num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
                                    channel_prefix_matrix=0, send_head=0, stream=stream)
         return send_pos
@@ -170,8 +170,10 @@ class NativeNormal:
                  num_ranks * num_ranks + local_experts)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
         send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
+        # The Buffer checked every input contiguous (is_token_in_rank included): a copy made here would run on the
+        # caller's stream, which a plain call no longer makes current, not where the kernels read it.
         args = self._C.NormalLayoutNotifyArgs(
-            self.region, is_token_in_rank.contiguous().data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
+            self.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr(), num_channels, local_experts, expert_alignment, num_worst_tokens,
             send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
             recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
