@@ -23,6 +23,7 @@ TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 ENGINE_ENV = "UCCL_EP_ENGINE"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"
+PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -194,10 +195,10 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
-def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str) -> None:
+def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    with environment(COMBINE_CHUNKS_ENV, combine_chunks):
+    with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
@@ -365,11 +366,56 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-# The copy engines' combine with its default chunks, and with 7 (rows per chunk then rarely divide evenly).
-@pytest.mark.parametrize("copy_mode,combine_chunks", [("engine", ""), ("engine", "7"), ("sm", "")],
-                         ids=["engine", "engine-7-chunks", "sm"])
-def test_native_normal_matches_reference(copy_mode, combine_chunks):
-    run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks)
+def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
+    """Rank 1 takes part in the notify only, so rank 0's pulls wait on chunk words that never rise: rank 0's
+    streams still drain within the timeout, and its next call raises CommTimeoutError naming the receive and
+    rank 1."""
+    from uccl_ep_plugin import CommTimeoutError
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    side = dist.new_group(backend="gloo")
+    case = Case("gather_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
+    with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
+        native = _make_buffer(group, "native", 64 << 20)
+    failure = None
+    x, topk_idx, topk_weights, _ = _inputs(case, rank, 5, device)
+    layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+    if rank == 0:
+        start = time.monotonic()
+        _dispatch(native, x, layout, topk_idx, topk_weights, case)
+        torch.cuda.synchronize(device)
+        elapsed = time.monotonic() - start
+        if not MISSING_PEER_TIMEOUT_S * 0.9 <= elapsed <= MISSING_PEER_TIMEOUT_S + 5:
+            failure = f"the dispatch's streams drained after {elapsed:.1f} s, expected about {MISSING_PEER_TIMEOUT_S:g} s"
+        try:
+            _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            failure = failure or "the call after a dispatch whose rows never came raised nothing"
+        except CommTimeoutError as error:
+            message = str(error)
+            for needed in ("rank 0", "receiving rows", "waiting for rank 1"):
+                if needed not in message:
+                    failure = failure or f"the CommTimeoutError does not mention {needed!r}: {message}"
+    else:
+        # The notify exchange alone, as the dispatch would launch it (the same channels), then nothing.
+        engine = native._native.normal
+        num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank = layout
+        args, _ = engine._layout_and_notify(is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                                            case.num_sms // 2, case.expert_alignment, 0)
+        engine._C.normal_layout_and_notify(args, torch.cuda.current_stream(device).cuda_stream)
+        torch.cuda.synchronize(device)
+    dist.barrier(group=side)
+    native.destroy()
+    assert failure is None, failure
+
+
+# The copy engines with their default chunks, with 7 combine and 3 pull chunks (rows per chunk then rarely divide
+# evenly, and pull chunks group channels unevenly), and with one of each.
+@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks",
+                         [("engine", "", ""), ("engine", "7", "3"), ("engine", "1", "1"), ("sm", "", "")],
+                         ids=["engine", "engine-7-3-chunks", "engine-1-1-chunks", "sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks):
+    run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
+              pull_chunks=pull_chunks)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():
@@ -382,3 +428,7 @@ def test_native_normal_stream_semantics():
 
 def test_native_normal_missing_peer_raises():
     run_ranks(RANKS, _missing_peer_body, backend="nccl")
+
+
+def test_native_normal_missing_gather_drains():
+    run_ranks(RANKS, _missing_gather_body, backend="nccl")

@@ -1,14 +1,15 @@
-"""The native normal mode's environment settings: UCCL_EP_NORMAL_COPY and UCCL_EP_NORMAL_COMBINE_CHUNKS are read
-as documented, and a bad value raises naming the variable (CPU only: the bounds come from the extension, here a
+"""The native normal mode's environment settings: UCCL_EP_NORMAL_COPY, UCCL_EP_NORMAL_COMBINE_CHUNKS and
+UCCL_EP_NORMAL_PULL_CHUNKS are read as documented, and a bad value raises naming the variable (CPU only: the bounds come from the extension, here a
 stand-in with the extension's attribute names)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from uccl_ep_plugin.engines.native.normal import COMBINE_CHUNKS_ENV, COPY_ENV, combine_chunks, copy_mode
+from uccl_ep_plugin.engines.native.normal import COMBINE_CHUNKS_ENV, COPY_ENV, PULL_CHUNKS_ENV, chunk_setting, copy_mode
 
-EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_MAX_COMBINE_CHUNKS=63)
+EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63)
+DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3}
 
 
 @pytest.mark.parametrize("value,expected", [(None, "engine"), ("", "engine"), ("sm", "sm"), (" Engine ", "engine")])
@@ -26,17 +27,21 @@ def test_copy_mode_rejects_unknown(monkeypatch):
         copy_mode()
 
 
-@pytest.mark.parametrize("value,expected", [(None, 4), ("", 4), ("1", 1), ("7", 7), (" 63 ", 63)])
-def test_combine_chunks(monkeypatch, value, expected):
+@pytest.mark.parametrize("env", [COMBINE_CHUNKS_ENV, PULL_CHUNKS_ENV])
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("1", 1), ("7", 7), (" 63 ", 63)])
+def test_chunk_settings(monkeypatch, env, value, expected):
+    other = PULL_CHUNKS_ENV if env == COMBINE_CHUNKS_ENV else COMBINE_CHUNKS_ENV
+    monkeypatch.setenv(other, "5")   # each setting reads its own variable only
     if value is None:
-        monkeypatch.delenv(COMBINE_CHUNKS_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(COMBINE_CHUNKS_ENV, value)
-    assert combine_chunks(EXTENSION) == expected
+        monkeypatch.setenv(env, value)
+    assert chunk_setting(env, EXTENSION) == (DEFAULTS[env] if expected is None else expected)
 
 
+@pytest.mark.parametrize("env", [COMBINE_CHUNKS_ENV, PULL_CHUNKS_ENV])
 @pytest.mark.parametrize("value", ["0", "64", "-1", "four", "2.5"])
-def test_combine_chunks_rejects_out_of_range(monkeypatch, value):
-    monkeypatch.setenv(COMBINE_CHUNKS_ENV, value)
-    with pytest.raises(ValueError, match=COMBINE_CHUNKS_ENV):
-        combine_chunks(EXTENSION)
+def test_chunk_settings_reject_out_of_range(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=env):
+        chunk_setting(env, EXTENSION)

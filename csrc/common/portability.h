@@ -24,6 +24,7 @@
 #if defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime.h>
 #else
+#include <cuda.h>  // driver API types and enums only (its functions are looked up at run time)
 #include <cuda_runtime.h>
 #endif
 #endif
@@ -83,6 +84,15 @@ inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return hipHostMalloc(pointer, bytes, hipHostMallocDefault);
 }
 inline gpuError_t gpu_host_free(void* pointer) { return hipHostFree(pointer); }
+inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return hipMalloc(pointer, bytes); }
+inline gpuError_t gpu_device_free(void* pointer) { return hipFree(pointer); }
+inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return hipMemset(pointer, value, bytes); }
+inline bool gpu_stream_waits_supported(int /*device*/) { return true; }
+// `stream` stops until the device word reaches `value` (unsigned >=), with no kernel and no timeout:
+// whoever gives up on the writer must raise the word itself.
+inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, uint64_t value) {
+  return hipStreamWaitValue64(stream, word, value, hipStreamWaitValueGte, ~0ull);
+}
 inline gpuError_t gpu_load_kernel(const void* kernel) {
   hipFuncAttributes attributes;
   return hipFuncGetAttributes(&attributes, kernel);
@@ -128,6 +138,42 @@ inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
   return cudaHostAlloc(pointer, bytes, cudaHostAllocDefault);
 }
 inline gpuError_t gpu_host_free(void* pointer) { return cudaFreeHost(pointer); }
+inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return cudaMalloc(pointer, bytes); }
+inline gpuError_t gpu_device_free(void* pointer) { return cudaFree(pointer); }
+inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return cudaMemset(pointer, value, bytes); }
+// Stream memory operations come from the driver API, looked up at run time: the extension links
+// only the static runtime.
+namespace detail {
+template <typename Function>
+Function driver_function(const char* name) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &function, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Function>(function);
+}
+}  // namespace detail
+// Whether gpu_stream_wait_at_least works on `device` (64-bit stream waits).
+inline bool gpu_stream_waits_supported(int device) {
+  using GetAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+  static const GetAttribute get = detail::driver_function<GetAttribute>("cuDeviceGetAttribute");
+  int value = 0;
+  return get != nullptr && get(&value, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) == CUDA_SUCCESS &&
+         value != 0;
+}
+// `stream` stops until the device word reaches `value` (unsigned >=), with no kernel and no timeout:
+// whoever gives up on the writer must raise the word itself.
+inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, uint64_t value) {
+  using WaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  static const WaitValue64 wait = detail::driver_function<WaitValue64>("cuStreamWaitValue64");
+  if (wait == nullptr) return cudaErrorNotSupported;
+  return wait(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS
+             ? cudaSuccess
+             : cudaErrorUnknown;
+}
 // Loads `kernel` into the current device's context now (see gpu_load_kernels).
 inline gpuError_t gpu_load_kernel(const void* kernel) {
   cudaFuncAttributes attributes;

@@ -136,6 +136,11 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch_receive(NormalNotify
     a.recv_channel_prefix_matrix[i] =
         channel == 0 ? 0 : __ldcg(slots + src * slot_ints + num_ranks + channel - 1);
   }
+  if (a.notify_epoch != nullptr && threadIdx.x == 0) {
+    const uint64_t epoch = exchanges_done(r);  // the arrival before this kernel counted the notify
+    a.notify_epoch[0] = static_cast<int32_t>(epoch & 0xffffffffu);
+    a.notify_epoch[1] = static_cast<int32_t>(epoch >> 32);
+  }
   for (int expert = threadIdx.x; expert < local; expert += blockDim.x) {
     int32_t total = 0;
     for (int src = 0; src < num_ranks; ++src) total += __ldcg(slots + src * slot_ints + num_ranks + num_channels + expert);

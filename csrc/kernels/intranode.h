@@ -4,7 +4,8 @@
 // Every rank's buffer (num_nvl_bytes) is a control area of kNormalControlBytes, then a data area.
 // Control area: uint64 arrived[kNormalMaxRanks] (indexed by the writing source), then uint64
 // freed[kNormalMaxRanks] (indexed by the rank that finished reading), then uint64
-// chunks[kNormalMaxRanks] (indexed by the source: the copy-engine combine's pushed chunks).
+// chunks[kNormalMaxRanks] (indexed by the source: on the copy-engine path, the chunks of an
+// exchange the source has ready for this rank: gathered for its pulls, or pushed for its sums).
 //
 // All normal-mode traffic is a sequence of exchanges (notify, dispatch, combine) that every rank
 // runs in the same order. Exchange number e (from 1) is its epoch, counted on the device
@@ -37,8 +38,27 @@ constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
 constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
 // The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
 constexpr int kNormalCombineChunks = 4;  // the default of NormalCopyEngine's combine_chunks
-// A chunk word holds epoch * kNormalChunkStride + chunks landed (monotonic over exchanges).
+// A chunk word holds epoch * kNormalChunkStride + chunks ready (monotonic over exchanges).
 constexpr uint64_t kNormalChunkStride = 64;
+// A failing rank raises its own chunk words to this, so that no stream waits on them forever.
+constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
+// The copy-engine dispatch pulls each peer's block in this many pieces by default, each as soon as
+// its owner has gathered it (NormalPullChunks).
+constexpr int kNormalPullChunks = 4;
+
+UCCL_EP_HOST_DEVICE inline int64_t normal_chunk_word_offset(int src) {
+  return (2 * static_cast<int64_t>(kNormalMaxRanks) + src) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
+// The pieces of a copy-engine dispatch: consecutive groups of DeepEP's channels (token ranges of
+// ceil(N / num_channels)), so a receiver finds each piece's rows in recv_channel_prefix_matrix.
+struct NormalPullChunks {
+  int32_t num_channels;
+  int32_t count;  // 1 .. num_channels
+};
+UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChunks p, int32_t chunk) {
+  return static_cast<int32_t>(static_cast<int64_t>(chunk) * p.num_channels / p.count);
+}
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
 constexpr int kNormalExchangesWord = 0;
 constexpr int kNormalAbortedWord = 2;
@@ -175,6 +195,7 @@ struct NormalNotifyArgs {
   int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
   int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
   int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment
+  int32_t* notify_epoch;                 // out [2] or null: the notify's exchange number (low, high word)
 };
 
 struct NormalDispatchArgs {

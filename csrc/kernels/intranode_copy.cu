@@ -26,8 +26,16 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
 // registers without spilling (8 spilled), and 32 warps per SM keep enough loads in flight.
 constexpr int kLocalCopyUnroll = 4;
 
-// Combine, before the pushes: every rank has freed the previous exchange.
-__global__ void wait_destinations_freed(NormalRegion r) { wait_destinations_free(r, kNormalCombineSend); }
+// Combine, before the pushes: every rank has freed the previous exchange. Then the values each pushed
+// chunk's 8-byte copy writes into its owner's chunk word (the arrival after this kernel counts the
+// exchange, whose number only the device knows).
+__global__ void wait_destinations_freed(NormalRegion r, uint64_t* chunk_values, int32_t chunks) {
+  if (!wait_destinations_free(r, kNormalCombineSend)) return;
+  const uint64_t epoch = exchanges_done(r) + 1;
+  for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
+    chunk_values[chunk] = epoch * kNormalChunkStride + chunk + 1;
+  }
+}
 
 // Dispatch, on `source`'s stream before its pull: `source` announced this exchange (its staging is
 // complete; this rank's own arrival, before the fork, counted the exchange).
@@ -35,8 +43,26 @@ __global__ void wait_source_arrived(NormalRegion r, int32_t source) {
   wait_at_least(r, arrived_word(r, r.rank, source), exchanges_done(r), kNormalDispatchRecv, source);
 }
 
-// Dispatch, before the arrival: the rows for every other rank into this rank's staging.
-__global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispatchArgs a) {
+// The calling warp has written its rows of one pull chunk; the last warp of the grid to get here
+// raises every peer's chunk word for this rank to `value` (all warps' rows first, at system scope:
+// the peers' copy engines read them). Warps, not blocks, count: a block would wait for its slowest
+// warp at every chunk. Every warp takes the chunks in order, so they complete in order.
+__device__ inline void announce_gathered(const NormalRegion& r, uint32_t* warps_done, uint64_t value, int lane) {
+  __threadfence_system();
+  __syncwarp();
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarpSize);
+  if (lane != 0 || atomicAdd(warps_done, 1u) != warps - 1) return;
+  *warps_done = 0;  // the next gather, after this kernel, counts from zero
+  __threadfence_system();
+  for (int peer = 0; peer < r.num_ranks; ++peer) {
+    if (peer != r.rank) atomicMax_system(reinterpret_cast<unsigned long long*>(chunk_word(r, peer, r.rank)), value);
+  }
+}
+
+// Dispatch, before the arrival: the rows for every other rank into this rank's staging, one pull
+// chunk after another, each announced to the peers once every block has gathered its part.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, uint32_t* gathered_warps) {
   const NormalRegion& r = a.region;
   if (!wait_destinations_free(r, kNormalDispatchSend)) return;
   // The host checks the same counts before it pulls; here only: gather nothing that would not fit.
@@ -53,15 +79,22 @@ __global__ void __launch_bounds__(kWideThreads, 1) gather_for_peers(NormalDispat
                                      a.scale_row_bytes, a.num_topk);
   }
   __syncthreads();
+  const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
   const WarpPosition w = warp_position();
-  for (int token = w.first; token < a.num_tokens; token += w.stride) {
-    for (int dst = 0; dst < r.num_ranks; ++dst) {
-      const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
-      if (dst == r.rank || pos < 0) continue;
-      write_dispatch_row<kLocalCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a), w.lane);
+  const int per_channel = (a.num_tokens + chunks.num_channels - 1) / chunks.num_channels;
+  for (int chunk = 0; chunk < chunks.count; ++chunk) {
+    const int first = normal_pull_chunk_first_channel(chunks, chunk) * per_channel;
+    const int end = min(a.num_tokens, normal_pull_chunk_first_channel(chunks, chunk + 1) * per_channel);
+    for (int token = first + w.first; token < end; token += w.stride) {
+      for (int dst = 0; dst < r.num_ranks; ++dst) {
+        const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
+        if (dst == r.rank || pos < 0) continue;
+        write_dispatch_row<kLocalCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
+                                             w.lane);
+      }
     }
+    announce_gathered(r, gathered_warps + chunk, epoch * kNormalChunkStride + chunk + 1, w.lane);
   }
-  __threadfence_system();
 }
 
 // Dispatch, after the arrival (beside the pulls): this rank's rows to itself, and the top-k and
@@ -104,13 +137,6 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
       }
     }
   }
-}
-
-// Combine: a pushed chunk has landed in `owner`'s staging (stream order: after its copies).
-__global__ void announce_chunk(NormalRegion r, int32_t owner, int32_t chunk) {
-  if (aborted(r)) return;
-  const uint64_t epoch = exchanges_done(r);  // the arrival, announced before the pushes, counted it
-  store_release_system(chunk_word(r, owner, r.rank), epoch * kNormalChunkStride + chunk + 1);
 }
 
 // Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
@@ -160,7 +186,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
 void load_normal_copy_kernels() {
   using namespace normal_kernels;
   gpu_load_kernels(wait_destinations_freed, wait_source_arrived, gather_for_peers, receive_own_rows,
-                   announce_chunk, reduce_from_staging);
+                   reduce_from_staging);
 }
 
 namespace {
@@ -188,17 +214,26 @@ int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>
   return most;
 }
 
-NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks)
-    : device_(device), combine_chunks_(combine_chunks), peer_bases_(std::move(peer_bases)) {
-  require(combine_chunks >= 1 && static_cast<uint64_t>(combine_chunks) < kNormalChunkStride,
-          "combine_chunks must be in 1.." + std::to_string(kNormalChunkStride - 1) + ", got " +
-              std::to_string(combine_chunks));
+NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks,
+                                   int pull_chunks)
+    : device_(device), combine_chunks_(combine_chunks), pull_chunks_(pull_chunks), peer_bases_(std::move(peer_bases)) {
+  for (const auto& [name, chunks] : {std::pair<const char*, int>{"combine_chunks", combine_chunks},
+                                     std::pair<const char*, int>{"pull_chunks", pull_chunks}}) {
+    require(chunks >= 1 && static_cast<uint64_t>(chunks) < kNormalChunkStride,
+            std::string(name) + " must be in 1.." + std::to_string(kNormalChunkStride - 1) + ", got " +
+                std::to_string(chunks));
+  }
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
-  int sms = 0;
-  gpuError_t status = gpu_multiprocessor_count(&sms, device_);
-  max_busy_sms_ = sms > 2 ? sms - 2 : 1;
+  stream_waits_ = gpu_stream_waits_supported(device_);
+  void* words = nullptr;
+  gpuError_t status = gpu_device_alloc(&words, 2 * kNormalChunkStride * sizeof(uint64_t));
+  if (status == kGpuSuccess) {
+    chunk_values_ = static_cast<uint64_t*>(words);
+    gathered_warps_ = reinterpret_cast<uint32_t*>(chunk_values_ + kNormalChunkStride);
+    status = gpu_memset(words, 0, 2 * kNormalChunkStride * sizeof(uint64_t));
+  }
   peer_streams_.assign(peer_bases_.size(), nullptr);
   peer_done_.assign(peer_bases_.size(), nullptr);
   for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
@@ -219,6 +254,9 @@ void NormalCopyEngine::release() {
   if (counts_host_ != nullptr) (void)gpu_host_free(counts_host_);
   counts_host_ = nullptr;
   counts_capacity_ = 0;
+  if (chunk_values_ != nullptr) (void)gpu_device_free(chunk_values_);
+  chunk_values_ = nullptr;
+  gathered_warps_ = nullptr;
   if (counts_copied_ != nullptr) (void)gpu_event_destroy(counts_copied_);
   counts_copied_ = nullptr;
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
@@ -238,11 +276,14 @@ void NormalCopyEngine::require_unreleased() const {
 }
 
 template <typename Queue>
-void NormalCopyEngine::fork_peer_streams(int me, gpuStream_t stream, Queue&& queue) {
-  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+void NormalCopyEngine::fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t since, Queue&& queue) {
+  if (since == nullptr) {
+    UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+    since = fork_;
+  }
   for (int peer = 0; peer < static_cast<int>(peer_streams_.size()); ++peer) {
     if (peer == me) continue;
-    UCCL_EP_GPU_CHECK(gpu_stream_wait_event(peer_streams_[peer], fork_));
+    UCCL_EP_GPU_CHECK(gpu_stream_wait_event(peer_streams_[peer], since));
     queue(peer, peer_streams_[peer]);
     UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[peer], peer_streams_[peer]));
   }
@@ -267,10 +308,15 @@ void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vecto
           "rank_prefix_matrix must have num_ranks * num_ranks entries");
 }
 
-void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, gpuStream_t stream) {
+void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChunks chunks, gpuStream_t stream) {
   check_normal_dispatch_args(a);
   require_unreleased();
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  require(chunks.count >= 1 && chunks.count <= chunks.num_channels &&
+              static_cast<uint64_t>(chunks.count) < kNormalChunkStride,
+          "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalChunkStride - 1) + "), got " +
+              std::to_string(chunks.count) + " for " + std::to_string(chunks.num_channels) + " channels");
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks,
+                                                                                            gathered_warps_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   launch_normal_announce_arrival(a.region, stream);
 }
@@ -292,38 +338,66 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  fork_peer_streams(me, stream, [&](int src, gpuStream_t peer_stream) {
-    // Each pull starts as soon as its own source has arrived.
-    normal_kernels::wait_source_arrived<<<1, 1, 0, peer_stream>>>(a.region, src);
-    UCCL_EP_GPU_CHECK(gpu_last_error());
-    const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
-    if (rows == 0) return;
-    const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
-    const uint8_t* block =
-        staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src, me, row_bytes);
-    const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
-    copy_async(static_cast<uint8_t*>(a.recv_x) + first * a.x_row_bytes, block + area.x, rows * a.x_row_bytes,
-               peer_stream);
-    if (a.scale_row_bytes > 0) {
-      copy_async(static_cast<uint8_t*>(a.recv_x_scales) + first * a.scale_row_bytes, block + area.scales,
-                 rows * a.scale_row_bytes, peer_stream);
-    }
-  });
+  // Chunked pulls need not wait for the gather queued after the count copy: their stream waits do.
+  // Nothing before that copy on `stream` can touch the outputs, allocated after it was read.
+  fork_peer_streams(me, stream, pulls_.ready ? counts_copied_ : nullptr,
+                    [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
+  pulls_.ready = false;
   normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);
 }
 
+void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, int src,
+                                   gpuStream_t peer_stream) {
+  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  if (!pulls_.ready) {
+    normal_kernels::wait_source_arrived<<<1, 1, 0, peer_stream>>>(a.region, src);
+    UCCL_EP_GPU_CHECK(gpu_last_error());
+  }
+  const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
+  if (rows == 0) return;
+  const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
+  const uint8_t* block = staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src,
+                                                              me, NormalRowBytes{a.x_row_bytes, a.scale_row_bytes,
+                                                                                 a.num_topk});
+  const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+  const auto pull = [&](int64_t begin, int64_t end) {
+    copy_async(static_cast<uint8_t*>(a.recv_x) + (first + begin) * a.x_row_bytes,
+               block + area.x + begin * a.x_row_bytes, (end - begin) * a.x_row_bytes, peer_stream);
+    if (a.scale_row_bytes > 0) {
+      copy_async(static_cast<uint8_t*>(a.recv_x_scales) + (first + begin) * a.scale_row_bytes,
+                 block + area.scales + begin * a.scale_row_bytes, (end - begin) * a.scale_row_bytes, peer_stream);
+    }
+  };
+  if (!pulls_.ready) {
+    pull(0, rows);
+    return;
+  }
+  const NormalPullChunks chunks = pulls_.chunks;
+  const int32_t* channel_starts = pulls_.recv_channel_prefix.data() + static_cast<int64_t>(src) * chunks.num_channels;
+  auto* word = reinterpret_cast<uint64_t*>(peer_bases_[me] + normal_chunk_word_offset(src));
+  for (int chunk = 0; chunk < chunks.count; ++chunk) {
+    const int64_t begin = channel_starts[normal_pull_chunk_first_channel(chunks, chunk)];
+    const int64_t end =
+        chunk + 1 < chunks.count ? channel_starts[normal_pull_chunk_first_channel(chunks, chunk + 1)] : rows;
+    if (end <= begin) continue;
+    UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, pulls_.epoch * kNormalChunkStride + chunk + 1));
+    pull(begin, end);
+  }
+}
+
 void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
   check_usable(a.region, prefix);
-  dispatch_send(a, stream);
+  pulls_.ready = false;  // a cached dispatch: the host does not know its exchange number
+  dispatch_send(a, NormalPullChunks{1, 1}, stream);
   dispatch_receive(a, prefix, stream);
 }
 
 std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, const int32_t* counts,
                                                    int64_t num_counts, const NormalDispatchArgs* gather,
-                                                   gpuStream_t stream) {
+                                                   NormalPullChunks chunks, gpuStream_t stream) {
   require_unreleased();
   require(num_counts >= 0 && (num_counts == 0 || counts != nullptr), "counts must hold num_counts >= 0 entries");
   if (num_counts > counts_capacity_) {
@@ -337,7 +411,7 @@ std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, c
   }
   copy_async(counts_host_, counts, num_counts * static_cast<int64_t>(sizeof(int32_t)), stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(counts_copied_, stream));
-  if (gather != nullptr) dispatch_send(*gather, stream);
+  if (gather != nullptr) dispatch_send(*gather, chunks, stream);
   const double wait_s = region.timeout_ns * 1e-9 + 5.0;
   const auto deadline = deadline_after(wait_s);
   for (;;) {
@@ -361,19 +435,29 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const NormalRegion& region = notify.region;
   const int num_ranks = region.num_ranks;
   const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
+  const int64_t channel_ints = static_cast<int64_t>(num_ranks) * notify.num_channels;
   require_unreleased();
-  require(notify.recv_tokens_per_expert == notify.rank_prefix_matrix + prefix_size,
-          "recv_tokens_per_expert must follow rank_prefix_matrix (one copy brings the counts to the host)");
+  pulls_.ready = false;
+  // One copy brings everything the host needs.
+  require(notify.rank_prefix_matrix == notify.recv_channel_prefix_matrix + channel_ints &&
+              notify.recv_tokens_per_expert == notify.rank_prefix_matrix + prefix_size &&
+              notify.notify_epoch == notify.recv_tokens_per_expert + notify.num_local_experts,
+          "recv_channel_prefix_matrix, rank_prefix_matrix, recv_tokens_per_expert and notify_epoch must follow "
+          "each other");
+  require(layout.num_channels == notify.num_channels, "the layout and the notify must use the same num_channels");
   if (gather != nullptr) {
     // Checked before the notify too: a bad gather must not leave the exchange half started.
     check_normal_dispatch_args(*gather);
     require(gather->send_pos == layout.send_pos && gather->rank_prefix_matrix == notify.rank_prefix_matrix,
             "the gather must read this dispatch's send_pos and rank_prefix_matrix");
   }
+  const NormalPullChunks chunks{notify.num_channels, std::min(pull_chunks_, notify.num_channels)};
   launch_normal_layout_and_notify(layout, notify, stream);
+  const std::vector<int32_t> read = read_counts(region, notify.recv_channel_prefix_matrix,
+                                                channel_ints + prefix_size + notify.num_local_experts + 2, gather,
+                                                chunks, stream);
   NormalDispatchStart start;
-  start.counts =
-      read_counts(region, notify.rank_prefix_matrix, prefix_size + notify.num_local_experts, gather, stream);
+  start.counts.assign(read.begin() + channel_ints, read.end() - 2);
   if (gather == nullptr) return start;
   const std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
@@ -381,7 +465,16 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   start.by_copy_engine =
       normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, dispatch_rows) <= region.data_bytes &&
       normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine_rows) <= region.data_bytes;
-  if (!start.by_copy_engine) abandon_dispatch(region, stream);
+  if (!start.by_copy_engine) {
+    abandon_dispatch(region, stream);
+  } else if (stream_waits_) {
+    const uint64_t notify_epoch =
+        static_cast<uint32_t>(read[read.size() - 2]) | static_cast<uint64_t>(static_cast<uint32_t>(read.back())) << 32;
+    pulls_.ready = true;
+    pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
+    pulls_.chunks = chunks;
+    pulls_.recv_channel_prefix.assign(read.begin(), read.begin() + channel_ints);
+  }
   return start;
 }
 
@@ -398,38 +491,37 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     require(normal_staging_bytes(NormalStaging::kCombine, prefix, num_ranks, owner, bytes) <= a.region.data_bytes,
             "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
   }
-  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region);
+  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region, chunk_values_,
+                                                                            combine_chunks_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
   // first: the pushes on the peers' streams and the sums on this one then share its epoch.
   launch_normal_announce_arrival(a.region, stream);
   // Each owner's chunks in order on its own stream, every owner at once: the sums start early everywhere.
-  fork_peer_streams(me, stream, [&](int owner, gpuStream_t peer_stream) {
+  // Copies only: a kernel between them would hold each next copy back by its launch.
+  fork_peer_streams(me, stream, nullptr, [&](int owner, gpuStream_t peer_stream) {
     const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
+    const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me);
     const int64_t chunk_rows = (rows + combine_chunks_ - 1) / combine_chunks_;
     uint8_t* block =
         staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
     const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
+    if (a.num_topk > 0) {  // every chunk's weights, before the first chunk word rises
+      const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
+      copy_async(block + area.topk_weights, reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk),
+                 rows * weight_bytes, peer_stream);
+    }
+    uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[owner]) + normal_chunk_word_offset(me);
     for (int chunk = 0; chunk < combine_chunks_; ++chunk) {
       const int64_t begin = chunk * chunk_rows;
       if (begin >= rows) break;
       const int64_t count = std::min(chunk_rows, rows - begin);
-      const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me) + begin;
-      copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + first * row_bytes,
+      copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + (first + begin) * row_bytes,
                  count * row_bytes, peer_stream);
-      if (a.num_topk > 0) {
-        const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
-        copy_async(block + area.topk_weights + begin * weight_bytes,
-                   reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk), count * weight_bytes,
-                   peer_stream);
-      }
-      normal_kernels::announce_chunk<<<1, 1, 0, peer_stream>>>(a.region, owner, chunk);
-      UCCL_EP_GPU_CHECK(gpu_last_error());
+      copy_async(word, chunk_values_ + chunk, sizeof(uint64_t), peer_stream);  // after the rows, in stream order
     }
   });
-  // Its warps wait for chunks that one-thread kernels announce: leave SMs for those.
-  normal_kernels::reduce_from_staging<<<std::min(a.num_sms, max_busy_sms_), normal_kernels::kWideThreads, 0,
-                                        stream>>>(a, combine_chunks_);
+  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, combine_chunks_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);

@@ -5,16 +5,22 @@
 // Both are one exchange of the protocol in intranode.h, over the staging of each rank's data
 // area (NormalStaging):
 //   dispatch: SMs gather the rows this rank sends each peer into its staging (x, scales, top-k
-//     converted to the peer's local experts, source index), announce arrival; then each peer's
-//     stream waits for the peers' arrival and pulls that peer's block for this rank straight into
-//     recv_x and recv_x_scales (one copy each), every peer at once, while SMs copy this rank's own
-//     rows and the pulled rows' top-k and source index (small) from the peers' staging; freed
-//     follows all of them.
+//     converted to the peer's local experts, source index) in pull chunks (NormalPullChunks), each
+//     announced in the peer's chunk word once gathered, then announce arrival; each peer's stream
+//     pulls that peer's block for this rank straight into recv_x and recv_x_scales, every peer at
+//     once, chunk by chunk: a stream wait on the chunk word (no kernel) lets each copy start as
+//     soon as its rows are gathered. SMs meanwhile copy this rank's own rows, then, after the
+//     arrival, the pulled rows' top-k and source index (small) from the peers' staging; freed
+//     follows all of them. A cached dispatch, whose exchange number the host does not know, pulls
+//     each block whole after a kernel waited for its owner's arrival.
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
-//     peer's stream push the rows received from that peer (a contiguous block of x) and their top-k
-//     weights back into its staging in combine_chunks chunks, each announced in the peer's
-//     chunk word; SMs sum each token's rows (its own straight from x) once the chunks holding them have
-//     landed, then freed.
+//     peer's stream push the top-k weights and the rows received from that peer (a contiguous block
+//     of x) back into its staging, the rows in combine_chunks chunks, each followed by an 8-byte
+//     copy that raises the peer's chunk word; SMs sum each token's rows (its own straight from x)
+//     once the chunks holding them have landed, then freed.
+//   A stream wait has no timeout: the kernel that records a failure on a rank (every rank's own
+//   receive waits for the same owners with a deadline) raises that rank's chunk words past every
+//   target, so its streams drain.
 #pragma once
 
 #include <cstdint>
@@ -40,14 +46,18 @@ class NormalCopyEngine {
   // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
   // pieces each peer's combine block is pushed in (1 .. kNormalChunkStride - 1; more start the sums
   // earlier, at one more copy and announcement each).
-  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks);
+  // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalChunkStride - 1; at most
+  // the dispatch's channels); every rank must use the same.
+  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks,
+                   int pull_chunks = kNormalPullChunks);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
 
   // A dispatch's first half and its one host sync: the send layout and notify, then the counts
-  // (rank_prefix_matrix, recv_tokens_per_expert right after it) copied to the host. `gather` (the
-  // dispatch's arguments, outputs not set yet; or null) runs behind the copy, while the host waits.
+  // copied to the host in one copy (recv_channel_prefix_matrix, rank_prefix_matrix,
+  // recv_tokens_per_expert and notify_epoch must follow each other). `gather` (the dispatch's
+  // arguments, outputs not set yet; or null) runs behind the copy, while the host waits.
   // by_copy_engine: `gather` was given and every owner's staging fits its rows and a combine of bf16
   // rows of `combine_row_bytes`; otherwise the gather's exchange is ended unread (every rank decides
   // alike, from shared counts) and the rows go by SMs. Throws if the counts are not on the host 5 s
@@ -56,7 +66,7 @@ class NormalCopyEngine {
                                      const NormalDispatchArgs* gather, int64_t combine_row_bytes, gpuStream_t stream);
   // The second half after start_dispatch chose the copy engines: the pulls and own rows
   // (rank_prefix_matrix_host is the [R, R] matrix read on the host, args.num_rows_out the rows this
-  // rank receives).
+  // rank receives). The pulls go chunk by chunk when that start_dispatch was the last one.
   void dispatch_receive(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                         gpuStream_t stream);
   // A whole dispatch (a cached one: its counts are known on the host already).
@@ -71,26 +81,43 @@ class NormalCopyEngine {
  private:
   // The gather and the arrival, from args.rank_prefix_matrix on the device (the output pointers are
   // not used yet). A rank whose staging would not fit gathers nothing.
-  void dispatch_send(const NormalDispatchArgs& args, gpuStream_t stream);
+  void dispatch_send(const NormalDispatchArgs& args, NormalPullChunks chunks, gpuStream_t stream);
+  // Each peer's block for this rank into recv_x / recv_x_scales on the peer's stream: whole after a
+  // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
+  void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
+                   gpuStream_t peer_stream);
   // Ends a dispatch_send's exchange with nothing read (every rank alike).
   void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
   // Copies `num_counts` int32 at `counts` (device, written on `stream`) to pinned host memory and
   // returns them; `gather` (or null) goes to dispatch_send behind the copy.
   std::vector<int32_t> read_counts(const NormalRegion& region, const int32_t* counts, int64_t num_counts,
-                                   const NormalDispatchArgs* gather, gpuStream_t stream);
+                                   const NormalDispatchArgs* gather, NormalPullChunks chunks, gpuStream_t stream);
   void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
   void require_unreleased() const;
-  // Each peer's stream waits for `stream` (up to now), then `queue(peer, peer_stream)` puts that
-  // peer's copies on it; join_peer_streams makes `stream` wait for all of them.
+  // Each peer's stream waits for `stream` up to now (or up to the event `since`, recorded on it),
+  // then `queue(peer, peer_stream)` puts that peer's copies on it; join_peer_streams makes `stream`
+  // wait for all of them.
   template <typename Queue>
-  void fork_peer_streams(int me, gpuStream_t stream, Queue&& queue);
+  void fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t since, Queue&& queue);
   void join_peer_streams(int me, gpuStream_t stream);
   uint8_t* staging(int owner) const;
 
   int device_;
   int combine_chunks_;
-  int max_busy_sms_ = 1;  // blocks a waiting kernel may take, SMs left for the one-thread announcements
+  int pull_chunks_;
+  bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
+  // What dispatch_receive needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
+  struct PendingPulls {
+    bool ready = false;
+    uint64_t epoch = 0;                        // the dispatch's exchange number
+    NormalPullChunks chunks{1, 1};
+    std::vector<int32_t> recv_channel_prefix;  // [R, C] as read on the host
+  } pulls_;
+  // Device words: the chunk word values of the current combine (written by its first kernel, copied
+  // to the owners after each chunk), then the gather's per-chunk warp counters (back to 0 after use).
+  uint64_t* chunk_values_ = nullptr;
+  uint32_t* gathered_warps_ = nullptr;
   // One stream per peer (indexed by rank; this rank's own stays unused): each peer's pulls or pushes
   // run on their own stream beside the SMs' work, so at 4 or 8 ranks the copy engines move every
   // peer's block at once instead of one after another.

@@ -35,7 +35,7 @@ __device__ __forceinline__ uint64_t* freed_word(const NormalRegion& r, int rank,
 
 // In `rank`'s control area: the chunks `src` pushed to it (epoch * kNormalChunkStride + chunks).
 __device__ __forceinline__ uint64_t* chunk_word(const NormalRegion& r, int rank, int src) {
-  return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + 2 * kNormalMaxRanks + src;
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_chunk_word_offset(src));
 }
 
 __device__ __forceinline__ uint64_t exchanges_done(const NormalRegion& r) {
@@ -47,6 +47,10 @@ __device__ __forceinline__ bool aborted(const NormalRegion& r) {
 
 __device__ inline void record_failure(const NormalRegion& r, int32_t code, int32_t phase, int32_t peer, int32_t detail) {
   *reinterpret_cast<volatile uint64_t*>(r.control + kNormalAbortedWord) = 1;
+  // The copy engines' streams may wait on these words (a dispatch's pulls): let them drain.
+  for (int src = 0; src < r.num_ranks; ++src) {
+    atomicMax_system(reinterpret_cast<unsigned long long*>(chunk_word(r, r.rank, src)), kNormalChunkWordsOpen);
+  }
   if (compare_and_swap_system(&r.status->code, 0, code) == 0) {
     r.status->phase = phase;
     r.status->peer = peer;

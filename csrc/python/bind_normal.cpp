@@ -39,7 +39,8 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                     int32_t num_local_experts, int32_t expert_alignment, int32_t num_worst_tokens,
                                     std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix,
                                     std::uintptr_t send_head, std::uintptr_t rank_prefix_matrix,
-                                    std::uintptr_t recv_channel_prefix_matrix, std::uintptr_t recv_tokens_per_expert) {
+                                    std::uintptr_t recv_channel_prefix_matrix, std::uintptr_t recv_tokens_per_expert,
+                                    std::uintptr_t notify_epoch) {
   return LayoutNotifyArgs{uccl_ep::NormalSendLayoutArgs{ptr<const bool>(is_token_in_rank), num_tokens,
                                                         region.num_ranks, num_channels, ptr<int32_t>(send_pos),
                                                         ptr<int32_t>(channel_prefix_matrix), ptr<int32_t>(send_head)},
@@ -53,7 +54,8 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     num_worst_tokens,
                                                     ptr<int32_t>(rank_prefix_matrix),
                                                     ptr<int32_t>(recv_channel_prefix_matrix),
-                                                    ptr<int32_t>(recv_tokens_per_expert)}};
+                                                    ptr<int32_t>(recv_tokens_per_expert),
+                                                    ptr<int32_t>(notify_epoch)}};
 }
 
 uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
@@ -118,7 +120,8 @@ void bind_normal(py::module_& m) {
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
   m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunks;
-  m.attr("NORMAL_MAX_COMBINE_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
+  m.attr("NORMAL_PULL_CHUNKS") = uccl_ep::kNormalPullChunks;
+  m.attr("NORMAL_MAX_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
   m.def(
       "normal_dispatch_area_bytes",
       [](int64_t rows, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
@@ -154,7 +157,7 @@ void bind_normal(py::module_& m) {
            py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
            py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
            py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("rank_prefix_matrix"),
-           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"));
+           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"), py::arg("notify_epoch"));
   m.def(
       "normal_layout_and_notify",
       [](const LayoutNotifyArgs& args, std::uintptr_t stream) {
@@ -220,8 +223,9 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>, int>(), py::arg("device"), py::arg("peer_bases"),
-           py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks)
+      .def(py::init<int, std::vector<std::uintptr_t>, int, int>(), py::arg("device"), py::arg("peer_bases"),
+           py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks,
+           py::arg("pull_chunks") = uccl_ep::kNormalPullChunks)
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

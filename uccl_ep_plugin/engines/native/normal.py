@@ -33,6 +33,7 @@ _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
+PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
 # (the copy engines need it), whether a combine fits their staging, by (hidden, num_topk), and the dispatch's
 # send positions (its cached dispatches and combine reuse them).
@@ -48,13 +49,14 @@ def copy_mode() -> str:
     return mode
 
 
-def combine_chunks(extension) -> int:
-    text = os.environ.get(COMBINE_CHUNKS_ENV, "").strip()
+def chunk_setting(env: str, extension) -> int:
+    """The pieces the copy engines move a peer's block in, from ``env`` (COMBINE_CHUNKS_ENV or PULL_CHUNKS_ENV; every
+    rank must use the same), else the extension's default."""
+    text = os.environ.get(env, "").strip()
     if not text:
-        return extension.NORMAL_COMBINE_CHUNKS
-    if not text.isdigit() or not 1 <= int(text) <= extension.NORMAL_MAX_COMBINE_CHUNKS:
-        raise ValueError(f"{COMBINE_CHUNKS_ENV}={text!r}: expected an integer in "
-                         f"1..{extension.NORMAL_MAX_COMBINE_CHUNKS}")
+        return extension.NORMAL_COMBINE_CHUNKS if env == COMBINE_CHUNKS_ENV else extension.NORMAL_PULL_CHUNKS
+    if not text.isdigit() or not 1 <= int(text) <= extension.NORMAL_MAX_CHUNKS:
+        raise ValueError(f"{env}={text!r}: expected an integer in 1..{extension.NORMAL_MAX_CHUNKS}")
     return int(text)
 
 
@@ -101,7 +103,8 @@ class NativeNormal:
         # Reads every dispatch's counts; carries the rows too unless UCCL_EP_NORMAL_COPY=sm.
         self.copy_engine = extension.NormalCopyEngine(
             device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)],
-            combine_chunks=combine_chunks(extension))
+            combine_chunks=chunk_setting(COMBINE_CHUNKS_ENV, extension),
+            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension))
         self.rows_by_copy_engine = copy_mode() == "engine"
 
     # ------------------------------------------------------------------ errors
@@ -160,14 +163,15 @@ class NativeNormal:
                            num_worst_tokens: int) -> Tuple[object, Tuple[torch.Tensor, ...]]:
         """The NormalLayoutNotifyArgs that fill one int32 allocation: send_pos [N, R], channel_prefix_matrix
         [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened,
-        then the tokens each local expert receives, aligned), which one copy brings to the host."""
+        then the tokens each local expert receives, aligned, then the notify's exchange number in two words); one
+        copy brings the last two to the host."""
         num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
         local_experts = num_tokens_per_expert.numel() // num_ranks
         slot_bytes = 4 * self._C.normal_notify_slot_ints(num_ranks, num_channels, local_experts)
         self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
                          num_ranks * slot_bytes)
         sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
-                 num_ranks * num_ranks + local_experts)
+                 num_ranks * num_ranks + local_experts + 2)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
         send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
         # The Buffer checked every input contiguous (is_token_in_rank included): a copy made here would run on the
@@ -176,7 +180,8 @@ class NativeNormal:
             self.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr(), num_channels, local_experts, expert_alignment, num_worst_tokens,
             send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
-            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
+            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks,
+            counts.data_ptr() + 4 * (num_ranks * num_ranks + local_experts))
         return args, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
                       send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
                       counts)
