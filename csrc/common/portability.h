@@ -74,16 +74,16 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
 }
-inline gpuError_t gpu_event_query(gpuEvent_t event) { return hipEventQuery(event); }
 inline gpuError_t gpu_relax_stream_capture() {
   hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
   return hipThreadExchangeStreamCaptureMode(&mode);
 }
-constexpr gpuError_t kGpuNotReady = hipErrorNotReady;
-inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
-  return hipHostMalloc(pointer, bytes, hipHostMallocDefault);
-}
 inline gpuError_t gpu_host_free(void* pointer) { return hipHostFree(pointer); }
+// Pinned host memory that kernels write through `device` (free with gpu_host_free(host)).
+inline gpuError_t gpu_host_alloc_mapped(void** host, void** device, size_t bytes) {
+  const gpuError_t status = hipHostMalloc(host, bytes, hipHostMallocMapped);
+  return status != hipSuccess ? status : hipHostGetDevicePointer(device, *host, 0);
+}
 inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return hipMalloc(pointer, bytes); }
 inline gpuError_t gpu_device_free(void* pointer) { return hipFree(pointer); }
 inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return hipMemset(pointer, value, bytes); }
@@ -126,18 +126,18 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
 }
-inline gpuError_t gpu_event_query(gpuEvent_t event) { return cudaEventQuery(event); }
 // Lets the calling thread (a proxy's) query events and copy while another thread captures a graph
 // in the default global mode, which otherwise makes those calls fail and invalidates the capture.
 inline gpuError_t gpu_relax_stream_capture() {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   return cudaThreadExchangeStreamCaptureMode(&mode);
 }
-constexpr gpuError_t kGpuNotReady = cudaErrorNotReady;
-inline gpuError_t gpu_host_alloc(void** pointer, size_t bytes) {
-  return cudaHostAlloc(pointer, bytes, cudaHostAllocDefault);
-}
 inline gpuError_t gpu_host_free(void* pointer) { return cudaFreeHost(pointer); }
+// Pinned host memory that kernels write through `device` (free with gpu_host_free(host)).
+inline gpuError_t gpu_host_alloc_mapped(void** host, void** device, size_t bytes) {
+  const gpuError_t status = cudaHostAlloc(host, bytes, cudaHostAllocMapped);
+  return status != cudaSuccess ? status : cudaHostGetDevicePointer(device, *host, 0);
+}
 inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return cudaMalloc(pointer, bytes); }
 inline gpuError_t gpu_device_free(void* pointer) { return cudaFree(pointer); }
 inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return cudaMemset(pointer, value, bytes); }

@@ -14,23 +14,31 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
-__global__ void announce_arrival(NormalRegion r) {
-  if (aborted(r)) return;
+// Steps 2 and 4 of an exchange, by one block.
+__device__ void block_announce_arrival(const NormalRegion& r) {
+  __shared__ int skip;  // one answer for the block: it meets at barriers below
+  if (threadIdx.x == 0) skip = aborted(r);
+  __syncthreads();
+  if (skip) return;
   const uint64_t epoch = exchanges_done(r) + 1;
   for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
     store_release_system(arrived_word(r, peer, r.rank), epoch);
   }
   __syncthreads();
   if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
+  __syncthreads();  // the whole block sees the new count
 }
 
-__global__ void announce_freed(NormalRegion r) {
+__device__ void block_announce_freed(const NormalRegion& r) {
   if (aborted(r)) return;
   const uint64_t epoch = exchanges_done(r);
   for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
     store_release_system(freed_word(r, peer, r.rank), epoch);
   }
 }
+
+__global__ void announce_arrival(NormalRegion r) { block_announce_arrival(r); }
+__global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 
 // ------------------------------------------------------------------------------ send layout
 // One block per rank scans that rank's column of is_token_in_rank: a token's position among the
@@ -92,9 +100,11 @@ __global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs
 }
 
 // ------------------------------------------------------------------------------ notify
-__global__ void __launch_bounds__(kThreads) notify_dispatch_send(NormalNotifyArgs a) {
+// The notify is one block on every rank, so its whole exchange is one kernel: send, arrival,
+// receive, freed.
+__device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  if (!wait_destinations_free(r, kNormalNotifySend)) return;
+  if (!wait_destinations_free(r, kNormalNotifySend)) return false;
   const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
   for (int dst = 0; dst < num_ranks; ++dst) {
@@ -112,11 +122,14 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch_send(NormalNotifyArg
     }
   }
   __threadfence_system();
+  __syncthreads();
+  return true;
 }
 
-__global__ void __launch_bounds__(kThreads) notify_dispatch_receive(NormalNotifyArgs a) {
+// The counts, into the outputs and (when given) the host's copy. Returns false if a source never came.
+__device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  if (!wait_sources_arrived(r, kNormalNotifyRecv)) return;
+  if (!wait_sources_arrived(r, kNormalNotifyRecv)) return false;
   const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
   const int32_t* slots = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
@@ -136,16 +149,38 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch_receive(NormalNotify
     a.recv_channel_prefix_matrix[i] =
         channel == 0 ? 0 : __ldcg(slots + src * slot_ints + num_ranks + channel - 1);
   }
-  if (a.notify_epoch != nullptr && threadIdx.x == 0) {
-    const uint64_t epoch = exchanges_done(r);  // the arrival before this kernel counted the notify
-    a.notify_epoch[0] = static_cast<int32_t>(epoch & 0xffffffffu);
-    a.notify_epoch[1] = static_cast<int32_t>(epoch >> 32);
-  }
   for (int expert = threadIdx.x; expert < local; expert += blockDim.x) {
     int32_t total = 0;
     for (int src = 0; src < num_ranks; ++src) total += __ldcg(slots + src * slot_ints + num_ranks + num_channels + expert);
     a.recv_tokens_per_expert[expert] = (total + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
   }
+  __syncthreads();  // every output written, the slots read
+  if (a.host_counts != nullptr) {
+    const int64_t channel_ints = static_cast<int64_t>(num_ranks) * num_channels;
+    const int64_t prefix_ints = static_cast<int64_t>(num_ranks) * num_ranks;
+    for (int64_t i = threadIdx.x; i < channel_ints + prefix_ints + local; i += blockDim.x) {
+      a.host_counts[i] = i < channel_ints                 ? a.recv_channel_prefix_matrix[i]
+                         : i < channel_ints + prefix_ints ? a.rank_prefix_matrix[i - channel_ints]
+                                                          : a.recv_tokens_per_expert[i - channel_ints - prefix_ints];
+    }
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) {
+  const NormalRegion& r = a.region;
+  bool done = notify_send_slots(a);
+  if (done) {
+    block_announce_arrival(r);
+    done = notify_receive_counts(a);
+    if (done) block_announce_freed(r);
+  }
+  __syncthreads();  // every thread's host_counts writes come before the fence below
+  if (a.host_counts == nullptr || threadIdx.x != 0) return;
+  // The host polls this word: the notify's exchange number once its counts are there, else kNormalNotifyFailed.
+  __threadfence_system();
+  const uint64_t epoch = done ? exchanges_done(r) : kNormalNotifyFailed;
+  *reinterpret_cast<volatile uint64_t*>(a.host_counts + normal_host_counts_epoch_index(a)) = epoch;
 }
 
 // ------------------------------------------------------------------------------ dispatch
@@ -324,9 +359,8 @@ void launch_exchange(void (*send)(Args), void (*receive)(Args), const Args& args
 
 void load_normal_kernels() {
   using namespace normal_kernels;
-  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch_send,
-                   notify_dispatch_receive, dispatch_send, dispatch_receive, combine_send,
-                   combine_receive);
+  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch, dispatch_send, dispatch_receive,
+                   combine_send, combine_receive);
 }
 
 void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
@@ -363,7 +397,10 @@ void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
   require(slot_bytes * args.region.num_ranks <= args.region.data_bytes,
           "the data area cannot hold the notify slots (" + std::to_string(slot_bytes * args.region.num_ranks) +
               " bytes)");
-  launch_exchange(normal_kernels::notify_dispatch_send, normal_kernels::notify_dispatch_receive, args, 1, 1, stream);
+  require(args.host_counts == nullptr || reinterpret_cast<std::uintptr_t>(args.host_counts) % 8 == 0,
+          "host_counts must be 8-byte aligned");
+  normal_kernels::notify_dispatch<<<1, normal_kernels::kThreads, 0, stream>>>(args);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
 void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,

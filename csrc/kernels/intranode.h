@@ -37,7 +37,7 @@ constexpr int kNormalMaxRanks = 256;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
 constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
 // The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
-constexpr int kNormalCombineChunks = 4;  // the default of NormalCopyEngine's combine_chunks
+constexpr int kNormalCombineChunks = 6;  // the default of NormalCopyEngine's combine_chunks
 // A chunk word holds epoch * kNormalChunkStride + chunks ready (monotonic over exchanges).
 constexpr uint64_t kNormalChunkStride = 64;
 // A failing rank raises its own chunk words to this, so that no stream waits on them forever.
@@ -51,13 +51,22 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_chunk_word_offset(int src) {
 }
 
 // The pieces of a copy-engine dispatch: consecutive groups of DeepEP's channels (token ranges of
-// ceil(N / num_channels)), so a receiver finds each piece's rows in recv_channel_prefix_matrix.
+// ceil(N / num_channels)), so a receiver finds each piece's rows in recv_channel_prefix_matrix. The
+// first piece is one channel, so the first pull starts early; the others share the rest evenly.
 struct NormalPullChunks {
   int32_t num_channels;
   int32_t count;  // 1 .. num_channels
 };
 UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChunks p, int32_t chunk) {
-  return static_cast<int32_t>(static_cast<int64_t>(chunk) * p.num_channels / p.count);
+  if (chunk == 0) return 0;
+  if (p.count == 1) return p.num_channels;
+  return 1 + static_cast<int32_t>(static_cast<int64_t>(chunk - 1) * (p.num_channels - 1) / (p.count - 1));
+}
+
+// The pieces a copy-engine combine pushes `rows` rows in: the last one half the size of the others,
+// so the sums left after the last push are few. Chunk c holds rows [begin(c), begin(c + 1)).
+UCCL_EP_HOST_DEVICE inline int64_t normal_combine_chunk_begin(int64_t rows, int32_t chunks, int32_t chunk) {
+  return chunk >= chunks ? rows : chunk * 2 * rows / (2 * chunks - 1);
 }
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
 constexpr int kNormalExchangesWord = 0;
@@ -195,8 +204,21 @@ struct NormalNotifyArgs {
   int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
   int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
   int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment
-  int32_t* notify_epoch;                 // out [2] or null: the notify's exchange number (low, high word)
+  // Or null: mapped host memory (8-byte aligned) that gets recv_channel_prefix_matrix, rank_prefix_matrix
+  // and recv_tokens_per_expert, then at normal_host_counts_epoch_index (a uint64, written last) the
+  // notify's exchange number, or kNormalNotifyFailed when a wait gave up.
+  int32_t* host_counts;
 };
+
+constexpr uint64_t kNormalNotifyFailed = ~uint64_t{0};
+// Where host_counts keeps the exchange number: the first 8-byte boundary after the counts.
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(int64_t num_ranks, int64_t num_channels,
+                                                                  int64_t num_local_experts) {
+  return (num_ranks * num_channels + num_ranks * num_ranks + num_local_experts + 1) / 2 * 2;
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(const NormalNotifyArgs& a) {
+  return normal_host_counts_epoch_index(a.region.num_ranks, a.num_channels, a.num_local_experts);
+}
 
 struct NormalDispatchArgs {
   NormalRegion region;

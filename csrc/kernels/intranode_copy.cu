@@ -145,11 +145,11 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
-  __shared__ int64_t chunk_rows[kNormalMaxRanks];
+  __shared__ int64_t sent_rows[kNormalMaxRanks];
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
-    chunk_rows[dst] = (rows + num_chunks - 1) / num_chunks;
+    sent_rows[dst] = rows;
     if (dst == me) {
       const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
       from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
@@ -170,7 +170,9 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
     if (lane == 0) {
       for (int dst = 0; dst < num_ranks && ready; ++dst) {
         if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
-        const uint64_t chunk = a.send_pos[token * num_ranks + dst] / chunk_rows[dst];
+        const int64_t pos = a.send_pos[token * num_ranks + dst];
+        int32_t chunk = num_chunks - 1;
+        while (pos < normal_combine_chunk_begin(sent_rows[dst], num_chunks, chunk)) --chunk;
         ready = wait_at_least(r, chunk_word(r, me, dst), epoch * kNormalChunkStride + chunk + 1, kNormalCombineRecv,
                               dst);
       }
@@ -241,7 +243,7 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
     if (status == kGpuSuccess) status = gpu_event_create(&peer_done_[peer]);
   }
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
-  if (status == kGpuSuccess) status = gpu_event_create(&counts_copied_);
+  if (status == kGpuSuccess) status = gpu_event_create(&notify_done_);
   if (status != kGpuSuccess) release();
   (void)gpu_set_device(previous);
   UCCL_EP_GPU_CHECK(status);
@@ -251,14 +253,15 @@ NormalCopyEngine::~NormalCopyEngine() { release(); }
 
 void NormalCopyEngine::release() {
   // Nothing is in flight here that the caller did not order before: its stream waits for peer_done_.
-  if (counts_host_ != nullptr) (void)gpu_host_free(counts_host_);
-  counts_host_ = nullptr;
-  counts_capacity_ = 0;
+  if (host_counts_ != nullptr) (void)gpu_host_free(host_counts_);
+  host_counts_ = nullptr;
+  host_counts_device_ = nullptr;
+  host_counts_capacity_ = 0;
   if (chunk_values_ != nullptr) (void)gpu_device_free(chunk_values_);
   chunk_values_ = nullptr;
   gathered_warps_ = nullptr;
-  if (counts_copied_ != nullptr) (void)gpu_event_destroy(counts_copied_);
-  counts_copied_ = nullptr;
+  if (notify_done_ != nullptr) (void)gpu_event_destroy(notify_done_);
+  notify_done_ = nullptr;
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
   fork_ = nullptr;
   for (gpuEvent_t event : peer_done_) {
@@ -338,9 +341,9 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  // Chunked pulls need not wait for the gather queued after the count copy: their stream waits do.
-  // Nothing before that copy on `stream` can touch the outputs, allocated after it was read.
-  fork_peer_streams(me, stream, pulls_.ready ? counts_copied_ : nullptr,
+  // Chunked pulls need not wait for the gather queued after the notify: their stream waits do.
+  // Nothing before the notify's end on `stream` can touch the outputs, allocated after it.
+  fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
   normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
@@ -395,30 +398,13 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   dispatch_receive(a, prefix, stream);
 }
 
-std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, const int32_t* counts,
-                                                   int64_t num_counts, const NormalDispatchArgs* gather,
-                                                   NormalPullChunks chunks, gpuStream_t stream) {
-  require_unreleased();
-  require(num_counts >= 0 && (num_counts == 0 || counts != nullptr), "counts must hold num_counts >= 0 entries");
-  if (num_counts > counts_capacity_) {
-    if (counts_host_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(counts_host_));
-    counts_host_ = nullptr;
-    counts_capacity_ = 0;
-    void* pinned = nullptr;
-    UCCL_EP_GPU_CHECK(gpu_host_alloc(&pinned, static_cast<size_t>(num_counts) * sizeof(int32_t)));
-    counts_host_ = static_cast<int32_t*>(pinned);
-    counts_capacity_ = num_counts;
-  }
-  copy_async(counts_host_, counts, num_counts * static_cast<int64_t>(sizeof(int32_t)), stream);
-  UCCL_EP_GPU_CHECK(gpu_event_record(counts_copied_, stream));
-  if (gather != nullptr) dispatch_send(*gather, chunks, stream);
+uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t epoch_index) const {
   const double wait_s = region.timeout_ns * 1e-9 + 5.0;
   const auto deadline = deadline_after(wait_s);
+  const uint64_t* word = reinterpret_cast<const uint64_t*>(host_counts_ + epoch_index);
   for (;;) {
-    const gpuError_t status = gpu_event_query(counts_copied_);
-    if (status == kGpuSuccess) break;
-    if (status != kGpuNotReady) UCCL_EP_GPU_CHECK(status);
-    (void)gpu_last_error();  // "not ready" may linger as the thread's last error
+    const uint64_t epoch = host_load_acquire(word);
+    if (epoch != 0) return epoch;
     if (std::chrono::steady_clock::now() >= deadline) {
       throw std::runtime_error("rank " + std::to_string(region.rank) +
                                ": the dispatch's counts did not reach the host within " + format_seconds(wait_s) +
@@ -426,7 +412,6 @@ std::vector<int32_t> NormalCopyEngine::read_counts(const NormalRegion& region, c
     }
     std::this_thread::yield();
   }
-  return std::vector<int32_t>(counts_host_, counts_host_ + num_counts);
 }
 
 NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
@@ -438,12 +423,6 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const int64_t channel_ints = static_cast<int64_t>(num_ranks) * notify.num_channels;
   require_unreleased();
   pulls_.ready = false;
-  // One copy brings everything the host needs.
-  require(notify.rank_prefix_matrix == notify.recv_channel_prefix_matrix + channel_ints &&
-              notify.recv_tokens_per_expert == notify.rank_prefix_matrix + prefix_size &&
-              notify.notify_epoch == notify.recv_tokens_per_expert + notify.num_local_experts,
-          "recv_channel_prefix_matrix, rank_prefix_matrix, recv_tokens_per_expert and notify_epoch must follow "
-          "each other");
   require(layout.num_channels == notify.num_channels, "the layout and the notify must use the same num_channels");
   if (gather != nullptr) {
     // Checked before the notify too: a bad gather must not leave the exchange half started.
@@ -451,13 +430,34 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     require(gather->send_pos == layout.send_pos && gather->rank_prefix_matrix == notify.rank_prefix_matrix,
             "the gather must read this dispatch's send_pos and rank_prefix_matrix");
   }
+  // The notify writes its counts into mapped host memory, its exchange number last: no copy, no event.
+  const int64_t epoch_index = normal_host_counts_epoch_index(notify);
+  if (epoch_index + 2 > host_counts_capacity_) {
+    if (host_counts_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(host_counts_));
+    host_counts_ = nullptr;
+    host_counts_capacity_ = 0;
+    void* host = nullptr;
+    void* device = nullptr;
+    UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(&host, &device, static_cast<size_t>(epoch_index + 2) * sizeof(int32_t)));
+    host_counts_ = static_cast<int32_t*>(host);
+    host_counts_device_ = static_cast<int32_t*>(device);
+    host_counts_capacity_ = epoch_index + 2;
+  }
+  host_store_release(reinterpret_cast<uint64_t*>(host_counts_ + epoch_index), 0);  // the last notify's is read
+  NormalNotifyArgs to_host = notify;
+  to_host.host_counts = host_counts_device_;
   const NormalPullChunks chunks{notify.num_channels, std::min(pull_chunks_, notify.num_channels)};
-  launch_normal_layout_and_notify(layout, notify, stream);
-  const std::vector<int32_t> read = read_counts(region, notify.recv_channel_prefix_matrix,
-                                                channel_ints + prefix_size + notify.num_local_experts + 2, gather,
-                                                chunks, stream);
+  launch_normal_layout_and_notify(layout, to_host, stream);
+  UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
+  if (gather != nullptr) dispatch_send(*gather, chunks, stream);  // runs while the host waits
+  const uint64_t notify_epoch = wait_for_notify(region, epoch_index);
   NormalDispatchStart start;
-  start.counts.assign(read.begin() + channel_ints, read.end() - 2);
+  if (notify_epoch == kNormalNotifyFailed) {  // recorded on the device: the caller raises it
+    start.counts.assign(prefix_size + notify.num_local_experts, 0);
+    if (gather != nullptr) abandon_dispatch(region, stream);
+    return start;
+  }
+  start.counts.assign(host_counts_ + channel_ints, host_counts_ + channel_ints + prefix_size + notify.num_local_experts);
   if (gather == nullptr) return start;
   const std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
@@ -468,12 +468,10 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   if (!start.by_copy_engine) {
     abandon_dispatch(region, stream);
   } else if (stream_waits_) {
-    const uint64_t notify_epoch =
-        static_cast<uint32_t>(read[read.size() - 2]) | static_cast<uint64_t>(static_cast<uint32_t>(read.back())) << 32;
     pulls_.ready = true;
     pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
     pulls_.chunks = chunks;
-    pulls_.recv_channel_prefix.assign(read.begin(), read.begin() + channel_ints);
+    pulls_.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
   }
   return start;
 }
@@ -502,7 +500,6 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   fork_peer_streams(me, stream, nullptr, [&](int owner, gpuStream_t peer_stream) {
     const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
     const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me);
-    const int64_t chunk_rows = (rows + combine_chunks_ - 1) / combine_chunks_;
     uint8_t* block =
         staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
     const NormalCombineArea area = normal_combine_area(rows, row_bytes, a.num_topk);
@@ -513,9 +510,9 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     }
     uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[owner]) + normal_chunk_word_offset(me);
     for (int chunk = 0; chunk < combine_chunks_; ++chunk) {
-      const int64_t begin = chunk * chunk_rows;
-      if (begin >= rows) break;
-      const int64_t count = std::min(chunk_rows, rows - begin);
+      const int64_t begin = normal_combine_chunk_begin(rows, combine_chunks_, chunk);
+      const int64_t count = normal_combine_chunk_begin(rows, combine_chunks_, chunk + 1) - begin;
+      if (count == 0) continue;  // few rows: this chunk's word stays below, and no token waits for it
       copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + (first + begin) * row_bytes,
                  count * row_bytes, peer_stream);
       copy_async(word, chunk_values_ + chunk, sizeof(uint64_t), peer_stream);  // after the rows, in stream order

@@ -54,10 +54,9 @@ class NormalCopyEngine {
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
 
-  // A dispatch's first half and its one host sync: the send layout and notify, then the counts
-  // copied to the host in one copy (recv_channel_prefix_matrix, rank_prefix_matrix,
-  // recv_tokens_per_expert and notify_epoch must follow each other). `gather` (the dispatch's
-  // arguments, outputs not set yet; or null) runs behind the copy, while the host waits.
+  // A dispatch's first half and its one host sync: the send layout and notify, whose kernel writes
+  // the counts into mapped host memory as well (notify.host_counts is set here). `gather` (the
+  // dispatch's arguments, outputs not set yet; or null) runs behind the notify, while the host waits.
   // by_copy_engine: `gather` was given and every owner's staging fits its rows and a combine of bf16
   // rows of `combine_row_bytes`; otherwise the gather's exchange is ended unread (every rank decides
   // alike, from shared counts) and the rows go by SMs. Throws if the counts are not on the host 5 s
@@ -88,10 +87,9 @@ class NormalCopyEngine {
                    gpuStream_t peer_stream);
   // Ends a dispatch_send's exchange with nothing read (every rank alike).
   void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
-  // Copies `num_counts` int32 at `counts` (device, written on `stream`) to pinned host memory and
-  // returns them; `gather` (or null) goes to dispatch_send behind the copy.
-  std::vector<int32_t> read_counts(const NormalRegion& region, const int32_t* counts, int64_t num_counts,
-                                   const NormalDispatchArgs* gather, NormalPullChunks chunks, gpuStream_t stream);
+  // Waits until the notify launched by start_dispatch has written its exchange number into
+  // host_counts_ (at epoch_index), and returns it (kNormalNotifyFailed: a wait on the device gave up).
+  uint64_t wait_for_notify(const NormalRegion& region, int64_t epoch_index) const;
   void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
   void require_unreleased() const;
   // Each peer's stream waits for `stream` up to now (or up to the event `since`, recorded on it),
@@ -124,9 +122,10 @@ class NormalCopyEngine {
   std::vector<gpuStream_t> peer_streams_;
   std::vector<gpuEvent_t> peer_done_;  // recorded on each peer's stream after its copies
   gpuEvent_t fork_ = nullptr;          // the caller's stream up to the copies
-  gpuEvent_t counts_copied_ = nullptr;
-  int32_t* counts_host_ = nullptr;  // pinned, counts_capacity_ entries
-  int64_t counts_capacity_ = 0;
+  gpuEvent_t notify_done_ = nullptr;   // the caller's stream up to the notify (before the gather)
+  int32_t* host_counts_ = nullptr;     // mapped pinned memory the notify writes, host_counts_capacity_ int32
+  int32_t* host_counts_device_ = nullptr;
+  int64_t host_counts_capacity_ = 0;
 };
 
 // Bytes of `owner`'s data area that an exchange of this kind with these counts needs.

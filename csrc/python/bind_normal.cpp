@@ -39,8 +39,7 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                     int32_t num_local_experts, int32_t expert_alignment, int32_t num_worst_tokens,
                                     std::uintptr_t send_pos, std::uintptr_t channel_prefix_matrix,
                                     std::uintptr_t send_head, std::uintptr_t rank_prefix_matrix,
-                                    std::uintptr_t recv_channel_prefix_matrix, std::uintptr_t recv_tokens_per_expert,
-                                    std::uintptr_t notify_epoch) {
+                                    std::uintptr_t recv_channel_prefix_matrix, std::uintptr_t recv_tokens_per_expert) {
   return LayoutNotifyArgs{uccl_ep::NormalSendLayoutArgs{ptr<const bool>(is_token_in_rank), num_tokens,
                                                         region.num_ranks, num_channels, ptr<int32_t>(send_pos),
                                                         ptr<int32_t>(channel_prefix_matrix), ptr<int32_t>(send_head)},
@@ -55,7 +54,7 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     ptr<int32_t>(rank_prefix_matrix),
                                                     ptr<int32_t>(recv_channel_prefix_matrix),
                                                     ptr<int32_t>(recv_tokens_per_expert),
-                                                    ptr<int32_t>(notify_epoch)}};
+                                                    nullptr}};
 }
 
 uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
@@ -157,7 +156,7 @@ void bind_normal(py::module_& m) {
            py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
            py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
            py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("rank_prefix_matrix"),
-           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"), py::arg("notify_epoch"));
+           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"));
   m.def(
       "normal_layout_and_notify",
       [](const LayoutNotifyArgs& args, std::uintptr_t stream) {

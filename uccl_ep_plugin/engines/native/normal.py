@@ -163,15 +163,14 @@ class NativeNormal:
                            num_worst_tokens: int) -> Tuple[object, Tuple[torch.Tensor, ...]]:
         """The NormalLayoutNotifyArgs that fill one int32 allocation: send_pos [N, R], channel_prefix_matrix
         [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened,
-        then the tokens each local expert receives, aligned, then the notify's exchange number in two words); one
-        copy brings the last two to the host."""
+        then the tokens each local expert receives, aligned)."""
         num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
         local_experts = num_tokens_per_expert.numel() // num_ranks
         slot_bytes = 4 * self._C.normal_notify_slot_ints(num_ranks, num_channels, local_experts)
         self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
                          num_ranks * slot_bytes)
         sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
-                 num_ranks * num_ranks + local_experts + 2)
+                 num_ranks * num_ranks + local_experts)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
         send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
         # The Buffer checked every input contiguous (is_token_in_rank included): a copy made here would run on the
@@ -180,8 +179,7 @@ class NativeNormal:
             self.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr(), num_channels, local_experts, expert_alignment, num_worst_tokens,
             send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
-            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks,
-            counts.data_ptr() + 4 * (num_ranks * num_ranks + local_experts))
+            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
         return args, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
                       send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
                       counts)
