@@ -60,7 +60,7 @@ __device__ inline void announce_gathered(const NormalRegion& r, uint32_t* warps_
 }
 
 // Dispatch, before the arrival: the rows for every other rank into this rank's staging, one pull
-// chunk after another, each announced to the peers once every block has gathered its part.
+// chunk after another, each announced to the peers once every warp has gathered its part.
 __global__ void __launch_bounds__(kWideThreads, 1)
     gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, uint32_t* gathered_warps) {
   const NormalRegion& r = a.region;
