@@ -333,15 +333,21 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
-def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
-    """Only rank 0 calls dispatch: it raises CommTimeoutError naming itself, the phase and a missing rank."""
-    from uccl_ep_plugin import CommTimeoutError
+def _short_timeout_setup(rank: int, group):
+    """(device, a gloo group to meet on after a failure, a native Buffer with MISSING_PEER_TIMEOUT_S)."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo")
-    case = Case("timeout_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
     with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
         native = _make_buffer(group, "native", 64 << 20)
+    return device, side, native
+
+
+def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
+    """Only rank 0 calls dispatch: it raises CommTimeoutError naming itself, the phase and a missing rank."""
+    from uccl_ep_plugin import CommTimeoutError
+    device, side, native = _short_timeout_setup(rank, group)
+    case = Case("timeout_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
     failure = None
     if rank == 0:
         x, topk_idx, topk_weights, _ = _inputs(case, rank, 3, device)
@@ -371,12 +377,8 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
     streams still drain within the timeout, and its next call raises CommTimeoutError naming the receive and
     rank 1."""
     from uccl_ep_plugin import CommTimeoutError
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    side = dist.new_group(backend="gloo")
+    device, side, native = _short_timeout_setup(rank, group)
     case = Case("gather_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
-    with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
-        native = _make_buffer(group, "native", 64 << 20)
     failure = None
     x, topk_idx, topk_weights, _ = _inputs(case, rank, 5, device)
     layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
