@@ -88,8 +88,8 @@ inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return hipMal
 inline gpuError_t gpu_device_free(void* pointer) { return hipFree(pointer); }
 inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return hipMemset(pointer, value, bytes); }
 inline bool gpu_stream_waits_supported(int /*device*/) { return true; }
-// `stream` stops until the device word reaches `value` (unsigned >=), with no kernel and no timeout:
-// whoever gives up on the writer must raise the word itself.
+// `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
+// kernel and no timeout: whoever gives up on the writer must raise the word itself.
 inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, uint64_t value) {
   return hipStreamWaitValue64(stream, word, value, hipStreamWaitValueGte, ~0ull);
 }
@@ -164,8 +164,8 @@ inline bool gpu_stream_waits_supported(int device) {
   return get != nullptr && get(&value, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) == CUDA_SUCCESS &&
          value != 0;
 }
-// `stream` stops until the device word reaches `value` (unsigned >=), with no kernel and no timeout:
-// whoever gives up on the writer must raise the word itself.
+// `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
+// kernel and no timeout: whoever gives up on the writer must raise the word itself.
 inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, uint64_t value) {
   using WaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   static const WaitValue64 wait = detail::driver_function<WaitValue64>("cuStreamWaitValue64");
