@@ -388,7 +388,8 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
         torch.cuda.synchronize(device)
         elapsed = time.monotonic() - start
         if not MISSING_PEER_TIMEOUT_S * 0.9 <= elapsed <= MISSING_PEER_TIMEOUT_S + 5:
-            failure = f"the dispatch's streams drained after {elapsed:.1f} s, expected about {MISSING_PEER_TIMEOUT_S:g} s"
+            failure = (f"the dispatch's streams drained after {elapsed:.1f} s, "
+                       f"expected about {MISSING_PEER_TIMEOUT_S:g} s")
         try:
             _dispatch(native, x, layout, topk_idx, topk_weights, case)
             failure = failure or "the call after a dispatch whose rows never came raised nothing"

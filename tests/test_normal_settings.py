@@ -1,6 +1,6 @@
 """The native normal mode's environment settings: UCCL_EP_NORMAL_COPY, UCCL_EP_NORMAL_COMBINE_CHUNKS and
-UCCL_EP_NORMAL_PULL_CHUNKS are read as documented, and a bad value raises naming the variable (CPU only: the bounds come from the extension, here a
-stand-in with the extension's attribute names)."""
+UCCL_EP_NORMAL_PULL_CHUNKS are read as documented, and a bad value raises naming the variable (CPU only: the
+bounds come from the extension, here a stand-in with the extension's attribute names)."""
 
 from types import SimpleNamespace
 

@@ -457,7 +457,8 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     if (gather != nullptr) abandon_dispatch(region, stream);
     return start;
   }
-  start.counts.assign(host_counts_ + channel_ints, host_counts_ + channel_ints + prefix_size + notify.num_local_experts);
+  const int32_t* counts = host_counts_ + channel_ints;
+  start.counts.assign(counts, counts + prefix_size + notify.num_local_experts);
   if (gather == nullptr) return start;
   const std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
