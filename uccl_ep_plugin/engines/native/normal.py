@@ -34,6 +34,8 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
+# Each chunk setting's default, by its name in the extension.
+_CHUNK_DEFAULTS = {COMBINE_CHUNKS_ENV: "NORMAL_COMBINE_CHUNKS", PULL_CHUNKS_ENV: "NORMAL_PULL_CHUNKS"}
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
 # (the copy engines need it), whether a combine fits their staging, by (hidden, num_topk), and the dispatch's
 # send positions (its cached dispatches and combine reuse them).
@@ -54,7 +56,7 @@ def chunk_setting(env: str, extension) -> int:
     rank must use the same), else the extension's default."""
     text = os.environ.get(env, "").strip()
     if not text:
-        return extension.NORMAL_COMBINE_CHUNKS if env == COMBINE_CHUNKS_ENV else extension.NORMAL_PULL_CHUNKS
+        return getattr(extension, _CHUNK_DEFAULTS[env])
     if not text.isdigit() or not 1 <= int(text) <= extension.NORMAL_MAX_CHUNKS:
         raise ValueError(f"{env}={text!r}: expected an integer in 1..{extension.NORMAL_MAX_CHUNKS}")
     return int(text)
