@@ -24,6 +24,7 @@ ENGINE_ENV = "UCCL_EP_ENGINE"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"
+SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -195,10 +196,12 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
-def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str) -> None:
+def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
+                  sm_pull: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks):
+    with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks), \
+            environment(SM_PULL_ENV, sm_pull):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
@@ -411,14 +414,15 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-# The copy engines with their default chunks, with 7 combine and 3 pull chunks (rows per chunk then rarely divide
-# evenly, and pull chunks group channels unevenly), and with one of each.
-@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks",
-                         [("engine", "", ""), ("engine", "7", "3"), ("engine", "1", "1"), ("sm", "", "")],
-                         ids=["engine", "engine-7-3-chunks", "engine-1-1-chunks", "sm"])
-def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks):
+# The copy engines with their default settings, with 7 combine and 3 pull chunks (rows per chunk then rarely divide
+# evenly, and pull chunks group channels unevenly) and 30% of the pulled rows copied by SMs, and with one chunk
+# each and no rows copied by SMs.
+@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull",
+                         [("engine", "", "", ""), ("engine", "7", "3", "30"), ("engine", "1", "1", "0"), ("sm", "", "", "")],
+                         ids=["engine", "engine-7-3-chunks-30-sm", "engine-1-1-chunks-no-sm", "sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
-              pull_chunks=pull_chunks)
+              pull_chunks=pull_chunks, sm_pull=sm_pull)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from uccl_ep_plugin.engines.native.normal import COMBINE_CHUNKS_ENV, COPY_ENV, PULL_CHUNKS_ENV, chunk_setting, copy_mode
+from uccl_ep_plugin.engines.native.normal import (COMBINE_CHUNKS_ENV, COPY_ENV, PULL_CHUNKS_ENV, SM_PULL_ENV,
+                                                 chunk_setting, copy_mode, sm_pull_percent)
 
-EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63)
+EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63,
+                            NORMAL_SM_PULL_PERCENT=12)
 DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3}
 
 
@@ -45,3 +47,19 @@ def test_chunk_settings_reject_out_of_range(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env):
         chunk_setting(env, EXTENSION)
+
+
+@pytest.mark.parametrize("value,expected", [(None, 12), ("", 12), ("0", 0), ("30", 30), (" 100 ", 100)])
+def test_sm_pull_percent(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(SM_PULL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SM_PULL_ENV, value)
+    assert sm_pull_percent(EXTENSION) == expected
+
+
+@pytest.mark.parametrize("value", ["101", "-1", "half", "2.5"])
+def test_sm_pull_percent_rejects_out_of_range(monkeypatch, value):
+    monkeypatch.setenv(SM_PULL_ENV, value)
+    with pytest.raises(ValueError, match=SM_PULL_ENV):
+        sm_pull_percent(EXTENSION)

@@ -45,6 +45,8 @@ constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
 // The copy-engine dispatch pulls each peer's block in this many pieces by default, each as soon as
 // its owner has gathered it (NormalPullChunks).
 constexpr int kNormalPullChunks = 4;
+// Share (percent) of each peer's dispatch rows that SMs copy beside the copy engines: 12 measured best at EP2.
+constexpr int kNormalSmPullPercent = 12;
 
 UCCL_EP_HOST_DEVICE inline int64_t normal_chunk_word_offset(int src) {
   return (2 * static_cast<int64_t>(kNormalMaxRanks) + src) * static_cast<int64_t>(sizeof(uint64_t));
@@ -61,6 +63,12 @@ UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChu
   if (chunk == 0) return 0;
   if (p.count == 1) return p.num_channels;
   return 1 + static_cast<int32_t>(static_cast<int64_t>(chunk - 1) * (p.num_channels - 1) / (p.count - 1));
+}
+
+// Of a peer's `rows` rows for this rank, those the copy engines pull (from the start); SMs copy the
+// rest over NVLink loads, beside them (sm_pull_percent of the rows, 0..100).
+UCCL_EP_HOST_DEVICE inline int64_t normal_copy_engine_rows(int64_t rows, int32_t sm_pull_percent) {
+  return rows - rows * sm_pull_percent / 100;
 }
 
 // The pieces a copy-engine combine pushes `rows` rows in: the last one half the size of the others,

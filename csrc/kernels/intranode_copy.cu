@@ -97,9 +97,26 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   }
 }
 
-// Dispatch, after the arrival (beside the pulls): this rank's rows to itself, and the top-k and
-// source index of the pulled rows, read from the peers' staging.
-__global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a) {
+// A peer's block for this rank in its staging.
+struct PeerBlock {
+  const uint8_t* base;
+  NormalDispatchArea area;
+  int64_t rows;   // rows it holds
+  int64_t first;  // where they go in the outputs
+};
+__device__ __forceinline__ PeerBlock peer_block(const NormalDispatchArgs& a, int src) {
+  const NormalRegion& r = a.region;
+  const int64_t rows = normal_sent(a.rank_prefix_matrix, r.num_ranks, src, r.rank);
+  return PeerBlock{data_area(r, src) + normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix,
+                                                             r.num_ranks, src, r.rank, dispatch_row_bytes(a)),
+                   normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk), rows,
+                   normal_rows_before(a.rank_prefix_matrix, r.num_ranks, src, r.rank)};
+}
+
+// Dispatch, after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
+// block that the copy engines leave to SMs (sm_pull_percent), and the top-k and source index of the
+// pulled rows, read from the peers' staging.
+__global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
@@ -117,23 +134,31 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
         a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
     write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane);
   }
+  for (int src = 0; src < num_ranks && sm_pull_percent > 0; ++src) {
+    if (src == me) continue;
+    const PeerBlock b = peer_block(a, src);
+    for (int64_t row = normal_copy_engine_rows(b.rows, sm_pull_percent) + w.first; row < b.rows; row += w.stride) {
+      warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
+                                  b.base + b.area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
+      if (a.scale_row_bytes > 0) {
+        warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x_scales) + (b.first + row) * a.scale_row_bytes,
+                                    b.base + b.area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
+      }
+    }
+  }
   if (a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
   for (int src = 0; src < num_ranks; ++src) {
     if (src == me) continue;
-    const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, src, me);
-    const int64_t first = normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me);
-    const uint8_t* base = data_area(r, src) + normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix,
-                                                                     num_ranks, src, me, dispatch_row_bytes(a));
-    const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, k);
-    for (int64_t row = w.first; row < rows; row += w.stride) {
+    const PeerBlock b = peer_block(a, src);
+    for (int64_t row = w.first; row < b.rows; row += w.stride) {
       if (a.recv_topk_idx != nullptr && w.lane < k) {
-        a.recv_topk_idx[(first + row) * k + w.lane] =
-            __ldcg(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
-        a.recv_topk_weights[(first + row) * k + w.lane] =
-            __ldcg(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
+        a.recv_topk_idx[(b.first + row) * k + w.lane] =
+            __ldcg(reinterpret_cast<const long long*>(b.base + b.area.topk_idx) + row * k + w.lane);
+        a.recv_topk_weights[(b.first + row) * k + w.lane] =
+            __ldcg(reinterpret_cast<const float*>(b.base + b.area.topk_weights) + row * k + w.lane);
       }
       if (a.recv_src_idx != nullptr && w.lane == 0) {
-        a.recv_src_idx[first + row] = __ldcg(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
+        a.recv_src_idx[b.first + row] = __ldcg(reinterpret_cast<const int32_t*>(b.base + b.area.src_idx) + row);
       }
     }
   }
@@ -217,8 +242,14 @@ int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>
 }
 
 NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks,
-                                   int pull_chunks)
-    : device_(device), combine_chunks_(combine_chunks), pull_chunks_(pull_chunks), peer_bases_(std::move(peer_bases)) {
+                                   int pull_chunks, int sm_pull_percent)
+    : device_(device),
+      combine_chunks_(combine_chunks),
+      pull_chunks_(pull_chunks),
+      sm_pull_percent_(sm_pull_percent),
+      peer_bases_(std::move(peer_bases)) {
+  require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
+          "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
   for (const auto& [name, chunks] : {std::pair<const char*, int>{"combine_chunks", combine_chunks},
                                      std::pair<const char*, int>{"pull_chunks", pull_chunks}}) {
     require(chunks >= 1 && static_cast<uint64_t>(chunks) < kNormalChunkStride,
@@ -346,7 +377,7 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
   fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
-  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a);
+  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);
@@ -360,7 +391,8 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
     UCCL_EP_GPU_CHECK(gpu_last_error());
   }
   const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
-  if (rows == 0) return;
+  const int64_t engine_rows = normal_copy_engine_rows(rows, sm_pull_percent_);  // receive_own_rows copies the rest
+  if (engine_rows == 0) return;
   const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
   const uint8_t* block = staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src,
                                                               me, NormalRowBytes{a.x_row_bytes, a.scale_row_bytes,
@@ -375,7 +407,7 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
     }
   };
   if (!pulls_.ready) {
-    pull(0, rows);
+    pull(0, engine_rows);
     return;
   }
   const NormalPullChunks chunks = pulls_.chunks;
@@ -383,8 +415,8 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
   auto* word = reinterpret_cast<uint64_t*>(peer_bases_[me] + normal_chunk_word_offset(src));
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
     const int64_t begin = channel_starts[normal_pull_chunk_first_channel(chunks, chunk)];
-    const int64_t end =
-        chunk + 1 < chunks.count ? channel_starts[normal_pull_chunk_first_channel(chunks, chunk + 1)] : rows;
+    const int64_t end = std::min(
+        engine_rows, chunk + 1 < chunks.count ? channel_starts[normal_pull_chunk_first_channel(chunks, chunk + 1)] : rows);
     if (end <= begin) continue;
     UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, pulls_.epoch * kNormalChunkStride + chunk + 1));
     pull(begin, end);

@@ -48,8 +48,10 @@ class NormalCopyEngine {
   // earlier, at one more copy and announcement each).
   // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalChunkStride - 1; at most
   // the dispatch's channels); every rank must use the same.
+  // sm_pull_percent: the share of each peer's dispatch rows (0..100, from the end of its block) that
+  // SMs copy over NVLink loads beside the copy engines.
   NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks,
-                   int pull_chunks = kNormalPullChunks);
+                   int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -103,6 +105,7 @@ class NormalCopyEngine {
   int device_;
   int combine_chunks_;
   int pull_chunks_;
+  int sm_pull_percent_;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
   // What dispatch_receive needs to pull chunk by chunk, from the last start_dispatch (cleared once used).

@@ -120,6 +120,7 @@ void bind_normal(py::module_& m) {
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
   m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunks;
   m.attr("NORMAL_PULL_CHUNKS") = uccl_ep::kNormalPullChunks;
+  m.attr("NORMAL_SM_PULL_PERCENT") = uccl_ep::kNormalSmPullPercent;
   m.attr("NORMAL_MAX_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
   m.def(
       "normal_dispatch_area_bytes",
@@ -222,9 +223,9 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>, int, int>(), py::arg("device"), py::arg("peer_bases"),
+      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int>(), py::arg("device"), py::arg("peer_bases"),
            py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks,
-           py::arg("pull_chunks") = uccl_ep::kNormalPullChunks)
+           py::arg("pull_chunks") = uccl_ep::kNormalPullChunks, py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent)
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

@@ -34,6 +34,7 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 _COPY_MODES = ("engine", "sm")
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
+SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
 # Each chunk setting's default, by its name in the extension.
 _CHUNK_DEFAULTS = {COMBINE_CHUNKS_ENV: "NORMAL_COMBINE_CHUNKS", PULL_CHUNKS_ENV: "NORMAL_PULL_CHUNKS"}
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
@@ -49,6 +50,17 @@ def copy_mode() -> str:
     if mode not in _COPY_MODES:
         raise ValueError(f"{COPY_ENV}={mode!r}: expected one of {', '.join(_COPY_MODES)}")
     return mode
+
+
+def sm_pull_percent(extension) -> int:
+    """The share (percent) of each peer's dispatch rows that SMs copy beside the copy engines, from SM_PULL_ENV,
+    else the extension's default. Each rank may use its own."""
+    text = os.environ.get(SM_PULL_ENV, "").strip()
+    if not text:
+        return extension.NORMAL_SM_PULL_PERCENT
+    if not text.isdigit() or int(text) > 100:
+        raise ValueError(f"{SM_PULL_ENV}={text!r}: expected an integer in 0..100")
+    return int(text)
 
 
 def chunk_setting(env: str, extension) -> int:
@@ -106,7 +118,7 @@ class NativeNormal:
         self.copy_engine = extension.NormalCopyEngine(
             device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)],
             combine_chunks=chunk_setting(COMBINE_CHUNKS_ENV, extension),
-            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension))
+            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_pull_percent(extension))
         self.rows_by_copy_engine = copy_mode() == "engine"
 
     # ------------------------------------------------------------------ errors
