@@ -52,26 +52,26 @@ def copy_mode() -> str:
     return mode
 
 
+def _int_setting(env: str, default: int, low: int, high: int) -> int:
+    """An integer setting from ``env``, else ``default``; a value outside low..high raises naming ``env``."""
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ValueError(f"{env}={text!r}: expected an integer in {low}..{high}")
+    return int(text)
+
+
 def sm_pull_percent(extension) -> int:
     """The share (percent) of each peer's dispatch rows that SMs copy beside the copy engines, from SM_PULL_ENV,
     else the extension's default. Each rank may use its own."""
-    text = os.environ.get(SM_PULL_ENV, "").strip()
-    if not text:
-        return extension.NORMAL_SM_PULL_PERCENT
-    if not text.isdigit() or int(text) > 100:
-        raise ValueError(f"{SM_PULL_ENV}={text!r}: expected an integer in 0..100")
-    return int(text)
+    return _int_setting(SM_PULL_ENV, extension.NORMAL_SM_PULL_PERCENT, 0, 100)
 
 
 def chunk_setting(env: str, extension) -> int:
     """The pieces the copy engines move a peer's block in, from ``env`` (COMBINE_CHUNKS_ENV or PULL_CHUNKS_ENV; every
     rank must use the same), else the extension's default."""
-    text = os.environ.get(env, "").strip()
-    if not text:
-        return getattr(extension, _CHUNK_DEFAULTS[env])
-    if not text.isdigit() or not 1 <= int(text) <= extension.NORMAL_MAX_CHUNKS:
-        raise ValueError(f"{env}={text!r}: expected an integer in 1..{extension.NORMAL_MAX_CHUNKS}")
-    return int(text)
+    return _int_setting(env, getattr(extension, _CHUNK_DEFAULTS[env]), 1, extension.NORMAL_MAX_CHUNKS)
 
 
 def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
