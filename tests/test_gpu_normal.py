@@ -414,12 +414,12 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-# The copy engines with their default settings, with 7 combine and 3 pull chunks (rows per chunk then rarely divide
+# The copy engines with their default settings, with 7 combine and 5 pull chunks (rows per chunk then rarely divide
 # evenly, and pull chunks group channels unevenly) and 30% of the pulled rows copied by SMs, and with one chunk
 # each and no rows copied by SMs.
 @pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull",
-                         [("engine", "", "", ""), ("engine", "7", "3", "30"), ("engine", "1", "1", "0"), ("sm", "", "", "")],
-                         ids=["engine", "engine-7-3-chunks-30-sm", "engine-1-1-chunks-no-sm", "sm"])
+                         [("engine", "", "", ""), ("engine", "7", "5", "30"), ("engine", "1", "1", "0"), ("sm", "", "", "")],
+                         ids=["engine", "engine-7-5-chunks-30-sm", "engine-1-1-chunks-no-sm", "sm"])
 def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
               pull_chunks=pull_chunks, sm_pull=sm_pull)
