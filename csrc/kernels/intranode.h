@@ -43,8 +43,8 @@ constexpr uint64_t kNormalChunkStride = 64;
 // A failing rank raises its own chunk words to this, so that no stream waits on them forever.
 constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
 // The copy-engine dispatch pulls each peer's block in this many pieces by default, each as soon as
-// its owner has gathered it (NormalPullChunks). Every copy costs the engines 6-11 us of ramp, so few
-// pieces: 3 measured best at EP2 (4: 20-30 us slower).
+// its owner has gathered it (NormalPullChunks). Each further pull costs the engines 12-16 us, so few
+// pieces: 3 measured best at EP2 (4: 25-74 us slower).
 constexpr int kNormalPullChunks = 3;
 // Share (percent) of each peer's dispatch rows that SMs copy beside the copy engines: 12 measured best at EP2.
 constexpr int kNormalSmPullPercent = 12;
