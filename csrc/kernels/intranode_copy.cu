@@ -114,8 +114,9 @@ __device__ __forceinline__ PeerBlock peer_block(const NormalDispatchArgs& a, int
 }
 
 // Dispatch, after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
-// block that the copy engines leave to SMs (sm_pull_percent), and the top-k and source index of the
-// pulled rows, read from the peers' staging.
+// block that the copy engines leave to SMs (sm_pull_percent), and the small fields of every peer row
+// (fp8 scales, top-k, source index), read from the peers' staging: copy engines would pay a ramp
+// per extra copy for them.
 __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
@@ -140,17 +141,17 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
     for (int64_t row = normal_copy_engine_rows(b.rows, sm_pull_percent) + w.first; row < b.rows; row += w.stride) {
       warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
                                   b.base + b.area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
-      if (a.scale_row_bytes > 0) {
-        warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x_scales) + (b.first + row) * a.scale_row_bytes,
-                                    b.base + b.area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
-      }
     }
   }
-  if (a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
+  if (a.scale_row_bytes == 0 && a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
   for (int src = 0; src < num_ranks; ++src) {
     if (src == me) continue;
     const PeerBlock b = peer_block(a, src);
     for (int64_t row = w.first; row < b.rows; row += w.stride) {
+      if (a.scale_row_bytes > 0) {
+        warp_copy<1>(static_cast<uint8_t*>(a.recv_x_scales) + (b.first + row) * a.scale_row_bytes,
+                     b.base + b.area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
+      }
       if (a.recv_topk_idx != nullptr && w.lane < k) {
         a.recv_topk_idx[(b.first + row) * k + w.lane] =
             __ldcg(reinterpret_cast<const long long*>(b.base + b.area.topk_idx) + row * k + w.lane);
@@ -398,13 +399,9 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
                                                               me, NormalRowBytes{a.x_row_bytes, a.scale_row_bytes,
                                                                                  a.num_topk});
   const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
-  const auto pull = [&](int64_t begin, int64_t end) {
+  const auto pull = [&](int64_t begin, int64_t end) {  // the rows' data only: receive_own_rows copies their scales
     copy_async(static_cast<uint8_t*>(a.recv_x) + (first + begin) * a.x_row_bytes,
                block + area.x + begin * a.x_row_bytes, (end - begin) * a.x_row_bytes, peer_stream);
-    if (a.scale_row_bytes > 0) {
-      copy_async(static_cast<uint8_t*>(a.recv_x_scales) + (first + begin) * a.scale_row_bytes,
-                 block + area.scales + begin * a.scale_row_bytes, (end - begin) * a.scale_row_bytes, peer_stream);
-    }
   };
   if (!pulls_.ready) {
     pull(0, engine_rows);
