@@ -7,10 +7,10 @@
 //   dispatch: SMs gather the rows this rank sends each peer into its staging (x, scales, top-k
 //     converted to the peer's local experts, source index) in pull chunks (NormalPullChunks), each
 //     announced in the peer's chunk word once gathered, then announce arrival; each peer's stream
-//     pulls that peer's block for this rank straight into recv_x and recv_x_scales, every peer at
-//     once, chunk by chunk: a stream wait on the chunk word (no kernel) lets each copy start as
-//     soon as its rows are gathered. SMs meanwhile copy this rank's own rows, then, after the
-//     arrival, the pulled rows' top-k and source index (small) from the peers' staging; freed
+//     pulls that peer's rows for this rank straight into recv_x, every peer at once, chunk by
+//     chunk: a stream wait on the chunk word (no kernel) lets each copy start as soon as its rows
+//     are gathered. SMs meanwhile copy this rank's own rows, then, after the arrival, the pulled
+//     rows' fp8 scales, top-k and source index (small) from the peers' staging; freed
 //     follows all of them. A cached dispatch, whose exchange number the host does not know, pulls
 //     each block whole after a kernel waited for its owner's arrival.
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
@@ -83,7 +83,7 @@ class NormalCopyEngine {
   // The gather and the arrival, from args.rank_prefix_matrix on the device (the output pointers are
   // not used yet). A rank whose staging would not fit gathers nothing.
   void dispatch_send(const NormalDispatchArgs& args, NormalPullChunks chunks, gpuStream_t stream);
-  // Each peer's block for this rank into recv_x / recv_x_scales on the peer's stream: whole after a
+  // Each peer's rows for this rank into recv_x on the peer's stream: whole after a
   // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
                    gpuStream_t peer_stream);
