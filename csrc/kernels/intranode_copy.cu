@@ -360,15 +360,21 @@ void NormalCopyEngine::abandon_dispatch(const NormalRegion& region, gpuStream_t 
   launch_normal_announce_freed(region, stream);
 }
 
-void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
-                                        gpuStream_t stream) {
-  check_normal_dispatch_args(a);
+void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
+                                 gpuStream_t stream) {
+  NormalDispatchArgs sent = a;  // every argument but the outputs other than recv_x, unset yet
+  sent.num_rows_out = 0;
+  check_normal_dispatch_args(sent);
   check_usable(a.region, prefix);
+  require(!receive_pending_, "rank " + std::to_string(a.region.rank) +
+                                 ": pull_rows again before receive_rest ended the last dispatch's exchange");
   const int num_ranks = a.region.num_ranks, me = a.region.rank;
   const NormalRowBytes row_bytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk};
   require(a.num_rows_out == prefix[(num_ranks - 1) * num_ranks + me],
           "num_rows_out must be the rows this rank receives (" +
               std::to_string(prefix[(num_ranks - 1) * num_ranks + me]) + ")");
+  require(a.num_rows_out == 0 || a.recv_x != nullptr, "recv_x is needed for " + std::to_string(a.num_rows_out) +
+                                                          " received rows");
   for (int owner = 0; owner < num_ranks; ++owner) {
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
@@ -378,8 +384,28 @@ void NormalCopyEngine::dispatch_receive(const NormalDispatchArgs& a, const std::
   fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
-  normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
+  receive_pending_ = true;
+  pulled_into_ = a.recv_x;
+  pulled_rows_ = a.num_rows_out;
+}
+
+void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t stream) {
+  require_unreleased();
+  require(receive_pending_, "receive_rest needs pull_rows first");
+  receive_pending_ = false;
+  const int me = a.region.rank;
+  try {
+    check_normal_dispatch_args(a);
+    require(a.recv_x == pulled_into_ && a.num_rows_out == pulled_rows_,
+            "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
+    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_);
+    UCCL_EP_GPU_CHECK(gpu_last_error());
+  } catch (...) {
+    // The peers wait for this rank's end of the exchange: end it (its outputs unwritten), then raise.
+    join_peer_streams(me, stream);
+    launch_normal_announce_freed(a.region, stream);
+    throw;
+  }
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);
 }
@@ -424,7 +450,8 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   check_usable(a.region, prefix);
   pulls_.ready = false;  // a cached dispatch: the host does not know its exchange number
   dispatch_send(a, NormalPullChunks{1, 1}, stream);
-  dispatch_receive(a, prefix, stream);
+  pull_rows(a, prefix, stream);
+  receive_rest(a, stream);
 }
 
 uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t epoch_index) const {

@@ -65,11 +65,15 @@ class NormalCopyEngine {
   // after the region's timeout (by then the device's record names the peer).
   NormalDispatchStart start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                      const NormalDispatchArgs* gather, int64_t combine_row_bytes, gpuStream_t stream);
-  // The second half after start_dispatch chose the copy engines: the pulls and own rows
+  // The second half after start_dispatch chose the copy engines, in two calls so that the pulls are
+  // queued as soon as recv_x exists. pull_rows: every peer's rows for this rank into args.recv_x
   // (rank_prefix_matrix_host is the [R, R] matrix read on the host, args.num_rows_out the rows this
-  // rank receives). The pulls go chunk by chunk when that start_dispatch was the last one.
-  void dispatch_receive(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
-                        gpuStream_t stream);
+  // rank receives; the other outputs may be unset yet), chunk by chunk when that start_dispatch was
+  // the last one. receive_rest: this rank's own rows and every row's small fields into all of
+  // `args`'s outputs (the same recv_x and num_rows_out), then the end of the exchange.
+  void pull_rows(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
+                 gpuStream_t stream);
+  void receive_rest(const NormalDispatchArgs& args, gpuStream_t stream);
   // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
@@ -108,13 +112,17 @@ class NormalCopyEngine {
   int sm_pull_percent_;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
-  // What dispatch_receive needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
+  // What pull_rows needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
   struct PendingPulls {
     bool ready = false;
     uint64_t epoch = 0;                        // the dispatch's exchange number
     NormalPullChunks chunks{1, 1};
     std::vector<int32_t> recv_channel_prefix;  // [R, C] as read on the host
   } pulls_;
+  // Between pull_rows and receive_rest: the exchange's pulls are queued into pulled_into_.
+  bool receive_pending_ = false;
+  const void* pulled_into_ = nullptr;
+  int64_t pulled_rows_ = 0;
   // Device words: the chunk word values of the current combine (written by its first kernel, copied
   // to the owners after each chunk), then the gather's per-chunk warp counters (back to 0 after use).
   uint64_t* chunk_values_ = nullptr;

@@ -253,12 +253,21 @@ void bind_normal(py::module_& m) {
           "Launch the layout and notify, read the counts; `gather` (NormalDispatchArgs or None) runs meanwhile. "
           "Returns (counts, by_copy_engine).")
       .def(
-          "dispatch_receive",
+          "pull_rows",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
              const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
-            self.dispatch_receive(args, rank_prefix_matrix, as_stream(stream));
+            self.pull_rows(args, rank_prefix_matrix, as_stream(stream));
           },
-          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+          "After start_dispatch chose the copy engines: queue the peers' rows into args.recv_x (the other "
+          "outputs may be unset yet).")
+      .def(
+          "receive_rest",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
+            self.receive_rest(args, as_stream(stream));
+          },
+          py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+          "After pull_rows: the own rows and small fields into all of args's outputs, and the exchange's end.")
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // UCCL_EP_WITH_CUDA

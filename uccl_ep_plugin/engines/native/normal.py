@@ -288,6 +288,10 @@ class NativeNormal:
 
         options = dict(device=self.device)
         recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
+        pulled = by_copy_engine and cached_handle is None   # start_dispatch gathered: pull before the rest
+        if pulled:   # the peers' rows need only recv_x: their copies start before the other outputs exist
+            self.copy_engine.pull_rows(send_args.with_outputs(num_rows_out, recv_x.data_ptr(), 0, 0, 0, 0),
+                                       host_prefix, stream)
         recv_x_scales = (None if x_scales is None else
                          torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
         recv_topk_idx = recv_topk_weights = None
@@ -301,8 +305,8 @@ class NativeNormal:
             0 if cached_handle is not None else recv_src_idx.data_ptr())
         if not by_copy_engine:
             self._C.normal_dispatch(args, stream)
-        elif cached_handle is None:   # start_dispatch gathered
-            self.copy_engine.dispatch_receive(args, host_prefix, stream)
+        elif pulled:
+            self.copy_engine.receive_rest(args, stream)
         else:
             self.copy_engine.dispatch(args, host_prefix, stream)
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
