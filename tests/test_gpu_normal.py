@@ -336,6 +336,70 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
+class _FailingAllocation:
+    """Wraps a NormalCopyEngine: once, the first torch.empty after its method `after` (start_dispatch: recv_x's
+    allocation; pull_rows: the smaller outputs') raises MemoryError, as an allocator out of memory would."""
+
+    def __init__(self, inner, after: str):
+        self.inner = inner
+        self.after = after
+        self.armed = True
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+        if name != self.after:
+            return method
+
+        def then_fail(*args):
+            result = method(*args)
+            if self.armed:
+                self.armed = False
+                real_empty = torch.empty
+
+                def failing_empty(*args, **kwargs):
+                    torch.empty = real_empty
+                    raise MemoryError(f"test: no memory for the dispatch's outputs after {name}")
+
+                torch.empty = failing_empty
+            return result
+        return then_fail
+
+
+def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> None:
+    """Rank 0 fails to allocate an output after the copy engine's `after` step: its dispatch raises, but it still
+    ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and combine on
+    every rank match the reference."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    case = Case("failed_allocation_bf16_h2048_k4_e16", 2048, 4, 16, (300, 211))
+    native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    reference = _make_buffer(group, "reference", 0)
+    try:
+        x, topk_idx, topk_weights, _ = _inputs(case, rank, 23, device)
+        layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+        want = _dispatch(reference, x, layout, topk_idx, topk_weights, case)
+        torch.cuda.synchronize(device)
+        engine = native._native.normal
+        if rank == 0:
+            real_empty, real_engine = torch.empty, engine.copy_engine
+            engine.copy_engine = _FailingAllocation(real_engine, after)
+            try:
+                with pytest.raises(MemoryError, match=f"after {after}"):
+                    _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            finally:
+                torch.empty, engine.copy_engine = real_empty, real_engine
+        else:
+            got = _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
+                _assert_equal(got[index], want[index], f"peer of the failed allocation: {what}")
+        torch.cuda.synchronize(device)
+        _run_case(native, reference, case, rank, 29, device)
+    finally:
+        torch.cuda.synchronize(device)
+        native.destroy()
+        reference.destroy()
+
+
 def _short_timeout_setup(rank: int, group):
     """(device, a gloo group to meet on after a failure, a native Buffer with MISSING_PEER_TIMEOUT_S)."""
     device = torch.device("cuda", rank)
@@ -431,6 +495,11 @@ def test_native_normal_cuda_graph_with_worst_tokens():
 
 def test_native_normal_stream_semantics():
     run_ranks(RANKS, _streams_body, backend="nccl")
+
+
+@pytest.mark.parametrize("after", ["start_dispatch", "pull_rows"])
+def test_native_normal_failed_allocation_ends_the_exchange(after):
+    run_ranks(RANKS, _failed_allocation_body, backend="nccl", after=after)
 
 
 def test_native_normal_missing_peer_raises():

@@ -385,6 +385,7 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
   receive_pending_ = true;
+  pending_region_ = a.region;
   pulled_into_ = a.recv_x;
   pulled_rows_ = a.num_rows_out;
 }
@@ -392,8 +393,6 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
 void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t stream) {
   require_unreleased();
   require(receive_pending_, "receive_rest needs pull_rows first");
-  receive_pending_ = false;
-  const int me = a.region.rank;
   try {
     check_normal_dispatch_args(a);
     require(a.recv_x == pulled_into_ && a.num_rows_out == pulled_rows_,
@@ -401,13 +400,25 @@ void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t str
     normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_);
     UCCL_EP_GPU_CHECK(gpu_last_error());
   } catch (...) {
-    // The peers wait for this rank's end of the exchange: end it (its outputs unwritten), then raise.
-    join_peer_streams(me, stream);
-    launch_normal_announce_freed(a.region, stream);
+    end_receive(stream);
     throw;
   }
-  join_peer_streams(me, stream);
-  launch_normal_announce_freed(a.region, stream);
+  end_receive(stream);
+}
+
+void NormalCopyEngine::abandon_receive(const NormalRegion& region, gpuStream_t stream) {
+  require_unreleased();
+  if (receive_pending_) {
+    end_receive(stream);
+  } else {
+    abandon_dispatch(region, stream);
+  }
+}
+
+void NormalCopyEngine::end_receive(gpuStream_t stream) {
+  receive_pending_ = false;
+  join_peer_streams(pending_region_.rank, stream);
+  launch_normal_announce_freed(pending_region_, stream);
 }
 
 void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, int src,

@@ -74,6 +74,9 @@ class NormalCopyEngine {
   void pull_rows(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                  gpuStream_t stream);
   void receive_rest(const NormalDispatchArgs& args, gpuStream_t stream);
+  // Ends the exchange of a start_dispatch that chose the copy engines when the caller fails before
+  // receive_rest (after pull_rows or not; the outputs stay unwritten): the peers wait for its end.
+  void abandon_receive(const NormalRegion& region, gpuStream_t stream);
   // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
@@ -91,6 +94,8 @@ class NormalCopyEngine {
   // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
                    gpuStream_t peer_stream);
+  // After the pulls and this rank's part: the caller's stream waits for the pulls, then freed.
+  void end_receive(gpuStream_t stream);
   // Ends a dispatch_send's exchange with nothing read (every rank alike).
   void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
   // Waits until the notify launched by start_dispatch has written its exchange number into
@@ -121,6 +126,7 @@ class NormalCopyEngine {
   } pulls_;
   // Between pull_rows and receive_rest: the exchange's pulls are queued into pulled_into_.
   bool receive_pending_ = false;
+  NormalRegion pending_region_{};
   const void* pulled_into_ = nullptr;
   int64_t pulled_rows_ = 0;
   // Device words: the chunk word values of the current combine (written by its first kernel, copied

@@ -268,6 +268,14 @@ void bind_normal(py::module_& m) {
           },
           py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
           "After pull_rows: the own rows and small fields into all of args's outputs, and the exchange's end.")
+      .def(
+          "abandon_receive",
+          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t stream) {
+            self.abandon_receive(region, as_stream(stream));
+          },
+          py::arg("region"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+          "Instead of receive_rest when the call failed after start_dispatch chose the copy engines: end the "
+          "exchange.")
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
 }
 #endif  // UCCL_EP_WITH_CUDA

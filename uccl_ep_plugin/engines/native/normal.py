@@ -287,25 +287,30 @@ class NativeNormal:
                                      scale_row_bytes, hidden, num_topk)
 
         options = dict(device=self.device)
-        recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
-        pulled = by_copy_engine and cached_handle is None   # start_dispatch gathered: pull before the rest
-        if pulled:   # the peers' rows need only recv_x: their copies start before the other outputs exist
-            self.copy_engine.pull_rows(send_args.with_outputs(num_rows_out, recv_x.data_ptr(), 0, 0, 0, 0),
-                                       host_prefix, stream)
-        recv_x_scales = (None if x_scales is None else
-                         torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = torch.empty((num_rows_out, num_topk), dtype=topk_idx.dtype, **options)
-            recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
-        recv_src_idx = (cached_handle[3] if cached_handle is not None else
-                        torch.empty(num_rows_out, dtype=torch.int32, **options))
-        args = send_args.with_outputs(
-            num_rows_out, recv_x.data_ptr(), _ptr(recv_x_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
-            0 if cached_handle is not None else recv_src_idx.data_ptr())
+        gathered = by_copy_engine and cached_handle is None   # this call ends the exchange start_dispatch began
+        try:
+            recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
+            if gathered:   # the peers' rows need only recv_x: their copies start before the other outputs exist
+                self.copy_engine.pull_rows(send_args.with_outputs(num_rows_out, recv_x.data_ptr(), 0, 0, 0, 0),
+                                           host_prefix, stream)
+            recv_x_scales = (None if x_scales is None else
+                             torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty((num_rows_out, num_topk), dtype=topk_idx.dtype, **options)
+                recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
+            recv_src_idx = (cached_handle[3] if cached_handle is not None else
+                            torch.empty(num_rows_out, dtype=torch.int32, **options))
+            args = send_args.with_outputs(
+                num_rows_out, recv_x.data_ptr(), _ptr(recv_x_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
+                0 if cached_handle is not None else recv_src_idx.data_ptr())
+        except BaseException:
+            if gathered:   # the peers wait for this rank's end of the exchange
+                self.copy_engine.abandon_receive(self.region, stream)
+            raise
         if not by_copy_engine:
             self._C.normal_dispatch(args, stream)
-        elif pulled:
+        elif gathered:
             self.copy_engine.receive_rest(args, stream)
         else:
             self.copy_engine.dispatch(args, host_prefix, stream)
