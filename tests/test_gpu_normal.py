@@ -25,6 +25,7 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
+OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -69,7 +70,8 @@ class Case:
 CASES = (
     Case("bf16_h2048_k1_e8", 2048, 1, 8, (128, 100)),
     Case("bf16_h4096_k2_e64_one_token", 4096, 2, 64, (300, 1), num_biases=1),
-    Case("bf16_h7168_k8_e256_large", 7168, 8, 256, (4096 + 17, 513), num_biases=2),
+    # 16 SMs: auto has a copy engine copy rank 0's own rows (59 MB), the SMs rank 1's.
+    Case("bf16_h7168_k8_e256_large", 7168, 8, 256, (4096 + 17, 513), num_biases=2, num_sms=16),
     Case("fp8_h7168_k9_e288_empty_rank", 7168, 9, 288, (777, 0), fp8=True, combine_weights=False),
     Case("fp8_h2048_k8_e64_align16", 2048, 8, 64, (1, 64), fp8=True, expert_alignment=16, num_sms=8),
     Case("bf16_h4096_k9_e288_align16", 4096, 9, 288, (0, 200), expert_alignment=16, num_biases=2),
@@ -197,11 +199,11 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
 
 
 def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
-                  sm_pull: str) -> None:
+                  sm_pull: str, own_rows: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks), \
-            environment(SM_PULL_ENV, sm_pull):
+            environment(SM_PULL_ENV, sm_pull), environment(OWN_ROWS_ENV, own_rows):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
@@ -478,15 +480,19 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-# The copy engines with their default settings, with 7 combine and 5 pull chunks (rows per chunk then rarely divide
-# evenly, and pull chunks group channels unevenly) and 30% of the pulled rows copied by SMs, and with one chunk
-# each and no rows copied by SMs.
-@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull",
-                         [("engine", "", "", ""), ("engine", "7", "5", "30"), ("engine", "1", "1", "0"), ("sm", "", "", "")],
-                         ids=["engine", "engine-7-5-chunks-30-sm", "engine-1-1-chunks-no-sm", "sm"])
-def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull):
+# The copy engines with their default settings (the own rows by whichever auto picks: see the large case),
+# with 7 combine and 5 pull chunks (rows per chunk then rarely divide evenly, and pull chunks group channels
+# unevenly), 30% of the pulled rows copied by SMs and the own rows always by SMs, and with one chunk each, no rows
+# copied by SMs and the own rows by copy engine where few tokens break their runs (the cases with many experts per
+# rank; by SMs in the others).
+@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,own_rows",
+                         [("engine", "", "", "", ""), ("engine", "7", "5", "30", "sm"),
+                          ("engine", "1", "1", "0", "engine"), ("sm", "", "", "", "")],
+                         ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm", "engine-1-1-chunks-no-sm-own-rows-engine",
+                              "sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, own_rows):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
-              pull_chunks=pull_chunks, sm_pull=sm_pull)
+              pull_chunks=pull_chunks, sm_pull=sm_pull, own_rows=own_rows)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

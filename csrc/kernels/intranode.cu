@@ -40,37 +40,48 @@ __device__ void block_announce_freed(const NormalRegion& r) {
 __global__ void announce_arrival(NormalRegion r) { block_announce_arrival(r); }
 __global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 
+// A block-wide scan of one value per thread (every thread of the block calls it): returns the sum of
+// the values of the threads before this one, and the whole block's in `total`. `warp_totals`: shared
+// memory, a slot per warp, free again on return.
+__device__ int32_t block_exclusive_sum(int32_t value, int32_t* warp_totals, int32_t& total) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  int32_t inclusive = value;
+  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += below;
+  }
+  if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t sum = lane < num_warps ? warp_totals[lane] : 0;
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+      const int32_t below = __shfl_up_sync(0xffffffffu, sum, offset);
+      if (lane >= offset) sum += below;
+    }
+    if (lane < num_warps) warp_totals[lane] = sum;
+  }
+  __syncthreads();
+  const int32_t before = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - value;
+  total = warp_totals[num_warps - 1];
+  __syncthreads();  // warp_totals is reused
+  return before;
+}
+
 // ------------------------------------------------------------------------------ send layout
 // One block per rank scans that rank's column of is_token_in_rank: a token's position among the
 // tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
 // (channel_prefix_matrix), and the position within its channel (send_head).
 __global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs a) {
   const int rank = blockIdx.x, num_ranks = a.num_ranks;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
   const int64_t per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
   __shared__ int32_t warp_totals[kWideThreads / kWarpSize];
   int32_t carry = 0;  // tokens sent to `rank` before this chunk (the same in every thread)
   for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
     const int64_t token = first + threadIdx.x;
     const int32_t sent = token < a.num_tokens && a.is_token_in_rank[token * num_ranks + rank] ? 1 : 0;
-    int32_t inclusive = sent;
-    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-      const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
-      if (lane >= offset) inclusive += below;
-    }
-    if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
-    __syncthreads();
-    if (warp == 0) {
-      int32_t total = lane < num_warps ? warp_totals[lane] : 0;
-      for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-        const int32_t below = __shfl_up_sync(0xffffffffu, total, offset);
-        if (lane >= offset) total += below;
-      }
-      if (lane < num_warps) warp_totals[lane] = total;
-    }
-    __syncthreads();
-    const int32_t before = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - sent;
+    int32_t chunk_sent = 0;
+    const int32_t before = carry + block_exclusive_sum(sent, warp_totals, chunk_sent);
     if (token < a.num_tokens) {
       a.send_pos[token * num_ranks + rank] = sent ? before : -1;
       const bool channel_ends = (token + 1) % per_channel == 0 || token == a.num_tokens - 1;
@@ -78,8 +89,7 @@ __global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs
         a.channel_prefix_matrix[static_cast<int64_t>(rank) * a.num_channels + token / per_channel] = before + sent;
       }
     }
-    carry += warp_totals[num_warps - 1];
-    __syncthreads();  // warp_totals is reused
+    carry += chunk_sent;
   }
   if (a.channel_prefix_matrix == nullptr) return;
   // Channels whose token range starts past the last token (their range is empty) end at the total.
@@ -167,11 +177,32 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
   return true;
 }
 
+// The tokens this rank does not send itself, in order, into `out` (a count, then the first
+// kNormalMaxOwnGaps tokens): the whole block, a pass of blockDim.x tokens at a time.
+__device__ void notify_own_gaps(const NormalNotifyArgs& a, int32_t* out) {
+  __shared__ int32_t warp_totals[kThreads / kWarpSize];
+  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  int32_t found = 0;  // gaps in the passes before, alike in every thread
+  for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
+    const int64_t token = first + threadIdx.x;
+    const int32_t gap = token < a.num_tokens && a.send_pos[token * num_ranks + me] < 0 ? 1 : 0;
+    int32_t pass_gaps = 0;
+    const int32_t before = found + block_exclusive_sum(gap, warp_totals, pass_gaps);
+    if (gap && before < kNormalMaxOwnGaps) out[1 + before] = static_cast<int32_t>(token);
+    found += pass_gaps;
+  }
+  if (threadIdx.x == 0) out[0] = found;
+}
+
 __global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) {
   const NormalRegion& r = a.region;
   bool done = notify_send_slots(a);
   if (done) {
     block_announce_arrival(r);
+    // Local work while the peers' counts are on their way.
+    if (a.host_counts != nullptr && a.send_pos != nullptr) {
+      notify_own_gaps(a, a.host_counts + normal_host_own_gaps_index(normal_host_counts_epoch_index(a)));
+    }
     done = notify_receive_counts(a);
     if (done) block_announce_freed(r);
   }

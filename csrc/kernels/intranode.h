@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/portability.h"
 #include "kernels/low_latency.h"  // LowLatencyStatus: the failure record both modes share
@@ -217,6 +218,11 @@ struct NormalNotifyArgs {
   // and recv_tokens_per_expert, then at normal_host_counts_epoch_index (a uint64, written last) the
   // notify's exchange number, or kNormalNotifyFailed when a wait gave up.
   int32_t* host_counts;
+  // With host_counts: the send layout's send_pos [num_tokens, R]; the tokens this rank does not send
+  // itself go to the host after the epoch (normal_host_own_gaps_index), so that the copy engines can
+  // copy its own rows in runs of consecutive tokens. Or null.
+  const int32_t* send_pos;
+  int64_t num_tokens;
 };
 
 constexpr uint64_t kNormalNotifyFailed = ~uint64_t{0};
@@ -227,6 +233,43 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(int64_t num_ra
 }
 UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(const NormalNotifyArgs& a) {
   return normal_host_counts_epoch_index(a.region.num_ranks, a.num_channels, a.num_local_experts);
+}
+// After the epoch word: how many tokens this rank does not send itself, then the first
+// kNormalMaxOwnGaps of them in order. More gaps than that: the SMs copy the own rows.
+constexpr int kNormalMaxOwnGaps = 128;
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_own_gaps_index(int64_t epoch_index) { return epoch_index + 2; }
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_ints(int64_t epoch_index) {
+  return normal_host_own_gaps_index(epoch_index) + 1 + kNormalMaxOwnGaps;
+}
+
+// A run of consecutive tokens that a rank sends itself: rows `token`.. of x become its received rows
+// `row`.. counted from its own first row.
+struct NormalOwnRun {
+  int64_t token;
+  int64_t row;
+  int64_t count;
+};
+// What copies a rank's dispatch rows to itself in the copy-engine dispatch. kAuto: a copy engine
+// when the rows' data is at least kNormalOwnRowsEngineBytesPerSm per SM of the dispatch, else the SMs.
+// On 2x H200 the engine's copy slows the peers' pulls beside it, so it pays only where the SMs have
+// much to copy each: bf16 (4096 tokens, H 7168) won at 8-16 SMs and lost at 20-24, fp8 won at 8 and
+// lost at 12-24 (session 15, docs/PERFORMANCE.md).
+enum class NormalOwnRows : int { kAuto = 0, kEngine = 1, kSms = 2 };
+constexpr int64_t kNormalOwnRowsEngineBytesPerSm = int64_t{3} << 20;
+inline bool normal_own_rows_by_engine(NormalOwnRows mode, int64_t own_bytes, int num_sms) {
+  if (mode != NormalOwnRows::kAuto) return mode == NormalOwnRows::kEngine;
+  return own_bytes >= kNormalOwnRowsEngineBytesPerSm * num_sms;
+}
+// The runs between the tokens it does not send itself (`gaps`, ascending, all below num_tokens).
+inline std::vector<NormalOwnRun> normal_own_runs(const int32_t* gaps, int64_t num_gaps, int64_t num_tokens) {
+  std::vector<NormalOwnRun> runs;
+  int64_t start = 0;
+  for (int64_t i = 0; i <= num_gaps; ++i) {
+    const int64_t end = i < num_gaps ? gaps[i] : num_tokens;
+    if (end > start) runs.push_back(NormalOwnRun{start, start - i, end - start});
+    start = end + 1;
+  }
+  return runs;
 }
 
 struct NormalDispatchArgs {

@@ -116,8 +116,10 @@ __device__ __forceinline__ PeerBlock peer_block(const NormalDispatchArgs& a, int
 // Dispatch, after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
 // block that the copy engines leave to SMs (sm_pull_percent), and the small fields of every peer row
 // (fp8 scales, top-k, source index), read from the peers' staging: copy engines would pay a ramp
-// per extra copy for them.
-__global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent) {
+// per extra copy for them. With `own_x_by_engine` a copy engine copies the own rows' data (runs of
+// consecutive tokens), and the SMs write the rest of each own row.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent, bool own_x_by_engine) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
@@ -133,7 +135,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) receive_own_rows(NormalDispat
         a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
         a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
         a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
-    write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane);
+    write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
   }
   for (int src = 0; src < num_ranks && sm_pull_percent > 0; ++src) {
     if (src == me) continue;
@@ -243,11 +245,12 @@ int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>
 }
 
 NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks,
-                                   int pull_chunks, int sm_pull_percent)
+                                   int pull_chunks, int sm_pull_percent, NormalOwnRows own_rows)
     : device_(device),
       combine_chunks_(combine_chunks),
       pull_chunks_(pull_chunks),
       sm_pull_percent_(sm_pull_percent),
+      own_rows_(own_rows),
       peer_bases_(std::move(peer_bases)) {
   require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
           "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
@@ -324,10 +327,30 @@ void NormalCopyEngine::fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t 
   }
 }
 
-void NormalCopyEngine::join_peer_streams(int me, gpuStream_t stream) {
+void NormalCopyEngine::join_peer_streams(int skip, gpuStream_t stream) {
   for (int peer = 0; peer < static_cast<int>(peer_streams_.size()); ++peer) {
-    if (peer != me) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, peer_done_[peer]));
+    if (peer != skip) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, peer_done_[peer]));
   }
+}
+
+bool NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t since) {
+  const bool ready = own_runs_.ready;
+  own_runs_.ready = false;
+  if (!ready) return false;
+  const int me = a.region.rank;
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (const NormalOwnRun& run : own_runs_.runs) {
+    dsts.push_back(static_cast<uint8_t*>(a.recv_x) + (own_runs_.first_row + run.row) * a.x_row_bytes);
+    srcs.push_back(static_cast<const uint8_t*>(a.x) + run.token * a.x_row_bytes);
+    sizes.push_back(static_cast<size_t>(run.count * a.x_row_bytes));
+  }
+  const gpuStream_t own_stream = peer_streams_[me];
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(own_stream, since));
+  UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), own_stream));
+  UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[me], own_stream));
+  return true;
 }
 
 uint8_t* NormalCopyEngine::staging(int owner) const {
@@ -384,6 +407,7 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
   fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
+  own_runs_.first_row = normal_rows_before(prefix.data(), num_ranks, me, me);
   receive_pending_ = true;
   pending_region_ = a.region;
   pulled_into_ = a.recv_x;
@@ -393,31 +417,37 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
 void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t stream) {
   require_unreleased();
   require(receive_pending_, "receive_rest needs pull_rows first");
+  bool own_rows_queued = false;
   try {
     check_normal_dispatch_args(a);
     require(a.recv_x == pulled_into_ && a.num_rows_out == pulled_rows_,
             "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
-    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_);
+    // The own rows' copies wait for the notify, as the pulls do: the outputs were allocated after it.
+    own_rows_queued = queue_own_rows(a, notify_done_);
+    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_,
+                                                                                              own_rows_queued);
     UCCL_EP_GPU_CHECK(gpu_last_error());
   } catch (...) {
-    end_receive(stream);
+    end_receive(stream, own_rows_queued);
     throw;
   }
-  end_receive(stream);
+  end_receive(stream, own_rows_queued);
 }
 
 void NormalCopyEngine::abandon_receive(const NormalRegion& region, gpuStream_t stream) {
   require_unreleased();
   if (receive_pending_) {
-    end_receive(stream);
+    end_receive(stream, false);
   } else {
+    own_runs_.ready = false;
     abandon_dispatch(region, stream);
   }
 }
 
-void NormalCopyEngine::end_receive(gpuStream_t stream) {
+void NormalCopyEngine::end_receive(gpuStream_t stream, bool own_rows_queued) {
   receive_pending_ = false;
-  join_peer_streams(pending_region_.rank, stream);
+  own_runs_.ready = false;
+  join_peer_streams(own_rows_queued ? -1 : pending_region_.rank, stream);
   launch_normal_announce_freed(pending_region_, stream);
 }
 
@@ -460,6 +490,7 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
 void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
   check_usable(a.region, prefix);
   pulls_.ready = false;  // a cached dispatch: the host does not know its exchange number
+  own_runs_.ready = false;  // nor which tokens it keeps
   dispatch_send(a, NormalPullChunks{1, 1}, stream);
   pull_rows(a, prefix, stream);
   receive_rest(a, stream);
@@ -490,6 +521,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const int64_t channel_ints = static_cast<int64_t>(num_ranks) * notify.num_channels;
   require_unreleased();
   pulls_.ready = false;
+  own_runs_.ready = false;
   require(layout.num_channels == notify.num_channels, "the layout and the notify must use the same num_channels");
   if (gather != nullptr) {
     // Checked before the notify too: a bad gather must not leave the exchange half started.
@@ -499,20 +531,22 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   }
   // The notify writes its counts into mapped host memory, its exchange number last: no copy, no event.
   const int64_t epoch_index = normal_host_counts_epoch_index(notify);
-  if (epoch_index + 2 > host_counts_capacity_) {
+  const int64_t host_ints = normal_host_counts_ints(epoch_index);
+  if (host_ints > host_counts_capacity_) {
     if (host_counts_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(host_counts_));
     host_counts_ = nullptr;
     host_counts_capacity_ = 0;
     void* host = nullptr;
     void* device = nullptr;
-    UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(&host, &device, static_cast<size_t>(epoch_index + 2) * sizeof(int32_t)));
+    UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(&host, &device, static_cast<size_t>(host_ints) * sizeof(int32_t)));
     host_counts_ = static_cast<int32_t*>(host);
     host_counts_device_ = static_cast<int32_t*>(device);
-    host_counts_capacity_ = epoch_index + 2;
+    host_counts_capacity_ = host_ints;
   }
   host_store_release(reinterpret_cast<uint64_t*>(host_counts_ + epoch_index), 0);  // the last notify's is read
   NormalNotifyArgs to_host = notify;
   to_host.host_counts = host_counts_device_;
+  if (gather == nullptr || own_rows_ == NormalOwnRows::kSms) to_host.send_pos = nullptr;  // no runs wanted
   const NormalPullChunks chunks{notify.num_channels, std::min(pull_chunks_, notify.num_channels)};
   launch_normal_layout_and_notify(layout, to_host, stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
@@ -535,7 +569,16 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
       normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine_rows) <= region.data_bytes;
   if (!start.by_copy_engine) {
     abandon_dispatch(region, stream);
-  } else if (stream_waits_) {
+    return start;
+  }
+  const int32_t* gaps = host_counts_ + normal_host_own_gaps_index(epoch_index);
+  // It keeps every token but its gaps.
+  if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxOwnGaps &&
+      normal_own_rows_by_engine(own_rows_, (notify.num_tokens - gaps[0]) * gather->x_row_bytes, gather->num_sms)) {
+    own_runs_.runs = normal_own_runs(gaps + 1, gaps[0], notify.num_tokens);
+    own_runs_.ready = true;
+  }
+  if (stream_waits_) {
     pulls_.ready = true;
     pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
     pulls_.chunks = chunks;

@@ -50,8 +50,12 @@ class NormalCopyEngine {
   // the dispatch's channels); every rank must use the same.
   // sm_pull_percent: the share of each peer's dispatch rows (0..100, from the end of its block) that
   // SMs copy over NVLink loads beside the copy engines.
+  // own_rows: what copies this rank's rows to itself (normal_own_rows_by_engine); a copy engine copies
+  // them only as runs of consecutive tokens, when the notify found at most kNormalMaxOwnGaps tokens it
+  // does not keep, else the SMs do.
   NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks,
-                   int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent);
+                   int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent,
+                   NormalOwnRows own_rows = NormalOwnRows::kAuto);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -94,8 +98,9 @@ class NormalCopyEngine {
   // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
                    gpuStream_t peer_stream);
-  // After the pulls and this rank's part: the caller's stream waits for the pulls, then freed.
-  void end_receive(gpuStream_t stream);
+  // After the pulls and this rank's part: the caller's stream waits for the pulls (and the own rows'
+  // copies when queued), then freed.
+  void end_receive(gpuStream_t stream, bool own_rows_queued);
   // Ends a dispatch_send's exchange with nothing read (every rank alike).
   void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
   // Waits until the notify launched by start_dispatch has written its exchange number into
@@ -108,13 +113,18 @@ class NormalCopyEngine {
   // wait for all of them.
   template <typename Queue>
   void fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t since, Queue&& queue);
-  void join_peer_streams(int me, gpuStream_t stream);
+  // `stream` waits for every peer's stream but `skip`'s (-1: every one).
+  void join_peer_streams(int skip, gpuStream_t stream);
+  // The own rows' data by copy engine, on this rank's own stream (peer_streams_[me]) after the
+  // event `since`; false when own_runs_ does not hold this dispatch's runs.
+  bool queue_own_rows(const NormalDispatchArgs& args, gpuEvent_t since);
   uint8_t* staging(int owner) const;
 
   int device_;
   int combine_chunks_;
   int pull_chunks_;
   int sm_pull_percent_;
+  NormalOwnRows own_rows_;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
   // What pull_rows needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
@@ -129,11 +139,18 @@ class NormalCopyEngine {
   NormalRegion pending_region_{};
   const void* pulled_into_ = nullptr;
   int64_t pulled_rows_ = 0;
+  // The own rows' runs of the last start_dispatch, for its receive_rest (cleared once used), and
+  // where the own rows start in the outputs (set by pull_rows).
+  struct OwnRuns {
+    bool ready = false;
+    std::vector<NormalOwnRun> runs;
+    int64_t first_row = 0;
+  } own_runs_;
   // Device words: the chunk word values of the current combine (written by its first kernel, copied
   // to the owners after each chunk), then the gather's per-chunk warp counters (back to 0 after use).
   uint64_t* chunk_values_ = nullptr;
   uint32_t* gathered_warps_ = nullptr;
-  // One stream per peer (indexed by rank; this rank's own stays unused): each peer's pulls or pushes
+  // One stream per peer (indexed by rank; this rank's own carries the own rows' copies): each peer's pulls or pushes
   // run on their own stream beside the SMs' work, so at 4 or 8 ranks the copy engines move every
   // peer's block at once instead of one after another.
   std::vector<gpuStream_t> peer_streams_;

@@ -176,12 +176,14 @@ __device__ __forceinline__ DispatchRowOut dispatch_row_in_area(uint8_t* base, co
 }
 
 // A warp writes token `token`'s row as rank `dst` receives it: its top-k ids become `dst`'s local
-// experts (-1 for the others, their weights 0).
+// experts (-1 for the others, their weights 0). Without `with_x`, all but the row's data.
 template <int kUnroll = 8>
 __device__ __forceinline__ void write_dispatch_row(const NormalDispatchArgs& a, int token, int dst,
-                                                   const DispatchRowOut& out, int lane) {
-  warp_copy<kUnroll>(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes,
-                     a.x_row_bytes, lane);
+                                                   const DispatchRowOut& out, int lane, bool with_x = true) {
+  if (with_x) {
+    warp_copy<kUnroll>(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes,
+                       a.x_row_bytes, lane);
+  }
   if (a.scale_row_bytes > 0) {
     warp_copy<kUnroll>(out.scales,
                        static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -54,7 +55,9 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     ptr<int32_t>(rank_prefix_matrix),
                                                     ptr<int32_t>(recv_channel_prefix_matrix),
                                                     ptr<int32_t>(recv_tokens_per_expert),
-                                                    nullptr}};
+                                                    nullptr,
+                                                    ptr<const int32_t>(send_pos),
+                                                    num_tokens}};
 }
 
 uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
@@ -151,6 +154,26 @@ void bind_normal(py::module_& m) {
       "Enqueue send_pos [N, R] and, when given, channel_prefix_matrix [R, C] and send_head [N, R].");
   m.def("normal_notify_slot_ints", &uccl_ep::normal_notify_slot_ints, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"));
+  m.attr("NORMAL_MAX_OWN_GAPS") = uccl_ep::kNormalMaxOwnGaps;
+  py::enum_<uccl_ep::NormalOwnRows>(m, "NormalOwnRows", "What copies a rank's dispatch rows to itself.")
+      .value("auto", uccl_ep::NormalOwnRows::kAuto)
+      .value("engine", uccl_ep::NormalOwnRows::kEngine)
+      .value("sm", uccl_ep::NormalOwnRows::kSms);
+  m.attr("NORMAL_OWN_ROWS_ENGINE_BYTES_PER_SM") = uccl_ep::kNormalOwnRowsEngineBytesPerSm;
+  m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
+        py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");
+  m.def(
+      "normal_own_runs",
+      [](const std::vector<int32_t>& gaps, int64_t num_tokens) {
+        std::vector<std::tuple<int64_t, int64_t, int64_t>> runs;
+        for (const uccl_ep::NormalOwnRun& run :
+             uccl_ep::normal_own_runs(gaps.data(), static_cast<int64_t>(gaps.size()), num_tokens)) {
+          runs.emplace_back(run.token, run.row, run.count);
+        }
+        return runs;
+      },
+      py::arg("gaps"), py::arg("num_tokens"),
+      "(token, row, count) of each run of consecutive tokens a rank keeps, given those it does not (ascending).");
   py::class_<LayoutNotifyArgs>(m, "NormalLayoutNotifyArgs",
                                "A dispatch's send layout and notify (pointers as integers).")
       .def(py::init(&layout_notify_args), py::arg("region"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
@@ -223,9 +246,10 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int>(), py::arg("device"), py::arg("peer_bases"),
-           py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks,
-           py::arg("pull_chunks") = uccl_ep::kNormalPullChunks, py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent)
+      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, uccl_ep::NormalOwnRows>(), py::arg("device"),
+           py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks,
+           py::arg("pull_chunks") = uccl_ep::kNormalPullChunks,
+           py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent, py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

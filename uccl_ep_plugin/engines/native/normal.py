@@ -30,8 +30,10 @@ _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify
 _SEND_PHASES = (1, 3, 5)
 _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
-COPY_ENV = "UCCL_EP_NORMAL_COPY"
-_COPY_MODES = ("engine", "sm")
+COPY_ENV = "UCCL_EP_NORMAL_COPY"   # what carries the rows between ranks
+OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copies a rank's rows to itself
+# Each mode setting's values, its default first.
+_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -45,10 +47,13 @@ _COMBINE_FITS = "_uccl_ep_combine_fits"
 _SEND_POS = "_uccl_ep_send_pos"
 
 
-def copy_mode() -> str:
-    mode = os.environ.get(COPY_ENV, "engine").strip().lower() or "engine"
-    if mode not in _COPY_MODES:
-        raise ValueError(f"{COPY_ENV}={mode!r}: expected one of {', '.join(_COPY_MODES)}")
+def copy_mode(env: str = COPY_ENV) -> str:
+    """What copies the rows, from ``env``: COPY_ENV "engine" (copy engines, the default) or "sm"; OWN_ROWS_ENV
+    "auto" (the default: by the bytes each SM would copy), "engine" or "sm"."""
+    modes = _MODES[env]
+    mode = os.environ.get(env, "").strip().lower() or modes[0]
+    if mode not in modes:
+        raise ValueError(f"{env}={mode!r}: expected one of {', '.join(modes)}")
     return mode
 
 
@@ -118,7 +123,8 @@ class NativeNormal:
         self.copy_engine = extension.NormalCopyEngine(
             device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)],
             combine_chunks=chunk_setting(COMBINE_CHUNKS_ENV, extension),
-            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_pull_percent(extension))
+            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_pull_percent(extension),
+            own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)])
         self.rows_by_copy_engine = copy_mode() == "engine"
 
     # ------------------------------------------------------------------ errors
