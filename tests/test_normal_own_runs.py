@@ -43,23 +43,3 @@ def test_runs_cover_the_kept_tokens(keep_share):
         for (token, _, count), (next_token, _, _) in zip(runs, runs[1:]):
             assert token + count < next_token
 
-
-def test_own_rows_by_engine_modes():
-    per_sm = _C.NORMAL_OWN_ROWS_ENGINE_BYTES_PER_SM
-    for num_sms in (1, 8, 24):
-        for own_bytes in (0, per_sm * num_sms - 1, per_sm * num_sms, 10 * per_sm * num_sms):
-            assert _C.normal_own_rows_by_engine(_C.NormalOwnRows.engine, own_bytes, num_sms)
-            assert not _C.normal_own_rows_by_engine(_C.NormalOwnRows.sm, own_bytes, num_sms)
-            assert (_C.normal_own_rows_by_engine(_C.NormalOwnRows.auto, own_bytes, num_sms) ==
-                    (own_bytes >= per_sm * num_sms))
-
-
-# The measured crossovers on 2x H200 (4096 tokens, hidden 7168): the copy engine won for bf16 at 8-16 SMs and for
-# fp8 at 8, the SMs at the other counts measured.
-@pytest.mark.parametrize("row_bytes,engine_sms,sm_sms", [(7168 * 2, (8, 12, 16), (20, 24)), (7168, (8,), (12, 16, 20, 24))])
-def test_own_rows_auto_follows_the_measured_crossover(row_bytes, engine_sms, sm_sms):
-    own_bytes = 4096 * row_bytes
-    for num_sms in engine_sms:
-        assert _C.normal_own_rows_by_engine(_C.NormalOwnRows.auto, own_bytes, num_sms), num_sms
-    for num_sms in sm_sms:
-        assert not _C.normal_own_rows_by_engine(_C.NormalOwnRows.auto, own_bytes, num_sms), num_sms

@@ -37,8 +37,18 @@ namespace uccl_ep {
 constexpr int kNormalMaxRanks = 256;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
 constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
-// The copy-engine combine pushes each block in this many chunks, so the sums start on the first.
-constexpr int kNormalCombineChunks = 6;  // the default of NormalCopyEngine's combine_chunks
+// The copy-engine combine pushes each block in chunks, so the sums start on the first. By default
+// (combine_chunks 0) 6, or 12 with at most kNormalCombineFewSms SMs: there the SM-bound sums gain more
+// from an earlier first chunk than a further copy costs (2x H200, EP2: at 8 SMs 12 chunks 430-433 us
+// against 446-454; at 24 SMs 6 chunks 269-277 against 300).
+constexpr int kNormalCombineChunks = 6;
+constexpr int kNormalCombineChunksFewSms = 12;
+constexpr int kNormalCombineFewSms = 12;
+constexpr int kNormalCombineChunksBySms = 0;  // the default of NormalCopyEngine's combine_chunks
+inline int normal_combine_chunks(int setting, int num_sms) {
+  if (setting != kNormalCombineChunksBySms) return setting;
+  return num_sms <= kNormalCombineFewSms ? kNormalCombineChunksFewSms : kNormalCombineChunks;
+}
 // A chunk word holds epoch * kNormalChunkStride + chunks ready (monotonic over exchanges).
 constexpr uint64_t kNormalChunkStride = 64;
 // A failing rank raises its own chunk words to this, so that no stream waits on them forever.

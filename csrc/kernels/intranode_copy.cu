@@ -254,12 +254,11 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
       peer_bases_(std::move(peer_bases)) {
   require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
           "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
-  for (const auto& [name, chunks] : {std::pair<const char*, int>{"combine_chunks", combine_chunks},
-                                     std::pair<const char*, int>{"pull_chunks", pull_chunks}}) {
-    require(chunks >= 1 && static_cast<uint64_t>(chunks) < kNormalChunkStride,
-            std::string(name) + " must be in 1.." + std::to_string(kNormalChunkStride - 1) + ", got " +
-                std::to_string(chunks));
-  }
+  const auto in_range = [](int chunks) { return chunks >= 1 && static_cast<uint64_t>(chunks) < kNormalChunkStride; };
+  const std::string range = "1.." + std::to_string(kNormalChunkStride - 1);
+  require(combine_chunks == kNormalCombineChunksBySms || in_range(combine_chunks),
+          "combine_chunks must be 0 (by the combine's SMs) or in " + range + ", got " + std::to_string(combine_chunks));
+  require(in_range(pull_chunks), "pull_chunks must be in " + range + ", got " + std::to_string(pull_chunks));
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
@@ -600,8 +599,8 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     require(normal_staging_bytes(NormalStaging::kCombine, prefix, num_ranks, owner, bytes) <= a.region.data_bytes,
             "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
   }
-  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region, chunk_values_,
-                                                                            combine_chunks_);
+  const int chunks = normal_combine_chunks(combine_chunks_, a.num_sms);
+  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region, chunk_values_, chunks);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
   // first: the pushes on the peers' streams and the sums on this one then share its epoch.
@@ -620,16 +619,16 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
                  rows * weight_bytes, peer_stream);
     }
     uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[owner]) + normal_chunk_word_offset(me);
-    for (int chunk = 0; chunk < combine_chunks_; ++chunk) {
-      const int64_t begin = normal_combine_chunk_begin(rows, combine_chunks_, chunk);
-      const int64_t count = normal_combine_chunk_begin(rows, combine_chunks_, chunk + 1) - begin;
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t begin = normal_combine_chunk_begin(rows, chunks, chunk);
+      const int64_t count = normal_combine_chunk_begin(rows, chunks, chunk + 1) - begin;
       if (count == 0) continue;  // few rows: this chunk's word stays below, and no token waits for it
       copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + (first + begin) * row_bytes,
                  count * row_bytes, peer_stream);
       copy_async(word, chunk_values_ + chunk, sizeof(uint64_t), peer_stream);  // after the rows, in stream order
     }
   });
-  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, combine_chunks_);
+  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);

@@ -45,7 +45,8 @@ class NormalCopyEngine {
  public:
   // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
   // pieces each peer's combine block is pushed in (1 .. kNormalChunkStride - 1; more start the sums
-  // earlier, at one more copy and announcement each).
+  // earlier, at one more copy and announcement each), or kNormalCombineChunksBySms: by the combine's
+  // SMs (normal_combine_chunks); every rank must use the same.
   // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalChunkStride - 1; at most
   // the dispatch's channels); every rank must use the same.
   // sm_pull_percent: the share of each peer's dispatch rows (0..100, from the end of its block) that
@@ -53,7 +54,7 @@ class NormalCopyEngine {
   // own_rows: what copies this rank's rows to itself (normal_own_rows_by_engine); a copy engine copies
   // them only as runs of consecutive tokens, when the notify found at most kNormalMaxOwnGaps tokens it
   // does not keep, else the SMs do.
-  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunks,
+  NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunksBySms,
                    int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent,
                    NormalOwnRows own_rows = NormalOwnRows::kAuto);
   ~NormalCopyEngine();

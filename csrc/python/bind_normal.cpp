@@ -121,7 +121,9 @@ void bind_normal(py::module_& m) {
 
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
-  m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunks;
+  m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunksBySms;  // 0: by the combine's SMs
+  m.def("normal_combine_chunks", &uccl_ep::normal_combine_chunks, py::arg("setting"), py::arg("num_sms"),
+        "The pieces a combine pushes each peer's block in, for a combine_chunks setting and the combine's SMs.");
   m.attr("NORMAL_PULL_CHUNKS") = uccl_ep::kNormalPullChunks;
   m.attr("NORMAL_SM_PULL_PERCENT") = uccl_ep::kNormalSmPullPercent;
   m.attr("NORMAL_MAX_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
@@ -247,7 +249,7 @@ void bind_normal(py::module_& m) {
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
       .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, uccl_ep::NormalOwnRows>(), py::arg("device"),
-           py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunks,
+           py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunksBySms,
            py::arg("pull_chunks") = uccl_ep::kNormalPullChunks,
            py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent, py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
       .def(

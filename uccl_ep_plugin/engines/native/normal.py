@@ -75,7 +75,7 @@ def sm_pull_percent(extension) -> int:
 
 def chunk_setting(env: str, extension) -> int:
     """The pieces the copy engines move a peer's block in, from ``env`` (COMBINE_CHUNKS_ENV or PULL_CHUNKS_ENV; every
-    rank must use the same), else the extension's default."""
+    rank must use the same), else the extension's default (for the combine 0: by the combine's SMs)."""
     return _int_setting(env, getattr(extension, _CHUNK_DEFAULTS[env]), 1, extension.NORMAL_MAX_CHUNKS)
 
 
