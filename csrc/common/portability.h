@@ -74,15 +74,6 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, stream);
 }
-// Several copies in stream order; they may run in any order among themselves.
-inline gpuError_t gpu_copy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
-                                       gpuStream_t stream) {
-  for (size_t i = 0; i < count; ++i) {
-    const gpuError_t status = hipMemcpyAsync(dsts[i], srcs[i], sizes[i], hipMemcpyDefault, stream);
-    if (status != hipSuccess) return status;
-  }
-  return hipSuccess;
-}
 inline gpuError_t gpu_relax_stream_capture() {
   hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
   return hipThreadExchangeStreamCaptureMode(&mode);
@@ -134,24 +125,6 @@ inline gpuError_t gpu_stream_wait_event(gpuStream_t stream, gpuEvent_t event) {
 // (the runtime tells them apart; a copy engine moves the bytes).
 inline gpuError_t gpu_copy_async(void* dst, const void* src, size_t bytes, gpuStream_t stream) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
-}
-// Several copies in stream order; they may run in any order among themselves. One call from CUDA 13
-// (12.8's cudaMemcpyBatchAsync takes other arguments), else one copy after another.
-inline gpuError_t gpu_copy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
-                                       gpuStream_t stream) {
-#if CUDART_VERSION >= 13000
-  if (count == 0) return cudaSuccess;
-  cudaMemcpyAttributes attributes{};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t first_copy = 0;  // the attributes apply from the first copy on
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attributes, &first_copy, 1, stream);
-#else
-  for (size_t i = 0; i < count; ++i) {
-    const cudaError_t status = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
-    if (status != cudaSuccess) return status;
-  }
-  return cudaSuccess;
-#endif
 }
 // Lets the calling thread (a proxy's) query events and copy while another thread captures a graph
 // in the default global mode, which otherwise makes those calls fail and invalidates the capture.
@@ -207,6 +180,25 @@ inline gpuError_t gpu_load_kernel(const void* kernel) {
   return cudaFuncGetAttributes(&attributes, kernel);
 }
 #endif
+
+// Several copies in stream order; they may run in any order among themselves. One call where the
+// runtime has it (CUDA 13; 12.8's cudaMemcpyBatchAsync takes other arguments), else one after another.
+inline gpuError_t gpu_copy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                                       gpuStream_t stream) {
+#if !defined(__HIP_PLATFORM_AMD__) && CUDART_VERSION >= 13000
+  if (count == 0) return kGpuSuccess;
+  cudaMemcpyAttributes attributes{};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t first_copy = 0;  // the attributes apply from the first copy on
+  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attributes, &first_copy, 1, stream);
+#else
+  for (size_t i = 0; i < count; ++i) {
+    const gpuError_t status = gpu_copy_async(dsts[i], srcs[i], sizes[i], stream);
+    if (status != kGpuSuccess) return status;
+  }
+  return kGpuSuccess;
+#endif
+}
 
 // Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the
 // wavefront size; the host pass assumes CDNA's 64.
