@@ -1,15 +1,48 @@
 """Run a test body on N local ranks joined by a gloo group (CPU) or an NCCL group (one GPU per rank),
-and collect each rank's failure."""
+and collect each rank's failure.
+
+``UCCL_EP_TEST_SHARE_GPU=1`` lets the multi-rank GPU tests run where fewer GPUs than ranks are visible:
+rank r uses GPU r % count, and the group is gloo (NCCL takes one rank per GPU). The ranks then time-share
+a GPU, so this checks correctness (CUDA IPC, copy engines and flags between processes), never speed.
+"""
 
 import os
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Dict
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from uccl_ep_plugin.buffer import DEVICE_ENV
 from uccl_ep_plugin.local_port import free_local_port
+
+SHARE_GPU_ENV = "UCCL_EP_TEST_SHARE_GPU"
+
+
+def ranks_share_gpus() -> bool:
+    return os.environ.get(SHARE_GPU_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def has_gpus_for(num_ranks: int) -> bool:
+    """One GPU per rank, or any GPU when the ranks may share them."""
+    return gpu_count() >= (1 if ranks_share_gpus() else num_ranks)
+
+
+def needs_gpus(num_ranks: int):
+    """Skip mark for tests that run ``num_ranks`` ranks on GPUs."""
+    return pytest.mark.skipif(not has_gpus_for(num_ranks),
+                              reason=f"needs {num_ranks} CUDA GPUs (or any GPU with {SHARE_GPU_ENV}=1)")
+
+
+def rank_device(rank: int) -> torch.device:
+    return torch.device("cuda", rank % gpu_count())
 
 
 @contextmanager
@@ -28,13 +61,15 @@ def environment(name: str, value: str):
 
 def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, kwargs: Dict[str, Any],
             errors) -> None:
-    import torch
     # The spawned ranks share the machine's cores: one intra-op thread each (the environment variable is
     # read too late, torch is already imported by then).
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank_device(rank))
+        if ranks_share_gpus():
+            backend = "gloo"
+            os.environ[DEVICE_ENV] = "cuda"   # a gloo group alone would put the Buffer on the CPU
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
         body(rank, num_ranks, dist.group.WORLD, **kwargs)

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from tests.multiprocess import rank_device
 from uccl_ep_plugin import _C
 
 
@@ -41,19 +42,19 @@ def proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_see
                          reorder_seed=reorder_seed, transport_timeout_s=30.0,
                          _stage_host_region=transport == "tcp-staged")
         return region, fifos, proxy, []
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     if transport == "tcp-device":
         region = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        mapped = _C.MappedFifos(num_fifos, 256, rank, host_producers=True)
+        mapped = _C.MappedFifos(num_fifos, 256, device.index, host_producers=True)
         proxy = _C.Proxy(rank, num_ranks, region.data_ptr(), num_bytes, mapped, num_threads=2, config=config,
-                         reorder_seed=reorder_seed, transport_timeout_s=30.0, device=rank)
+                         reorder_seed=reorder_seed, transport_timeout_s=30.0, device=device.index)
         return region, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped]
     from uccl_ep_plugin.engines.native.peers import map_peer_buffer
     buffer, reason = map_peer_buffer(_C, group, rank, device, num_bytes)
     assert buffer is not None, reason
     buffer.tensor.zero_()
-    mapped = _C.MappedFifos(num_fifos, 256, rank, host_producers=True)
+    mapped = _C.MappedFifos(num_fifos, 256, device.index, host_producers=True)
     proxy = _C.Proxy.over_cuda_copy(rank, num_ranks, buffer.memory, mapped, num_threads=2, config=config,
                                     reorder_seed=reorder_seed, transport_timeout_s=30.0)
     return buffer.tensor, [_MappedFifo(mapped, f) for f in range(num_fifos)], proxy, [mapped, buffer]

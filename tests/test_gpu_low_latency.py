@@ -19,10 +19,9 @@ each output corrupted on purpose, and checks that exactly the corruptions are re
 import os
 
 import pytest
-import torch
 
 from tests import gpu_low_latency_cases as ll
-from tests.multiprocess import environment
+from tests.multiprocess import SHARE_GPU_ENV, environment, needs_gpus, ranks_share_gpus
 from tests.reference_checks import SectionCache, SectionResults, assert_section
 from uccl_ep_plugin.proxies import MODULE_LOADING_ENV
 
@@ -30,8 +29,7 @@ CANDIDATE = os.environ.get("UCCL_EP_TEST_CANDIDATE", "native")
 MISSING_PEER_TIMEOUT_S = 3.0
 RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 
-needs_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < RANKS,
-                                reason=f"needs {RANKS} CUDA GPUs (UCCL_EP_TEST_RANKS)")
+needs_rank_gpus = needs_gpus(RANKS)
 needs_native = pytest.mark.skipif(CANDIDATE != "native", reason="checks the native engine's own behaviour")
 
 _GPU = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
@@ -39,7 +37,7 @@ _GPU = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cas
 
 
 @pytest.mark.gpu
-@needs_gpus
+@needs_rank_gpus
 @pytest.mark.parametrize("section", ll.SECTIONS)
 def test_low_latency_matches_reference(section):
     assert_section(_GPU.get(RANKS), section)
@@ -58,8 +56,11 @@ _PROXY = {
 
 
 @pytest.mark.gpu
-@needs_gpus
+@needs_rank_gpus
 @needs_native
+# On one time-shared GPU every proxy round trip waits for the other process's time slice: a body ran past the
+# 240 s deadline in our run (the NVLink sections take 17 s there).
+@pytest.mark.skipif(ranks_share_gpus(), reason=f"too slow on a time-shared GPU ({SHARE_GPU_ENV}=1)")
 @pytest.mark.parametrize("transport_order", list(_PROXY))
 @pytest.mark.parametrize("section", PROXY_SECTIONS)
 def test_low_latency_through_the_proxy_matches_reference(section, transport_order):
@@ -69,7 +70,7 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
 
 
 @pytest.mark.gpu
-@needs_gpus
+@needs_rank_gpus
 @needs_native
 @pytest.mark.parametrize("enable_shrink", [False, True], ids=["raises", "masks"])
 def test_missing_peer(enable_shrink):
@@ -81,7 +82,7 @@ def test_missing_peer(enable_shrink):
 
 
 @pytest.mark.gpu
-@needs_gpus
+@needs_rank_gpus
 @needs_native
 def test_missing_peer_in_combine():
     """Every rank dispatches, then only rank 0 combines: it raises CommTimeoutError (naming rank 0, the combine

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import environment, run_ranks
+from tests.multiprocess import environment, needs_gpus, rank_device, run_ranks
 
 FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
@@ -41,8 +41,7 @@ def _has_feature() -> bool:
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < RANKS,
-                                 reason=f"needs {RANKS} CUDA GPUs (UCCL_EP_TEST_RANKS)"),
+              needs_gpus(RANKS),
               pytest.mark.skipif(not _has_feature(), reason=f"this build has no {FEATURE}")]
 
 
@@ -200,7 +199,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
 
 def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
                   sm_pull: str, own_rows: str) -> None:
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks), \
             environment(SM_PULL_ENV, sm_pull), environment(OWN_ROWS_ENV, own_rows):
@@ -221,7 +220,7 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
 def _graph_body(rank: int, num_ranks: int, group) -> None:
     """dispatch + combine with num_worst_tokens captured in a CUDA graph, replayed on new x: equal to the
     same calls run eagerly, and to the reference engine."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     case = Case("graph_bf16_h4096_k8_e64", 4096, 8, 64, (257, 190))
     worst = case.worst_tokens()
@@ -296,7 +295,7 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
     written behind a long sleep on the compute stream, after a poisoned fill), with async_finish the call
     returns an event the caller waits on, with allocate_on_comm_stream the outputs come from that stream; then
     plain calls (_plain_calls)."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     case = Case("streams_bf16_h4096_k8_e64", 4096, 8, 64, (300, 211), num_biases=1)
     native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
@@ -371,7 +370,7 @@ def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> Non
     """Rank 0 fails to allocate an output after the copy engine's `after` step: its dispatch raises, but it still
     ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and combine on
     every rank match the reference."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     case = Case("failed_allocation_bf16_h2048_k4_e16", 2048, 4, 16, (300, 211))
     native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
@@ -404,7 +403,7 @@ def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> Non
 
 def _short_timeout_setup(rank: int, group):
     """(device, a gloo group to meet on after a failure, a native Buffer with MISSING_PEER_TIMEOUT_S)."""
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo")
     with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):

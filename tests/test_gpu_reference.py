@@ -5,11 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import needs_gpus, rank_device, run_ranks
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                 reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
 
 def _routing(rank: int, seed: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int, device):
@@ -36,7 +34,7 @@ def _body(rank, num_ranks, group):
     import uccl_ep_plugin as ep
     from uccl_ep_plugin.engines.reference.layout import dispatch_layout
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     torch.cuda.set_device(device)
     # On a gloo group (vLLM builds its Buffer on the CPU group) CUDA tensors are staged through the host.
     os.environ["UCCL_EP_DEVICE"] = "cuda"

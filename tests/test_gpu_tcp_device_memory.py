@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tests.transport_exchange import (POISON, REORDER_ENV, STAGING, assert_local_requests,
-                                          assert_requests_checked, gpu_count, skip_without)
+                                          assert_requests_checked, skip_without)
 from tests.immediates import collect_immediates
+from tests.multiprocess import gpu_count
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from uccl_ep_plugin import _C
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import needs_gpus, run_ranks
 from tests.proxy_regions import proxy_over
 from tests.transport_exchange import settle
 from uccl_ep_plugin import _C
@@ -162,7 +162,7 @@ def test_without_the_quiet_reordering_is_detected():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 @pytest.mark.parametrize("transport", ["cuda-copy", "tcp-device"])
 @pytest.mark.parametrize("reorder_seed", [-1, 7], ids=["in-order", "reorder"])
 def test_calls_back_to_back_on_gpus(transport, reorder_seed):

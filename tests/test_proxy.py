@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import needs_gpus, run_ranks
 from tests.proxy_regions import proxy_over
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from tests.transport_exchange import settle
@@ -288,7 +288,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 @pytest.mark.parametrize("reorder_seed", [-1, 7])
 def test_proxy_exchange_over_cuda_copy(reorder_seed):
     """The same exchange with every region in GPU memory: the copy engines move the bytes, and the
@@ -300,7 +300,7 @@ def test_proxy_exchange_over_cuda_copy(reorder_seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus(2)
 @pytest.mark.parametrize("reorder_seed", [-1, 7])
 def test_proxy_exchange_over_tcp_device_memory(reorder_seed):
     """The same exchange with every region in GPU memory over tcp: writes staged through pinned host

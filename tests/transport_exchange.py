@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.immediates import collect_immediates
+from tests.multiprocess import has_gpus_for, rank_device
 from uccl_ep_plugin import _C
 
 REORDER_ENV = "UCCL_EP_TRANSPORT_REORDER"
@@ -33,15 +34,12 @@ GPU_KINDS = ("cuda-copy", "tcp")
 FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "tcp-host": "tcp_transport"}
 
 
-def gpu_count():
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def skip_without(kind, gpus):
-    """Skip unless the extension has transport ``kind`` and ``gpus`` GPUs are visible."""
+    """Skip unless the extension has transport ``kind`` and ``gpus`` GPUs are visible (or any GPU, where ranks may
+    share one)."""
     if FEATURES[kind] not in _C.build_info()["features"]:
         pytest.skip(f"the extension was built without {FEATURES[kind]}")
-    if gpu_count() < gpus:
+    if not has_gpus_for(gpus):
         pytest.skip(f"needs {gpus} CUDA GPU(s)")
 
 
@@ -192,7 +190,7 @@ class _Endpoint:
         elif kind == "cuda-copy":
             from uccl_ep_plugin.engines.native.peers import map_peer_buffer
 
-            self.buffer, reason = map_peer_buffer(_C, group, rank, torch.device("cuda", rank), num_bytes)
+            self.buffer, reason = map_peer_buffer(_C, group, rank, rank_device(rank), num_bytes)
             assert self.buffer is not None, reason
             self.region = self.buffer.tensor
             self.region.fill_(POISON)
@@ -200,10 +198,10 @@ class _Endpoint:
             self.transport = _C.CudaCopyTransport(rank, num_ranks, self.buffer.memory, reorder_seed=reorder_seed,
                                                   timeout_s=TIMEOUT_S)
         else:
-            self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8, device=torch.device("cuda", rank))
+            self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8, device=rank_device(rank))
             settle(self.region)
             self.transport = _C.TcpTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
-                                             reorder_seed=reorder_seed, timeout_s=TIMEOUT_S, device=rank,
+                                             reorder_seed=reorder_seed, timeout_s=TIMEOUT_S, device=rank_device(rank).index,
                                              staging_bytes=STAGING)
             assert self.transport.staging_bytes == STAGING and not self.transport.region_is_host_memory
         addresses = [None] * num_ranks
