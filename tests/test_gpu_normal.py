@@ -57,9 +57,13 @@ class Case:
     num_biases: int = 0
     combine_weights: bool = True
     num_sms: int = 20
+    combine_sms: Tuple[int, ...] = ()   # each rank's combine SMs, repeated over the ranks; () = num_sms
 
     def num_tokens(self, rank: int) -> int:
         return self.tokens[rank % len(self.tokens)]
+
+    def combine_num_sms(self, rank: int) -> int:
+        return self.combine_sms[rank % len(self.combine_sms)] if self.combine_sms else self.num_sms
 
     def worst_tokens(self) -> int:
         """A num_worst_tokens no rank's receive exceeds: every rank sends it every token."""
@@ -74,6 +78,8 @@ CASES = (
     Case("fp8_h7168_k9_e288_empty_rank", 7168, 9, 288, (777, 0), fp8=True, combine_weights=False),
     Case("fp8_h2048_k8_e64_align16", 2048, 8, 64, (1, 64), fp8=True, expert_alignment=16, num_sms=8),
     Case("bf16_h4096_k9_e288_align16", 4096, 9, 288, (0, 200), expert_alignment=16, num_biases=2),
+    # Each rank combines with its own SMs, so with its own chunk count (12 at 8 SMs, 6 at 24).
+    Case("bf16_h4096_k8_e64_combine_sms_differ", 4096, 8, 64, (2000, 1500), combine_sms=(8, 24)),
 )
 
 
@@ -145,10 +151,11 @@ def _dispatch(buffer, x, layout, topk_idx, topk_weights, case: Case, num_worst_t
                            config=ep.Config(num_sms=case.num_sms))
 
 
-def _combine(buffer, x, handle, topk_weights, biases, case: Case):
+def _combine(buffer, x, handle, topk_weights, biases, case: Case, rank: int):
     import uccl_ep_plugin as ep
     bias = None if not biases else (biases[0] if len(biases) == 1 else tuple(biases))
-    return buffer.combine(x, handle, topk_weights=topk_weights, bias=bias, config=ep.Config(num_sms=case.num_sms))
+    return buffer.combine(x, handle, topk_weights=topk_weights, bias=bias,
+                          config=ep.Config(num_sms=case.combine_num_sms(rank)))
 
 
 def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch.device,
@@ -191,7 +198,8 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         combined = {}
         for name, buffer, handle in (("reference", reference, want[4]), ("native", native, got[4])):
             _poison_allocator(device)
-            combined[name] = _combine(buffer, expert_out, handle, weights if use_weights else None, biases, case)
+            combined[name] = _combine(buffer, expert_out, handle, weights if use_weights else None, biases, case,
+                                      rank)
             torch.cuda.synchronize(device)
         _assert_equal(combined["native"][:2], combined["reference"][:2],
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
@@ -234,7 +242,7 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
         def step():
             recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(native, static_x, layout, topk_idx,
                                                                      topk_weights, case, worst)
-            combined_x, combined_weights, _ = _combine(native, recv_x, handle, recv_weights, [], case)
+            combined_x, combined_weights, _ = _combine(native, recv_x, handle, recv_weights, [], case, rank)
             return recv_x, recv_idx, recv_weights, tuple(handle), combined_x, combined_weights
 
         step()   # warm up outside the capture (allocator, lazy init)
@@ -252,7 +260,7 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
             torch.cuda.synchronize(device)
             _assert_equal(captured, eager, f"graph replay {replay} vs eager")
             want = _dispatch(reference, static_x, layout, topk_idx, topk_weights, case, worst)
-            want_combined = _combine(reference, want[0], want[4], want[2], [], case)
+            want_combined = _combine(reference, want[0], want[4], want[2], [], case, rank)
             torch.cuda.synchronize(device)
             _assert_equal(captured[:3], want[:3], f"graph replay {replay} dispatch vs reference")
             _assert_equal(captured[3], tuple(want[4]), f"graph replay {replay} handle vs reference")
@@ -401,13 +409,13 @@ def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> Non
         reference.destroy()
 
 
-def _short_timeout_setup(rank: int, group):
+def _short_timeout_setup(rank: int, group, copy_mode: str = "engine"):
     """(device, a gloo group to meet on after a failure, a native Buffer with MISSING_PEER_TIMEOUT_S)."""
     device = rank_device(rank)
     torch.cuda.set_device(device)
     side = dist.new_group(backend="gloo")
     with environment(TIMEOUT_ENV, str(MISSING_PEER_TIMEOUT_S)):
-        native = _make_buffer(group, "native", 64 << 20)
+        native = _make_buffer(group, "native", 64 << 20, copy_mode)
     return device, side, native
 
 
@@ -467,13 +475,70 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
                 if needed not in message:
                     failure = failure or f"the CommTimeoutError does not mention {needed!r}: {message}"
     else:
-        # The notify exchange alone, as the dispatch would launch it (the same channels), then nothing.
+        # The notify exchange alone, as the dispatch would launch it (the same settings), then nothing.
         engine = native._native.normal
         num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank = layout
         args, _ = engine._layout_and_notify(is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                                             case.num_sms // 2, case.expert_alignment, 0)
+        args.pull_chunks = engine.copy_engine.pull_chunks(case.num_sms // 2)   # as if a gather followed
         engine._C.normal_layout_and_notify(args, torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)
+    dist.barrier(group=side)
+    native.destroy()
+    assert failure is None, failure
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    """What a rank's dispatch must share with the other ranks'."""
+    num_sms: int = 20
+    copy_mode: str = "engine"
+    pull_chunks: int = 3
+    worst_tokens: bool = False
+
+    def describe(self) -> str:
+        """As the error names them."""
+        num_channels = self.num_sms // 2
+        if self.copy_mode == "sm" or self.worst_tokens:
+            rows = "rows moved by SMs"
+        else:
+            rows = f"rows pulled by copy engines in {min(self.pull_chunks, num_channels)} pieces"
+        return f"{num_channels} channels (config.num_sms {self.num_sms}), {rows}"
+
+
+# The last rank's settings, one differing from the others' (DispatchSettings()) each.
+DIFFERENT_SETTINGS = {"num_sms": DispatchSettings(num_sms=8), "copy_mode": DispatchSettings(copy_mode="sm"),
+                      "pull_chunks": DispatchSettings(pull_chunks=1),
+                      "num_worst_tokens": DispatchSettings(worst_tokens=True)}
+
+
+def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> None:
+    """The last rank dispatches with one setting changed: every rank raises ValueError naming a rank whose settings
+    differ and both settings, at once (no timeout)."""
+    usual, changed = DispatchSettings(), DIFFERENT_SETTINGS[setting]
+    mine, others = (changed, usual) if rank == num_ranks - 1 else (usual, changed)
+    with environment(PULL_CHUNKS_ENV, str(mine.pull_chunks)):
+        device, side, native = _short_timeout_setup(rank, group, mine.copy_mode)
+    case = Case(f"settings_{setting}", 2048, 2, 8, (64, 64), num_sms=mine.num_sms)
+    x, topk_idx, topk_weights, _ = _inputs(case, rank, 9, device)
+    layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+    worst = case.worst_tokens() if mine.worst_tokens else 0
+    failure = None
+    start = time.monotonic()
+    try:
+        _dispatch(native, x, layout, topk_idx, topk_weights, case, worst)
+        torch.cuda.synchronize(device)
+        # A dispatch with num_worst_tokens leaves the host before its notify ends: the next call raises.
+        _dispatch(native, x, layout, topk_idx, topk_weights, case, worst)
+        failure = "dispatches with different settings raised nothing"
+    except ValueError as error:
+        elapsed, message = time.monotonic() - start, str(error)
+        others_rank = rf"rank {num_ranks - 1}" if mine is usual else r"rank \d+"
+        if not re.search(rf"^rank {rank}: .*{others_rank} dispatches with {re.escape(others.describe())}, "
+                         rf"this rank with {re.escape(mine.describe())};", message):
+            failure = f"the error does not name the ranks and both settings: {message}"
+        if elapsed >= MISSING_PEER_TIMEOUT_S:
+            failure = f"the difference was found after {elapsed:.1f} s, by a timeout ({message})"
     dist.barrier(group=side)
     native.destroy()
     assert failure is None, failure
@@ -509,6 +574,11 @@ def test_native_normal_failed_allocation_ends_the_exchange(after):
 
 def test_native_normal_missing_peer_raises():
     run_ranks(RANKS, _missing_peer_body, backend="nccl")
+
+
+@pytest.mark.parametrize("setting", list(DIFFERENT_SETTINGS))
+def test_native_normal_different_dispatch_settings_raise(setting):
+    run_ranks(RANKS, _settings_differ_body, backend="nccl", setting=setting)
 
 
 def test_native_normal_missing_gather_drains():

@@ -58,8 +58,44 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     assert ext.normal_dispatch_area_bytes(0, 14336, 224, 9) == 0
     # 3 rows of 32 bytes, 2 weights each: 96 + 32 (24)
     assert ext.normal_combine_area_bytes(3, 32, 2) == 96 + 32
-    assert ext.normal_notify_slot_ints(2, 10, 144) == 156
+    # the settings words of 2 sources (padded to 16 bytes), then 2 slots of 2 + 10 + 144 counts
+    assert ext.normal_notify_area_bytes(2, 10, 144) == 16 + 2 * 4 * 156
+    assert ext.normal_notify_area_bytes(5, 1, 1) == 32 + 5 * 4 * 7
     assert ext.NORMAL_CONTROL_BYTES == 3 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk words
+
+
+def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
+    ext = _extension_with_normal()
+    epoch = 7
+    for rows in (0, 1, 5, 63, 64, 4113):
+        for chunks in (1, 2, 6, 7, 12, ext.NORMAL_MAX_CHUNKS):
+            words = [ext.normal_chunk_word(epoch, landed, chunks) for landed in range(chunks + 1)]
+            landed_rows = [ext.normal_combine_rows_landed(word, epoch, rows) for word in words]
+            assert landed_rows[0] == 0 and landed_rows[-1] == rows, (rows, chunks, landed_rows)
+            assert landed_rows == sorted(landed_rows) and words == sorted(words), (rows, chunks)
+            if rows >= 2 * chunks:   # every piece holds rows, the last about half as many as the others
+                sizes = [b - a for a, b in zip(landed_rows, landed_rows[1:])]
+                assert min(sizes) > 0 and sizes[-1] <= min(sizes[:-1] or sizes), (rows, chunks, sizes)
+            # The last exchange's words count nothing, the next one's lie above, a failed writer's counts all.
+            assert ext.normal_combine_rows_landed(ext.normal_chunk_word(epoch - 1, chunks, chunks), epoch, rows) == 0
+            assert words[-1] < ext.normal_chunk_word(epoch + 1, 0, 1)
+            assert ext.normal_combine_rows_landed(ext.NORMAL_CHUNK_WORDS_OPEN, epoch, rows) == rows
+            # A dispatch's stream waits ask for at least `needed` pieces, whatever their count.
+            for needed in range(1, chunks + 1):
+                target = ext.normal_chunk_word(epoch, needed, 0)
+                assert [word >= target for word in words] == [landed >= needed for landed in range(chunks + 1)]
+
+
+def test_notify_settings_word_tells_channels_and_pull_chunks_apart():
+    ext = _extension_with_normal()
+    unit = ext.normal_notify_settings_word(1, 0)
+    seen = set()
+    for num_channels in (1, 4, 10, 12, 66, 1000):
+        for pull_chunks in (0, 1, 3, ext.NORMAL_MAX_CHUNKS):
+            word = ext.normal_notify_settings_word(num_channels, pull_chunks)
+            assert divmod(word, unit) == (num_channels, pull_chunks)
+            seen.add(word)
+    assert len(seen) == 6 * 4
 
 
 class _FakeExtension:

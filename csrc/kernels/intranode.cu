@@ -117,8 +117,12 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   if (!wait_destinations_free(r, kNormalNotifySend)) return false;
   const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
+  for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+    reinterpret_cast<int32_t*>(data_area(r, dst))[r.rank] = normal_notify_settings_word(num_channels, a.pull_chunks);
+  }
   for (int dst = 0; dst < num_ranks; ++dst) {
-    int32_t* slot = reinterpret_cast<int32_t*>(data_area(r, dst)) + r.rank * slot_ints;
+    int32_t* slot =
+        reinterpret_cast<int32_t*>(data_area(r, dst)) + normal_notify_slots_offset_ints(num_ranks) + r.rank * slot_ints;
     for (int i = threadIdx.x; i < slot_ints; i += blockDim.x) {
       int32_t value;
       if (i < num_ranks) {
@@ -136,13 +140,29 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   return true;
 }
 
-// The counts, into the outputs and (when given) the host's copy. Returns false if a source never came.
+// Every source's settings word equals this rank's: else its slot is laid out differently, or it goes
+// another way after the notify. Every rank compares every pair, so all of them record the difference.
+__device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
+  const NormalRegion& r = a.region;
+  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks);
+  const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
+  for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
+    const int32_t theirs = __ldcg(words + src);
+    if (theirs != mine) record_failure(r, kNormalSettingsDiffer, kNormalNotifyRecv, src, theirs);
+  }
+  __syncthreads();
+  return !aborted(r);
+}
+
+// The counts, into the outputs and (when given) the host's copy. Returns false if a source never came
+// or dispatches with other settings.
 __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  if (!wait_sources_arrived(r, kNormalNotifyRecv)) return false;
+  if (!wait_sources_arrived(r, kNormalNotifyRecv) || !notify_settings_agree(a)) return false;
   const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
-  const int32_t* slots = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
+  const int32_t* slots =
+      reinterpret_cast<const int32_t*>(data_area(r, r.rank)) + normal_notify_slots_offset_ints(num_ranks);
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     int32_t running = 0;
     for (int src = 0; src < num_ranks; ++src) {
@@ -423,11 +443,13 @@ void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
   require(args.num_local_experts >= 1, "num_local_experts must be >= 1");
   require(args.expert_alignment >= 1, "expert_alignment must be >= 1");
   require(args.num_worst_tokens >= 0, "num_worst_tokens must be >= 0");
-  const int64_t slot_bytes =
-      4 * normal_notify_slot_ints(args.region.num_ranks, args.num_channels, args.num_local_experts);
-  require(slot_bytes * args.region.num_ranks <= args.region.data_bytes,
-          "the data area cannot hold the notify slots (" + std::to_string(slot_bytes * args.region.num_ranks) +
-              " bytes)");
+  require(args.num_channels <= kNormalMaxNotifyChannels,
+          "num_channels must be at most " + std::to_string(kNormalMaxNotifyChannels));
+  require(args.pull_chunks >= 0 && args.pull_chunks <= kNormalMaxChunks,
+          "pull_chunks must be in 0.." + std::to_string(kNormalMaxChunks));
+  const int64_t area_bytes = normal_notify_area_bytes(args.region.num_ranks, args.num_channels, args.num_local_experts);
+  require(area_bytes <= args.region.data_bytes,
+          "the data area cannot hold the notify slots (" + std::to_string(area_bytes) + " bytes)");
   require(args.host_counts == nullptr || reinterpret_cast<std::uintptr_t>(args.host_counts) % 8 == 0,
           "host_counts must be 8-byte aligned");
   normal_kernels::notify_dispatch<<<1, normal_kernels::kThreads, 0, stream>>>(args);

@@ -49,8 +49,17 @@ inline int normal_combine_chunks(int setting, int num_sms) {
   if (setting != kNormalCombineChunksBySms) return setting;
   return num_sms <= kNormalCombineFewSms ? kNormalCombineChunksFewSms : kNormalCombineChunks;
 }
-// A chunk word holds epoch * kNormalChunkStride + chunks ready (monotonic over exchanges).
-constexpr uint64_t kNormalChunkStride = 64;
+// A chunk word holds epoch * kNormalChunkStride + landed * kNormalChunkCounts + chunks: of the
+// `chunks` pieces (1..kNormalMaxChunks) its writer moves this exchange's block in, `landed` are there.
+// Monotonic over exchanges, and self-describing: a reader finds the landed rows without knowing the
+// writer's chunking (a combine's depends on the pusher's SMs).
+constexpr int kNormalMaxChunks = 63;
+constexpr uint64_t kNormalChunkCounts = 64;
+constexpr uint64_t kNormalChunkStride = kNormalChunkCounts * kNormalChunkCounts;
+UCCL_EP_HOST_DEVICE inline uint64_t normal_chunk_word(uint64_t epoch, int32_t landed, int32_t chunks) {
+  return epoch * kNormalChunkStride + static_cast<uint64_t>(landed) * kNormalChunkCounts +
+         static_cast<uint64_t>(chunks);
+}
 // A failing rank raises its own chunk words to this, so that no stream waits on them forever.
 constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
 // The copy-engine dispatch pulls each peer's block in this many pieces by default, each as soon as
@@ -88,6 +97,15 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_copy_engine_rows(int64_t rows, int32_t
 UCCL_EP_HOST_DEVICE inline int64_t normal_combine_chunk_begin(int64_t rows, int32_t chunks, int32_t chunk) {
   return chunk >= chunks ? rows : chunk * 2 * rows / (2 * chunks - 1);
 }
+// Of the `rows` rows a combine pushes to an owner, how many have landed by a chunk word `word` of
+// exchange `epoch`: a word past the exchange (kNormalChunkWordsOpen: the writer failed) counts all.
+UCCL_EP_HOST_DEVICE inline int64_t normal_combine_rows_landed(uint64_t word, uint64_t epoch, int64_t rows) {
+  if (word < epoch * kNormalChunkStride) return 0;
+  if (word >= (epoch + 1) * kNormalChunkStride) return rows;
+  const uint64_t within = word - epoch * kNormalChunkStride;
+  return normal_combine_chunk_begin(rows, static_cast<int32_t>(within % kNormalChunkCounts),
+                                    static_cast<int32_t>(within / kNormalChunkCounts));
+}
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
 constexpr int kNormalExchangesWord = 0;
 constexpr int kNormalAbortedWord = 2;
@@ -96,6 +114,7 @@ enum NormalError : int32_t {
   kNormalTimeout = 1,        // a peer's flag did not arrive in time
   kNormalTooManyRows = 2,    // a rank would receive more than num_worst_tokens rows (detail: rows)
   kNormalAreaTooSmall = 3,   // a rank's data area cannot hold an exchange (detail: 0)
+  kNormalSettingsDiffer = 4, // a peer's dispatch settings differ (detail: normal_notify_settings_word of the peer's)
 };
 
 enum NormalPhase : int32_t {
@@ -119,12 +138,29 @@ struct NormalRegion {
 
 UCCL_EP_HOST_DEVICE inline int64_t normal_align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// notify: the slot a source fills in a destination's data area holds int32 counts: tokens the
+// notify: a destination's data area starts with one int32 per source at a fixed place: the source's
+// settings word (normal_notify_settings_word; every rank must use the same, and a receiver checks
+// that before it reads the slots), then one slot per source, which holds int32 counts: tokens the
 // source sends to each rank [num_ranks], its channel_prefix_matrix row for the destination
 // [num_channels], its tokens per expert of the destination [num_local_experts].
 UCCL_EP_HOST_DEVICE inline int64_t normal_notify_slot_ints(int64_t num_ranks, int64_t num_channels,
                                                            int64_t num_local_experts) {
   return num_ranks + num_channels + num_local_experts;
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_notify_slots_offset_ints(int64_t num_ranks) {
+  return normal_align16(num_ranks * 4) / 4;
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_notify_area_bytes(int64_t num_ranks, int64_t num_channels,
+                                                            int64_t num_local_experts) {
+  return 4 * (normal_notify_slots_offset_ints(num_ranks) +
+              num_ranks * normal_notify_slot_ints(num_ranks, num_channels, num_local_experts));
+}
+// What the ranks of a dispatch must agree on, in one word: its channels (the slot layout, and the
+// handle's channel tables), and the pieces the copy engines' gather after the notify announces (0:
+// no gather, the rows go by SMs).
+constexpr int32_t kNormalMaxNotifyChannels = (1 << 24) - 1;
+UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_channels, int32_t pull_chunks) {
+  return num_channels * static_cast<int32_t>(kNormalChunkCounts) + pull_chunks;
 }
 
 // dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
@@ -221,6 +257,7 @@ struct NormalNotifyArgs {
   int32_t num_local_experts;
   int32_t expert_alignment;
   int32_t num_worst_tokens;              // 0: no bound
+  int32_t pull_chunks;                   // pieces of the copy engines' gather behind this notify; 0: none
   int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
   int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
   int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment

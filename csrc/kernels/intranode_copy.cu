@@ -33,7 +33,7 @@ __global__ void wait_destinations_freed(NormalRegion r, uint64_t* chunk_values, 
   if (!wait_destinations_free(r, kNormalCombineSend)) return;
   const uint64_t epoch = exchanges_done(r) + 1;
   for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
-    chunk_values[chunk] = epoch * kNormalChunkStride + chunk + 1;
+    chunk_values[chunk] = normal_chunk_word(epoch, chunk + 1, chunks);
   }
 }
 
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                                              w.lane);
       }
     }
-    announce_gathered(r, gathered_warps + chunk, epoch * kNormalChunkStride + chunk + 1, w.lane);
+    announce_gathered(r, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count), w.lane);
   }
 }
 
@@ -198,11 +198,12 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
     if (lane == 0) {
       for (int dst = 0; dst < num_ranks && ready; ++dst) {
         if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
-        const int64_t pos = a.send_pos[token * num_ranks + dst];
-        int32_t chunk = num_chunks - 1;
-        while (pos < normal_combine_chunk_begin(sent_rows[dst], num_chunks, chunk)) --chunk;
-        ready = wait_at_least(r, chunk_word(r, me, dst), epoch * kNormalChunkStride + chunk + 1, kNormalCombineRecv,
-                              dst);
+        const int64_t pos = a.send_pos[token * num_ranks + dst], rows = sent_rows[dst];
+        // The pusher's chunk count comes with its word: ranks may combine with different SMs.
+        ready = wait_until(
+            r, chunk_word(r, me, dst),
+            [=](uint64_t word) { return normal_combine_rows_landed(word, epoch, rows) > pos; }, kNormalCombineRecv,
+            dst);
       }
     }
     ready = __shfl_sync(0xffffffffu, ready, 0);
@@ -254,8 +255,8 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
       peer_bases_(std::move(peer_bases)) {
   require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
           "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
-  const auto in_range = [](int chunks) { return chunks >= 1 && static_cast<uint64_t>(chunks) < kNormalChunkStride; };
-  const std::string range = "1.." + std::to_string(kNormalChunkStride - 1);
+  const auto in_range = [](int chunks) { return chunks >= 1 && chunks <= kNormalMaxChunks; };
+  const std::string range = "1.." + std::to_string(kNormalMaxChunks);
   require(combine_chunks == kNormalCombineChunksBySms || in_range(combine_chunks),
           "combine_chunks must be 0 (by the combine's SMs) or in " + range + ", got " + std::to_string(combine_chunks));
   require(in_range(pull_chunks), "pull_chunks must be in " + range + ", got " + std::to_string(pull_chunks));
@@ -264,11 +265,13 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
   stream_waits_ = gpu_stream_waits_supported(device_);
   void* words = nullptr;
-  gpuError_t status = gpu_device_alloc(&words, 2 * kNormalChunkStride * sizeof(uint64_t));
+  // kNormalMaxChunks combine chunk values, then as many gather warp counters.
+  const size_t words_bytes = 2 * kNormalMaxChunks * sizeof(uint64_t);
+  gpuError_t status = gpu_device_alloc(&words, words_bytes);
   if (status == kGpuSuccess) {
     chunk_values_ = static_cast<uint64_t*>(words);
-    gathered_warps_ = reinterpret_cast<uint32_t*>(chunk_values_ + kNormalChunkStride);
-    status = gpu_memset(words, 0, 2 * kNormalChunkStride * sizeof(uint64_t));
+    gathered_warps_ = reinterpret_cast<uint32_t*>(chunk_values_ + kNormalMaxChunks);
+    status = gpu_memset(words, 0, words_bytes);
   }
   peer_streams_.assign(peer_bases_.size(), nullptr);
   peer_done_.assign(peer_bases_.size(), nullptr);
@@ -368,9 +371,8 @@ void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vecto
 void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChunks chunks, gpuStream_t stream) {
   check_normal_dispatch_args(a);
   require_unreleased();
-  require(chunks.count >= 1 && chunks.count <= chunks.num_channels &&
-              static_cast<uint64_t>(chunks.count) < kNormalChunkStride,
-          "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalChunkStride - 1) + "), got " +
+  require(chunks.count >= 1 && chunks.count <= chunks.num_channels && chunks.count <= kNormalMaxChunks,
+          "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalMaxChunks) + "), got " +
               std::to_string(chunks.count) + " for " + std::to_string(chunks.num_channels) + " channels");
   normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks,
                                                                                             gathered_warps_);
@@ -481,7 +483,8 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
     const int64_t end = std::min(
         engine_rows, chunk + 1 < chunks.count ? channel_starts[normal_pull_chunk_first_channel(chunks, chunk + 1)] : rows);
     if (end <= begin) continue;
-    UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, pulls_.epoch * kNormalChunkStride + chunk + 1));
+    // At least chunk + 1 of the owner's pieces (the notify checked that it gathers in as many).
+    UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, normal_chunk_word(pulls_.epoch, chunk + 1, 0)));
     pull(begin, end);
   }
 }
@@ -546,7 +549,8 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   NormalNotifyArgs to_host = notify;
   to_host.host_counts = host_counts_device_;
   if (gather == nullptr || own_rows_ == NormalOwnRows::kSms) to_host.send_pos = nullptr;  // no runs wanted
-  const NormalPullChunks chunks{notify.num_channels, std::min(pull_chunks_, notify.num_channels)};
+  const NormalPullChunks chunks{notify.num_channels, pull_chunks(notify.num_channels)};
+  to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
   launch_normal_layout_and_notify(layout, to_host, stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
   if (gather != nullptr) dispatch_send(*gather, chunks, stream);  // runs while the host waits

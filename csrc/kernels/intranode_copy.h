@@ -23,6 +23,7 @@
 //   target, so its streams drain.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -44,11 +45,11 @@ struct NormalDispatchStart {
 class NormalCopyEngine {
  public:
   // peer_bases[r]: rank r's buffer as mapped in this process (host addresses); combine_chunks: the
-  // pieces each peer's combine block is pushed in (1 .. kNormalChunkStride - 1; more start the sums
+  // pieces each peer's combine block is pushed in (1 .. kNormalMaxChunks; more start the sums
   // earlier, at one more copy and announcement each), or kNormalCombineChunksBySms: by the combine's
-  // SMs (normal_combine_chunks); every rank must use the same.
-  // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalChunkStride - 1; at most
-  // the dispatch's channels); every rank must use the same.
+  // SMs (normal_combine_chunks); each rank may use its own (the chunk words carry the count).
+  // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalMaxChunks; at most the
+  // dispatch's channels); every rank must use the same (the notify checks: kNormalSettingsDiffer).
   // sm_pull_percent: the share of each peer's dispatch rows (0..100, from the end of its block) that
   // SMs copy over NVLink loads beside the copy engines.
   // own_rows: what copies this rank's rows to itself (normal_own_rows_by_engine); a copy engine copies
@@ -82,6 +83,8 @@ class NormalCopyEngine {
   // Ends the exchange of a start_dispatch that chose the copy engines when the caller fails before
   // receive_rest (after pull_rows or not; the outputs stay unwritten): the peers wait for its end.
   void abandon_receive(const NormalRegion& region, gpuStream_t stream);
+  // The pieces a gathered dispatch of num_channels channels is pulled in (its notify's pull_chunks).
+  int pull_chunks(int num_channels) const { return std::min(pull_chunks_, num_channels); }
   // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);

@@ -33,7 +33,7 @@ __device__ __forceinline__ uint64_t* freed_word(const NormalRegion& r, int rank,
   return reinterpret_cast<uint64_t*>(rank_base(r, rank)) + kNormalMaxRanks + reader;
 }
 
-// In `rank`'s control area: the chunks `src` pushed to it (epoch * kNormalChunkStride + chunks).
+// In `rank`'s control area: the chunks `src` has ready for it (normal_chunk_word).
 __device__ __forceinline__ uint64_t* chunk_word(const NormalRegion& r, int rank, int src) {
   return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_chunk_word_offset(src));
 }
@@ -59,11 +59,12 @@ __device__ inline void record_failure(const NormalRegion& r, int32_t code, int32
   }
 }
 
-// One thread waits until the word `peer` writes reaches `target`; false on abort or timeout.
-__device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word, uint64_t target, int32_t phase,
-                              int32_t peer) {
+// One thread waits until the word `peer` writes satisfies `ready(value)`; false on abort or timeout.
+template <typename Ready>
+__device__ inline bool wait_until(const NormalRegion& r, const uint64_t* word, Ready ready, int32_t phase,
+                                  int32_t peer) {
   const uint64_t start = device_time_ns();
-  while (load_acquire_system(word) < target) {
+  while (!ready(load_acquire_system(word))) {
     if (aborted(r)) return false;
     if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
       record_failure(r, kNormalTimeout, phase, peer, 0);
@@ -72,6 +73,10 @@ __device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word
     device_pause();
   }
   return true;
+}
+__device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word, uint64_t target, int32_t phase,
+                                     int32_t peer) {
+  return wait_until(r, word, [target](uint64_t value) { return value >= target; }, phase, peer);
 }
 
 // The whole block waits for every rank's word (`word_of(peer)`) to reach `target`; the answer is

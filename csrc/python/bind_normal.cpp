@@ -52,6 +52,7 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     num_local_experts,
                                                     expert_alignment,
                                                     num_worst_tokens,
+                                                    0,  // pull_chunks: start_dispatch sets them when it gathers
                                                     ptr<int32_t>(rank_prefix_matrix),
                                                     ptr<int32_t>(recv_channel_prefix_matrix),
                                                     ptr<int32_t>(recv_tokens_per_expert),
@@ -126,7 +127,12 @@ void bind_normal(py::module_& m) {
         "The pieces a combine pushes each peer's block in, for a combine_chunks setting and the combine's SMs.");
   m.attr("NORMAL_PULL_CHUNKS") = uccl_ep::kNormalPullChunks;
   m.attr("NORMAL_SM_PULL_PERCENT") = uccl_ep::kNormalSmPullPercent;
-  m.attr("NORMAL_MAX_CHUNKS") = static_cast<int>(uccl_ep::kNormalChunkStride - 1);
+  m.attr("NORMAL_MAX_CHUNKS") = uccl_ep::kNormalMaxChunks;
+  m.def("normal_chunk_word", &uccl_ep::normal_chunk_word, py::arg("epoch"), py::arg("landed"), py::arg("chunks"),
+        "A chunk word: `landed` of the `chunks` pieces of exchange `epoch` are there.");
+  m.attr("NORMAL_CHUNK_WORDS_OPEN") = uccl_ep::kNormalChunkWordsOpen;
+  m.def("normal_combine_rows_landed", &uccl_ep::normal_combine_rows_landed, py::arg("word"), py::arg("epoch"),
+        py::arg("rows"), "Of the `rows` rows a combine pushes to an owner, those landed by chunk word `word`.");
   m.def(
       "normal_dispatch_area_bytes",
       [](int64_t rows, int64_t x_row_bytes, int64_t scale_row_bytes, int64_t num_topk) {
@@ -154,8 +160,10 @@ void bind_normal(py::module_& m) {
       py::arg("send_pos"), py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>(),
       "Enqueue send_pos [N, R] and, when given, channel_prefix_matrix [R, C] and send_head [N, R].");
-  m.def("normal_notify_slot_ints", &uccl_ep::normal_notify_slot_ints, py::arg("num_ranks"), py::arg("num_channels"),
-        py::arg("num_local_experts"));
+  m.def("normal_notify_area_bytes", &uccl_ep::normal_notify_area_bytes, py::arg("num_ranks"), py::arg("num_channels"),
+        py::arg("num_local_experts"), "Bytes of the data area a dispatch's notify needs.");
+  m.def("normal_notify_settings_word", &uccl_ep::normal_notify_settings_word, py::arg("num_channels"),
+        py::arg("pull_chunks"), "The word in which a dispatch's notify checks that every rank uses the same settings.");
   m.attr("NORMAL_MAX_OWN_GAPS") = uccl_ep::kNormalMaxOwnGaps;
   py::enum_<uccl_ep::NormalOwnRows>(m, "NormalOwnRows", "What copies a rank's dispatch rows to itself.")
       .value("auto", uccl_ep::NormalOwnRows::kAuto)
@@ -182,7 +190,11 @@ void bind_normal(py::module_& m) {
            py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("num_channels"),
            py::arg("num_local_experts"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("send_pos"),
            py::arg("channel_prefix_matrix"), py::arg("send_head"), py::arg("rank_prefix_matrix"),
-           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"));
+           py::arg("recv_channel_prefix_matrix"), py::arg("recv_tokens_per_expert"))
+      .def_property(
+          "pull_chunks", [](const LayoutNotifyArgs& self) { return self.notify.pull_chunks; },
+          [](LayoutNotifyArgs& self, int32_t chunks) { self.notify.pull_chunks = chunks; },
+          "The pieces of the copy engines' gather the notify announces (0: none); start_dispatch sets them.");
   m.def(
       "normal_layout_and_notify",
       [](const LayoutNotifyArgs& args, std::uintptr_t stream) {
@@ -252,6 +264,8 @@ void bind_normal(py::module_& m) {
            py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunksBySms,
            py::arg("pull_chunks") = uccl_ep::kNormalPullChunks,
            py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent, py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
+      .def("pull_chunks", &uccl_ep::NormalCopyEngine::pull_chunks, py::arg("num_channels"),
+           "The pieces a gathered dispatch of num_channels channels is pulled in.")
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

@@ -28,7 +28,7 @@ _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify
                 3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
                 5: "combine (sending rows)", 6: "combine (receiving rows)"}
 _SEND_PHASES = (1, 3, 5)
-_TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL = 1, 2, 3
+_TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL, _SETTINGS_DIFFER = 1, 2, 3, 4
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"   # what carries the rows between ranks
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copies a rank's rows to itself
@@ -75,7 +75,8 @@ def sm_pull_percent(extension) -> int:
 
 def chunk_setting(env: str, extension) -> int:
     """The pieces the copy engines move a peer's block in, from ``env`` (COMBINE_CHUNKS_ENV or PULL_CHUNKS_ENV; every
-    rank must use the same), else the extension's default (for the combine 0: by the combine's SMs)."""
+    rank must use the same pull chunks, the combine chunks may differ), else the extension's default (for the
+    combine 0: by the combine's SMs)."""
     return _int_setting(env, getattr(extension, _CHUNK_DEFAULTS[env]), 1, extension.NORMAL_MAX_CHUNKS)
 
 
@@ -126,6 +127,7 @@ class NativeNormal:
             pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_pull_percent(extension),
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)])
         self.rows_by_copy_engine = copy_mode() == "engine"
+        self._last_notify = (0, False)   # the last dispatch notify's channels, and whether a gather followed it
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -144,7 +146,21 @@ class NativeNormal:
         if code == _AREA_TOO_SMALL:
             raise ValueError(f"rank {self.rank}: {where}: some rank's rows do not fit in num_nvl_bytes="
                              f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
+        if code == _SETTINGS_DIFFER:
+            num_channels, gathers = self._last_notify
+            mine = self._C.normal_notify_settings_word(num_channels,
+                                                       self.copy_engine.pull_chunks(num_channels) if gathers else 0)
+            raise ValueError(f"rank {self.rank}: {where}: rank {peer} dispatches with "
+                             f"{self._describe_settings(detail)}, this rank with {self._describe_settings(mine)}; "
+                             f"every rank must pass the same config (num_sms) and num_worst_tokens (0 or not), "
+                             f"with the same {COPY_ENV} and {PULL_CHUNKS_ENV}; {_STALE}")
         raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
+
+    def _describe_settings(self, word: int) -> str:
+        """A notify's settings word (normal_notify_settings_word) in words."""
+        num_channels, pull_chunks = divmod(word, self._C.normal_notify_settings_word(1, 0))
+        rows = f"rows pulled by copy engines in {pull_chunks} pieces" if pull_chunks else "rows moved by SMs"
+        return f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}"
 
     def _check_fits(self, what: str, needed: int) -> None:
         if needed > self.data_bytes:
@@ -186,9 +202,8 @@ class NativeNormal:
         then the tokens each local expert receives, aligned)."""
         num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
         local_experts = num_tokens_per_expert.numel() // num_ranks
-        slot_bytes = 4 * self._C.normal_notify_slot_ints(num_ranks, num_channels, local_experts)
         self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
-                         num_ranks * slot_bytes)
+                         self._C.normal_notify_area_bytes(num_ranks, num_channels, local_experts))
         sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
                  num_ranks * num_ranks + local_experts)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
@@ -268,6 +283,7 @@ class NativeNormal:
                                         expert_alignment, num_worst_tokens)
             rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
             setattr(rank_prefix_matrix, _SEND_POS, send_pos)
+            self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0)
             if num_worst_tokens > 0:
                 self._C.normal_layout_and_notify(layout_notify, stream)
                 num_rows_out = num_worst_tokens
