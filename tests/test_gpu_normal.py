@@ -205,6 +205,27 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
+class _PullCounter:
+    """Wraps a NormalCopyEngine, counting the copy-engine dispatches whose start_dispatch pulled the rows at once
+    (into the recv_x allocated before the count read: pulled[True]) and those it left to pull_rows."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.pulled = {True: 0, False: 0}
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+        if name != "start_dispatch":
+            return method
+
+        def counted(*args):
+            counts, by_copy_engine, pulled = method(*args)
+            if by_copy_engine:
+                self.pulled[pulled] += 1
+            return counts, by_copy_engine, pulled
+        return counted
+
+
 def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
                   sm_pull: str, own_rows: str) -> None:
     device = rank_device(rank)
@@ -213,6 +234,8 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
             environment(SM_PULL_ENV, sm_pull), environment(OWN_ROWS_ENV, own_rows):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
+    engine = native._native.normal
+    engine.copy_engine = counter = _PullCounter(engine.copy_engine)
     try:
         for seed, case in enumerate(CASES):
             _run_case(native, reference, case, rank, seed, device, copy_mode=copy_mode)
@@ -220,6 +243,9 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
         for seed, case in enumerate(CASES[:2], start=100):
             _run_case(native, reference, case, rank, seed, device, num_worst_tokens=case.worst_tokens() + 5,
                       copy_mode=copy_mode)
+        # The first dispatch has no recv_x ready, the large case's rows exceed the one ready, the others fit theirs.
+        if copy_mode == "engine":
+            assert counter.pulled[True] > 0 and counter.pulled[False] > 0, f"dispatches pulled at once: {counter.pulled}"
     finally:
         native.destroy()
         reference.destroy()

@@ -335,10 +335,10 @@ void NormalCopyEngine::join_peer_streams(int skip, gpuStream_t stream) {
   }
 }
 
-bool NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t since) {
+void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t since) {
   const bool ready = own_runs_.ready;
   own_runs_.ready = false;
-  if (!ready) return false;
+  if (!ready) return;
   const int me = a.region.rank;
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
@@ -350,9 +350,9 @@ bool NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t si
   }
   const gpuStream_t own_stream = peer_streams_[me];
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(own_stream, since));
+  own_rows_queued_ = true;  // from here end_receive joins the own stream, whatever fails after
   UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), own_stream));
   UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[me], own_stream));
-  return true;
 }
 
 uint8_t* NormalCopyEngine::staging(int owner) const {
@@ -404,7 +404,7 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
   // Chunked pulls need not wait for the gather queued after the notify: their stream waits do.
-  // Nothing before the notify's end on `stream` can touch the outputs, allocated after it.
+  // Nothing on `stream` after the notify can touch the outputs, allocated on it before that end.
   fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   pulls_.ready = false;
@@ -418,36 +418,37 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
 void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t stream) {
   require_unreleased();
   require(receive_pending_, "receive_rest needs pull_rows first");
-  bool own_rows_queued = false;
   try {
     check_normal_dispatch_args(a);
     require(a.recv_x == pulled_into_ && a.num_rows_out == pulled_rows_,
             "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
-    // The own rows' copies wait for the notify, as the pulls do: the outputs were allocated after it.
-    own_rows_queued = queue_own_rows(a, notify_done_);
+    // The own rows' copies wait for the notify, as the pulls do (unless start_dispatch queued them).
+    queue_own_rows(a, notify_done_);
     normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_,
-                                                                                              own_rows_queued);
+                                                                                              own_rows_queued_);
     UCCL_EP_GPU_CHECK(gpu_last_error());
   } catch (...) {
-    end_receive(stream, own_rows_queued);
+    end_receive(stream);
     throw;
   }
-  end_receive(stream, own_rows_queued);
+  end_receive(stream);
 }
 
 void NormalCopyEngine::abandon_receive(const NormalRegion& region, gpuStream_t stream) {
   require_unreleased();
   if (receive_pending_) {
-    end_receive(stream, false);
+    end_receive(stream);
   } else {
     own_runs_.ready = false;
     abandon_dispatch(region, stream);
   }
 }
 
-void NormalCopyEngine::end_receive(gpuStream_t stream, bool own_rows_queued) {
+void NormalCopyEngine::end_receive(gpuStream_t stream) {
   receive_pending_ = false;
   own_runs_.ready = false;
+  const bool own_rows_queued = own_rows_queued_;
+  own_rows_queued_ = false;
   join_peer_streams(own_rows_queued ? -1 : pending_region_.rank, stream);
   launch_normal_announce_freed(pending_region_, stream);
 }
@@ -516,7 +517,7 @@ uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t e
 
 NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                                      const NormalDispatchArgs* gather, int64_t combine_row_bytes,
-                                                     gpuStream_t stream) {
+                                                     NormalPullTarget target, gpuStream_t stream) {
   const NormalRegion& region = notify.region;
   const int num_ranks = region.num_ranks;
   const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
@@ -586,6 +587,20 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
     pulls_.chunks = chunks;
     pulls_.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
+  }
+  const int64_t rows = prefix[static_cast<int64_t>(num_ranks - 1) * num_ranks + region.rank];
+  if (target.recv_x != nullptr && rows <= target.capacity_rows) {
+    NormalDispatchArgs pull = *gather;
+    pull.recv_x = target.recv_x;
+    pull.num_rows_out = static_cast<int32_t>(rows);
+    try {
+      pull_rows(pull, prefix, stream);
+      queue_own_rows(pull, notify_done_);
+    } catch (...) {
+      abandon_receive(region, stream);  // the peers wait for this rank's end of the exchange
+      throw;
+    }
+    start.pulled = true;
   }
   return start;
 }

@@ -283,15 +283,17 @@ void bind_normal(py::module_& m) {
       .def(
           "start_dispatch",
           [](uccl_ep::NormalCopyEngine& self, const LayoutNotifyArgs& args, const uccl_ep::NormalDispatchArgs* gather,
-             int64_t combine_row_bytes, std::uintptr_t stream) {
+             int64_t combine_row_bytes, std::uintptr_t recv_x, int64_t recv_x_capacity_rows, std::uintptr_t stream) {
             uccl_ep::NormalDispatchStart start =
-                self.start_dispatch(args.layout, args.notify, gather, combine_row_bytes, as_stream(stream));
-            return std::make_pair(std::move(start.counts), start.by_copy_engine);
+                self.start_dispatch(args.layout, args.notify, gather, combine_row_bytes,
+                                    uccl_ep::NormalPullTarget{ptr<void>(recv_x), recv_x_capacity_rows}, as_stream(stream));
+            return std::make_tuple(std::move(start.counts), start.by_copy_engine, start.pulled);
           },
-          py::arg("args"), py::arg("gather"), py::arg("combine_row_bytes"), py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>(),
+          py::arg("args"), py::arg("gather"), py::arg("combine_row_bytes"), py::arg("recv_x"),
+          py::arg("recv_x_capacity_rows"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
           "Launch the layout and notify, read the counts; `gather` (NormalDispatchArgs or None) runs meanwhile. "
-          "Returns (counts, by_copy_engine).")
+          "With recv_x (0: none) of recv_x_capacity_rows rows that the received rows fit, the pulls into it are "
+          "queued at once. Returns (counts, by_copy_engine, pulled).")
       .def(
           "pull_rows",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

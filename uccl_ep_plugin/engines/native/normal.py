@@ -11,7 +11,9 @@ Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` (default) lets t
 the NVLink traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a
 dispatch that read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and
 its combine go the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens),
-use SM copies (csrc/kernels/intranode.h).
+use SM copies (csrc/kernels/intranode.h). So that the copy engines start right after the count read, a
+dispatch allocates recv_x before it, for as many rows as the last dispatches received and a little more
+(_next_recv_capacity); when the rows fit, its recv_x is a view of that tensor's first rows.
 """
 
 import os
@@ -80,6 +82,14 @@ def chunk_setting(env: str, extension) -> int:
     return _int_setting(env, getattr(extension, _CHUNK_DEFAULTS[env]), 1, extension.NORMAL_MAX_CHUNKS)
 
 
+def _next_recv_capacity(rows: int, capacity: int) -> int:
+    """The rows to allocate recv_x for before the next dispatch's counts are known, after a dispatch that received
+    ``rows`` with ``capacity``: these rows and 1/16 more (plus 64) to spare, or the last capacity less 1/32 when
+    larger, so one large dispatch does not keep it large for long. The copy engines pull into it at once when the
+    rows fit, and the dispatch returns a view of its first rows."""
+    return max(rows + rows // 16 + 64, capacity - capacity // 32)
+
+
 def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
     return getattr(rank_prefix_matrix, _HOST_PREFIX, None)
 
@@ -128,6 +138,7 @@ class NativeNormal:
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)])
         self.rows_by_copy_engine = copy_mode() == "engine"
         self._last_notify = (0, False)   # the last dispatch notify's channels, and whether a gather followed it
+        self._recv_capacity = 0   # rows of the recv_x allocated before a dispatch's counts are known (0: none)
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -292,14 +303,21 @@ class NativeNormal:
             self.region, x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx),
             _ptr(topk_weights), num_topk, local_experts, send_pos.data_ptr(), rank_prefix_matrix.data_ptr(),
             x.size(0), 0, 0, 0, 0, 0, 0, 2 * num_channels)
+        early_recv_x, pulled = None, False
         if cached_handle is None and num_worst_tokens == 0:
+            if self.rows_by_copy_engine and self._recv_capacity > 0:
+                # Room for as many rows as the last dispatches received: when they fit, start_dispatch queues the
+                # pulls right after it read the counts, with no return to Python in between.
+                early_recv_x = torch.empty((self._recv_capacity, hidden), dtype=x.dtype, device=self.device)
             # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
-            on_host, by_copy_engine = self.copy_engine.start_dispatch(
-                layout_notify, send_args if self.rows_by_copy_engine else None, 2 * hidden, stream)
+            on_host, by_copy_engine, pulled = self.copy_engine.start_dispatch(
+                layout_notify, send_args if self.rows_by_copy_engine else None, 2 * hidden, _ptr(early_recv_x),
+                0 if early_recv_x is None else early_recv_x.size(0), stream)
             self.check()
             host_prefix = on_host[:self.num_ranks ** 2]
             num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
             num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
+            self._recv_capacity = _next_recv_capacity(num_rows_out, self._recv_capacity)
             if by_copy_engine:
                 setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
                 setattr(rank_prefix_matrix, _COMBINE_FITS, {(hidden, num_topk): True})   # start_dispatch checked it
@@ -311,8 +329,9 @@ class NativeNormal:
         options = dict(device=self.device)
         gathered = by_copy_engine and cached_handle is None   # this call ends the exchange start_dispatch began
         try:
-            recv_x = torch.empty((num_rows_out, hidden), dtype=x.dtype, **options)
-            if gathered:   # the peers' rows need only recv_x: their copies start before the other outputs exist
+            recv_x = early_recv_x[:num_rows_out] if pulled else torch.empty((num_rows_out, hidden), dtype=x.dtype,
+                                                                            **options)
+            if gathered and not pulled:   # the peers' rows need only recv_x: their copies start before the rest
                 self.copy_engine.pull_rows(send_args.with_outputs(num_rows_out, recv_x.data_ptr(), 0, 0, 0, 0),
                                            host_prefix, stream)
             recv_x_scales = (None if x_scales is None else
