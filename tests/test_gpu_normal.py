@@ -25,6 +25,7 @@ COPY_ENV = "UCCL_EP_NORMAL_COPY"
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
+SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
@@ -227,11 +228,11 @@ class _PullCounter:
 
 
 def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
-                  sm_pull: str, own_rows: str) -> None:
+                  sm_pull: str, sm_push: str, own_rows: str) -> None:
     device = rank_device(rank)
     torch.cuda.set_device(device)
     with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks), \
-            environment(SM_PULL_ENV, sm_pull), environment(OWN_ROWS_ENV, own_rows):
+            environment(SM_PULL_ENV, sm_pull), environment(SM_PUSH_ENV, sm_push), environment(OWN_ROWS_ENV, own_rows):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     engine = native._native.normal
@@ -521,6 +522,7 @@ class DispatchSettings:
     copy_mode: str = "engine"
     pull_chunks: int = 3
     worst_tokens: bool = False
+    sm_push_percent: int = 0
 
     def describe(self) -> str:
         """As the error names them."""
@@ -529,13 +531,16 @@ class DispatchSettings:
             rows = "rows moved by SMs"
         else:
             rows = f"rows pulled by copy engines in {min(self.pull_chunks, num_channels)} pieces"
-        return f"{num_channels} channels (config.num_sms {self.num_sms}), {rows}"
+        push = 0 if self.worst_tokens else self.sm_push_percent
+        return (f"{num_channels} channels (config.num_sms {self.num_sms}), {rows}, "
+                f"{push}% of the combine's rows stored by SMs")
 
 
 # The last rank's settings, one differing from the others' (DispatchSettings()) each.
 DIFFERENT_SETTINGS = {"num_sms": DispatchSettings(num_sms=8), "copy_mode": DispatchSettings(copy_mode="sm"),
                       "pull_chunks": DispatchSettings(pull_chunks=1),
-                      "num_worst_tokens": DispatchSettings(worst_tokens=True)}
+                      "num_worst_tokens": DispatchSettings(worst_tokens=True),
+                      "sm_push_percent": DispatchSettings(sm_push_percent=25)}
 
 
 def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> None:
@@ -543,7 +548,7 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
     differ and both settings, at once (no timeout)."""
     usual, changed = DispatchSettings(), DIFFERENT_SETTINGS[setting]
     mine, others = (changed, usual) if rank == num_ranks - 1 else (usual, changed)
-    with environment(PULL_CHUNKS_ENV, str(mine.pull_chunks)):
+    with environment(PULL_CHUNKS_ENV, str(mine.pull_chunks)), environment(SM_PUSH_ENV, str(mine.sm_push_percent)):
         device, side, native = _short_timeout_setup(rank, group, mine.copy_mode)
     case = Case(f"settings_{setting}", 2048, 2, 8, (64, 64), num_sms=mine.num_sms)
     x, topk_idx, topk_weights, _ = _inputs(case, rank, 9, device)
@@ -572,17 +577,18 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
 
 # The copy engines with their default settings (the own rows by whichever auto picks: see the large case),
 # with 7 combine and 5 pull chunks (rows per chunk then rarely divide evenly, and pull chunks group channels
-# unevenly), 30% of the pulled rows copied by SMs and the own rows always by SMs, and with one chunk each, no rows
-# copied by SMs and the own rows by copy engine where few tokens break their runs (the cases with many experts per
-# rank; by SMs in the others).
-@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,own_rows",
-                         [("engine", "", "", "", ""), ("engine", "7", "5", "30", "sm"),
-                          ("engine", "1", "1", "0", "engine"), ("sm", "", "", "", "")],
-                         ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm", "engine-1-1-chunks-no-sm-own-rows-engine",
-                              "sm"])
-def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, own_rows):
+# unevenly), 30% of the pulled rows copied and 30% of the pushed rows stored by SMs and the own rows always by SMs,
+# and with one chunk each, no pulled rows copied by SMs, every pushed row stored by SMs (no combine chunk at all) and
+# the own rows by copy engine where few tokens break their runs (the cases with many experts per rank; by SMs in the
+# others).
+@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,sm_push,own_rows",
+                         [("engine", "", "", "", "", ""), ("engine", "7", "5", "30", "30", "sm"),
+                          ("engine", "1", "1", "0", "100", "engine"), ("sm", "", "", "", "", "")],
+                         ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm",
+                              "engine-1-1-chunks-no-sm-pulls-sm-pushes-own-rows-engine", "sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, sm_push, own_rows):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
-              pull_chunks=pull_chunks, sm_pull=sm_pull, own_rows=own_rows)
+              pull_chunks=pull_chunks, sm_pull=sm_pull, sm_push=sm_push, own_rows=own_rows)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

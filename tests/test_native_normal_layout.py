@@ -61,7 +61,7 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     # the settings words of 2 sources (padded to 16 bytes), then 2 slots of 2 + 10 + 144 counts
     assert ext.normal_notify_area_bytes(2, 10, 144) == 16 + 2 * 4 * 156
     assert ext.normal_notify_area_bytes(5, 1, 1) == 32 + 5 * 4 * 7
-    assert ext.NORMAL_CONTROL_BYTES == 3 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk words
+    assert ext.NORMAL_CONTROL_BYTES == 4 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk, sm_pushed words
 
 
 def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
@@ -86,16 +86,17 @@ def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
                 assert [word >= target for word in words] == [landed >= needed for landed in range(chunks + 1)]
 
 
-def test_notify_settings_word_tells_channels_and_pull_chunks_apart():
+def test_notify_settings_word_tells_every_setting_apart():
     ext = _extension_with_normal()
-    unit = ext.normal_notify_settings_word(1, 0)
     seen = set()
-    for num_channels in (1, 4, 10, 12, 66, 1000):
+    for num_channels in (1, 4, 10, 12, 66, 1000, (1 << 18) - 1):
         for pull_chunks in (0, 1, 3, ext.NORMAL_MAX_CHUNKS):
-            word = ext.normal_notify_settings_word(num_channels, pull_chunks)
-            assert divmod(word, unit) == (num_channels, pull_chunks)
-            seen.add(word)
-    assert len(seen) == 6 * 4
+            for sm_push_percent in (0, 1, 30, 100):
+                word = ext.normal_notify_settings_word(num_channels, pull_chunks, sm_push_percent)
+                assert 0 <= word < 1 << 31
+                assert ext.normal_notify_settings(word) == (num_channels, pull_chunks, sm_push_percent)
+                seen.add(word)
+    assert len(seen) == 7 * 4 * 4
 
 
 class _FakeExtension:

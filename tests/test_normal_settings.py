@@ -1,5 +1,6 @@
 """The native normal mode's environment settings: UCCL_EP_NORMAL_COPY, UCCL_EP_NORMAL_OWN_ROWS,
-UCCL_EP_NORMAL_COMBINE_CHUNKS and UCCL_EP_NORMAL_PULL_CHUNKS are read as documented, and a bad value raises naming the variable (CPU only: the
+UCCL_EP_NORMAL_COMBINE_CHUNKS, UCCL_EP_NORMAL_PULL_CHUNKS and the SM shares (UCCL_EP_NORMAL_SM_PULL_PERCENT,
+UCCL_EP_NORMAL_SM_PUSH_PERCENT) are read as documented, and a bad value raises naming the variable (CPU only: the
 bounds come from the extension, here a stand-in with the extension's attribute names)."""
 
 from types import SimpleNamespace
@@ -7,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from uccl_ep_plugin.engines.native.normal import (COMBINE_CHUNKS_ENV, COPY_ENV, OWN_ROWS_ENV, PULL_CHUNKS_ENV,
-                                                 SM_PULL_ENV, chunk_setting, copy_mode, sm_pull_percent)
+                                                 SM_PULL_ENV, SM_PUSH_ENV, chunk_setting, copy_mode, sm_share)
 
 EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63,
-                            NORMAL_SM_PULL_PERCENT=12)
-DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3}
+                            NORMAL_SM_PULL_PERCENT=12, NORMAL_SM_PUSH_PERCENT=7)
+DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3, SM_PULL_ENV: 12, SM_PUSH_ENV: 7}
 
 
 @pytest.mark.parametrize("env,value,expected",
@@ -54,17 +55,21 @@ def test_chunk_settings_reject_out_of_range(monkeypatch, env, value):
         chunk_setting(env, EXTENSION)
 
 
-@pytest.mark.parametrize("value,expected", [(None, 12), ("", 12), ("0", 0), ("30", 30), (" 100 ", 100)])
-def test_sm_pull_percent(monkeypatch, value, expected):
+@pytest.mark.parametrize("env", [SM_PULL_ENV, SM_PUSH_ENV])
+@pytest.mark.parametrize("value,expected", [(None, None), ("", None), ("0", 0), ("30", 30), (" 100 ", 100)])
+def test_sm_shares(monkeypatch, env, value, expected):
+    other = SM_PUSH_ENV if env == SM_PULL_ENV else SM_PULL_ENV
+    monkeypatch.setenv(other, "55")   # each setting reads its own variable only
     if value is None:
-        monkeypatch.delenv(SM_PULL_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(SM_PULL_ENV, value)
-    assert sm_pull_percent(EXTENSION) == expected
+        monkeypatch.setenv(env, value)
+    assert sm_share(env, EXTENSION) == (DEFAULTS[env] if expected is None else expected)
 
 
+@pytest.mark.parametrize("env", [SM_PULL_ENV, SM_PUSH_ENV])
 @pytest.mark.parametrize("value", ["101", "-1", "half", "2.5"])
-def test_sm_pull_percent_rejects_out_of_range(monkeypatch, value):
-    monkeypatch.setenv(SM_PULL_ENV, value)
-    with pytest.raises(ValueError, match=SM_PULL_ENV):
-        sm_pull_percent(EXTENSION)
+def test_sm_shares_reject_out_of_range(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=env):
+        sm_share(env, EXTENSION)

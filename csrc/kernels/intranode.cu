@@ -118,7 +118,8 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   const int num_ranks = r.num_ranks, num_channels = a.num_channels, local = a.num_local_experts;
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
-    reinterpret_cast<int32_t*>(data_area(r, dst))[r.rank] = normal_notify_settings_word(num_channels, a.pull_chunks);
+    reinterpret_cast<int32_t*>(data_area(r, dst))[r.rank] =
+        normal_notify_settings_word(num_channels, a.pull_chunks, a.sm_push_percent);
   }
   for (int dst = 0; dst < num_ranks; ++dst) {
     int32_t* slot =
@@ -144,7 +145,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
 // another way after the notify. Every rank compares every pair, so all of them record the difference.
 __device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks);
+  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent);
   const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
   for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
     const int32_t theirs = __ldcg(words + src);
@@ -447,6 +448,7 @@ void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
           "num_channels must be at most " + std::to_string(kNormalMaxNotifyChannels));
   require(args.pull_chunks >= 0 && args.pull_chunks <= kNormalMaxChunks,
           "pull_chunks must be in 0.." + std::to_string(kNormalMaxChunks));
+  require(args.sm_push_percent >= 0 && args.sm_push_percent <= 100, "sm_push_percent must be in 0..100");
   const int64_t area_bytes = normal_notify_area_bytes(args.region.num_ranks, args.num_channels, args.num_local_experts);
   require(area_bytes <= args.region.data_bytes,
           "the data area cannot hold the notify slots (" + std::to_string(area_bytes) + " bytes)");

@@ -5,7 +5,9 @@
 // Control area: uint64 arrived[kNormalMaxRanks] (indexed by the writing source), then uint64
 // freed[kNormalMaxRanks] (indexed by the rank that finished reading), then uint64
 // chunks[kNormalMaxRanks] (indexed by the source: on the copy-engine path, the chunks of an
-// exchange the source has ready for this rank: gathered for its pulls, or pushed for its sums).
+// exchange the source has ready for this rank: gathered for its pulls, or pushed for its sums), then
+// uint64 sm_pushed[kNormalMaxRanks] (indexed by the source: the last combine whose rows the
+// source's SMs stored beside its copy engines, see kNormalSmPushPercent).
 //
 // All normal-mode traffic is a sequence of exchanges (notify, dispatch, combine) that every rank
 // runs in the same order. Exchange number e (from 1) is its epoch, counted on the device
@@ -36,7 +38,7 @@ namespace uccl_ep {
 
 constexpr int kNormalMaxRanks = 256;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
-constexpr int64_t kNormalControlBytes = 3 * kNormalMaxRanks * sizeof(uint64_t);
+constexpr int64_t kNormalControlBytes = 4 * kNormalMaxRanks * sizeof(uint64_t);
 // The copy-engine combine pushes each block in chunks, so the sums start on the first. By default
 // (combine_chunks 0) 6, or 12 with at most kNormalCombineFewSms SMs: there the SM-bound sums gain more
 // from an earlier first chunk than a further copy costs (2x H200, EP2: at 8 SMs 12 chunks 430-433 us
@@ -68,9 +70,16 @@ constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
 constexpr int kNormalPullChunks = 3;
 // Share (percent) of each peer's dispatch rows that SMs copy beside the copy engines: 12 measured best at EP2.
 constexpr int kNormalSmPullPercent = 12;
+// Share (percent) of the rows a combine returns to each peer that SMs store into its staging beside
+// the copy engines' pushes, before they sum: 0 until measured on 2 GPUs. Every rank must use the same
+// (a dispatch's notify checks it: the owner finds a row's signal by it).
+constexpr int kNormalSmPushPercent = 0;
 
 UCCL_EP_HOST_DEVICE inline int64_t normal_chunk_word_offset(int src) {
   return (2 * static_cast<int64_t>(kNormalMaxRanks) + src) * static_cast<int64_t>(sizeof(uint64_t));
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_sm_pushed_word_offset(int src) {
+  return (3 * static_cast<int64_t>(kNormalMaxRanks) + src) * static_cast<int64_t>(sizeof(uint64_t));
 }
 
 // The pieces of a copy-engine dispatch: consecutive groups of DeepEP's channels (token ranges of
@@ -86,10 +95,10 @@ UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChu
   return 1 + static_cast<int32_t>(static_cast<int64_t>(chunk - 1) * (p.num_channels - 1) / (p.count - 1));
 }
 
-// Of a peer's `rows` rows for this rank, those the copy engines pull (from the start); SMs copy the
-// rest over NVLink loads, beside them (sm_pull_percent of the rows, 0..100).
-UCCL_EP_HOST_DEVICE inline int64_t normal_copy_engine_rows(int64_t rows, int32_t sm_pull_percent) {
-  return rows - rows * sm_pull_percent / 100;
+// Of `rows` rows between two ranks, those the copy engines move (from the start); SMs move the rest
+// beside them (sm_percent of the rows, 0..100): a dispatch's pulls, or a combine's pushes.
+UCCL_EP_HOST_DEVICE inline int64_t normal_copy_engine_rows(int64_t rows, int32_t sm_percent) {
+  return rows - rows * sm_percent / 100;
 }
 
 // The pieces a copy-engine combine pushes `rows` rows in: the last one half the size of the others,
@@ -156,11 +165,14 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_notify_area_bytes(int64_t num_ranks, i
               num_ranks * normal_notify_slot_ints(num_ranks, num_channels, num_local_experts));
 }
 // What the ranks of a dispatch must agree on, in one word: its channels (the slot layout, and the
-// handle's channel tables), and the pieces the copy engines' gather after the notify announces (0:
-// no gather, the rows go by SMs).
-constexpr int32_t kNormalMaxNotifyChannels = (1 << 24) - 1;
-UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_channels, int32_t pull_chunks) {
-  return num_channels * static_cast<int32_t>(kNormalChunkCounts) + pull_chunks;
+// handle's channel tables), the pieces the copy engines' gather after the notify announces (0: no
+// gather, the rows go by SMs), and the share of its combine's rows that SMs push.
+constexpr int32_t kNormalMaxNotifyChannels = (1 << 18) - 1;
+constexpr int32_t kNormalPercentValues = 128;
+UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_channels, int32_t pull_chunks,
+                                                               int32_t sm_push_percent) {
+  return (num_channels * kNormalPercentValues + sm_push_percent) * static_cast<int32_t>(kNormalChunkCounts) +
+         pull_chunks;
 }
 
 // dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
@@ -258,6 +270,7 @@ struct NormalNotifyArgs {
   int32_t expert_alignment;
   int32_t num_worst_tokens;              // 0: no bound
   int32_t pull_chunks;                   // pieces of the copy engines' gather behind this notify; 0: none
+  int32_t sm_push_percent;               // of the copy-engine combines that follow (kNormalSmPushPercent)
   int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
   int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
   int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment

@@ -167,9 +167,46 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   }
 }
 
+// Combine, before the sums: the rows the copy engines leave to SMs (the last sm_push_percent of
+// each peer's, with their top-k weights) into that peer's staging, then, once every warp stored its
+// part, the exchange's number into each peer's sm_pushed word for this rank.
+__device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percent, uint32_t* warps_done,
+                              uint64_t epoch) {
+  const NormalRegion& r = a.region;
+  const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const WarpPosition w = warp_position();
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    if (owner == me) continue;
+    const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, owner, me);
+    const int64_t first = normal_rows_before(a.rank_prefix_matrix, num_ranks, owner, me);
+    uint8_t* block = data_area(r, owner) + normal_staging_offset(NormalStaging::kCombine, a.rank_prefix_matrix,
+                                                                 num_ranks, owner, me, combine_row_bytes(a));
+    const NormalCombineArea area = normal_combine_area(rows, row_bytes, k);
+    for (int64_t row = normal_copy_engine_rows(rows, sm_push_percent) + w.first; row < rows; row += w.stride) {
+      warp_copy<kLocalCopyUnroll>(block + area.x + row * row_bytes,
+                                  static_cast<const uint8_t*>(a.x) + (first + row) * row_bytes, row_bytes, w.lane);
+      if (w.lane < k) {
+        reinterpret_cast<float*>(block + area.topk_weights)[row * k + w.lane] = a.topk_weights[(first + row) * k + w.lane];
+      }
+    }
+  }
+  __threadfence_system();
+  __syncwarp();
+  const uint32_t warps = gridDim.x * (blockDim.x / kWarpSize);
+  if (w.lane != 0 || atomicAdd(warps_done, 1u) != warps - 1) return;
+  *warps_done = 0;  // the next combine counts from zero
+  __threadfence_system();
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    if (owner != me) store_release_system(sm_pushed_word(r, owner, me), epoch);
+  }
+}
+
 // Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
-// into this rank's staging, summed as soon as the chunks holding them have landed.
-__global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCombineArgs a, int32_t num_chunks) {
+// into this rank's staging, summed as soon as the chunks holding them have landed (or, for the
+// rows their SMs store, once their sm_pushed word names this exchange).
+__global__ void __launch_bounds__(kWideThreads, 1)
+    reduce_from_staging(NormalCombineArgs a, int32_t sm_push_percent, uint32_t* pushed_warps) {
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
@@ -193,17 +230,21 @@ __global__ void __launch_bounds__(kWideThreads, 1) reduce_from_staging(NormalCom
   __syncthreads();
   if (aborted(r)) return;
   const uint64_t epoch = exchanges_done(r);  // counted by the arrival before this kernel
+  if (sm_push_percent > 0) push_sm_share(a, sm_push_percent, pushed_warps, epoch);
   reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
     int ready = 1;
     if (lane == 0) {
       for (int dst = 0; dst < num_ranks && ready; ++dst) {
         if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
-        const int64_t pos = a.send_pos[token * num_ranks + dst], rows = sent_rows[dst];
+        const int64_t pos = a.send_pos[token * num_ranks + dst];
+        const int64_t engine_rows = normal_copy_engine_rows(sent_rows[dst], sm_push_percent);
         // The pusher's chunk count comes with its word: ranks may combine with different SMs.
-        ready = wait_until(
-            r, chunk_word(r, me, dst),
-            [=](uint64_t word) { return normal_combine_rows_landed(word, epoch, rows) > pos; }, kNormalCombineRecv,
-            dst);
+        ready = pos < engine_rows
+                    ? wait_until(
+                          r, chunk_word(r, me, dst),
+                          [=](uint64_t word) { return normal_combine_rows_landed(word, epoch, engine_rows) > pos; },
+                          kNormalCombineRecv, dst)
+                    : wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
       }
     }
     ready = __shfl_sync(0xffffffffu, ready, 0);
@@ -246,15 +287,18 @@ int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>
 }
 
 NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks,
-                                   int pull_chunks, int sm_pull_percent, NormalOwnRows own_rows)
+                                   int pull_chunks, int sm_pull_percent, int sm_push_percent, NormalOwnRows own_rows)
     : device_(device),
       combine_chunks_(combine_chunks),
       pull_chunks_(pull_chunks),
       sm_pull_percent_(sm_pull_percent),
+      sm_push_percent_(sm_push_percent),
       own_rows_(own_rows),
       peer_bases_(std::move(peer_bases)) {
   require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
           "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
+  require(sm_push_percent >= 0 && sm_push_percent <= 100,
+          "sm_push_percent must be in 0..100, got " + std::to_string(sm_push_percent));
   const auto in_range = [](int chunks) { return chunks >= 1 && chunks <= kNormalMaxChunks; };
   const std::string range = "1.." + std::to_string(kNormalMaxChunks);
   require(combine_chunks == kNormalCombineChunksBySms || in_range(combine_chunks),
@@ -265,7 +309,8 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
   stream_waits_ = gpu_stream_waits_supported(device_);
   void* words = nullptr;
-  // kNormalMaxChunks combine chunk values, then as many gather warp counters.
+  // kNormalMaxChunks combine chunk values, then the gather's warp counters (one per chunk) and the
+  // combine's SM share's (after them).
   const size_t words_bytes = 2 * kNormalMaxChunks * sizeof(uint64_t);
   gpuError_t status = gpu_device_alloc(&words, words_bytes);
   if (status == kGpuSuccess) {
@@ -552,6 +597,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   if (gather == nullptr || own_rows_ == NormalOwnRows::kSms) to_host.send_pos = nullptr;  // no runs wanted
   const NormalPullChunks chunks{notify.num_channels, pull_chunks(notify.num_channels)};
   to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
+  to_host.sm_push_percent = sm_push_percent_;
   launch_normal_layout_and_notify(layout, to_host, stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
   if (gather != nullptr) dispatch_send(*gather, chunks, stream);  // runs while the host waits
@@ -628,6 +674,7 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
   // Copies only: a kernel between them would hold each next copy back by its launch.
   fork_peer_streams(me, stream, nullptr, [&](int owner, gpuStream_t peer_stream) {
     const int64_t rows = normal_sent(prefix.data(), num_ranks, owner, me);
+    const int64_t engine_rows = normal_copy_engine_rows(rows, sm_push_percent_);  // reduce_from_staging stores the rest
     const int64_t first = normal_rows_before(prefix.data(), num_ranks, owner, me);
     uint8_t* block =
         staging(owner) + normal_staging_offset(NormalStaging::kCombine, prefix.data(), num_ranks, owner, me, bytes);
@@ -635,19 +682,20 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     if (a.num_topk > 0) {  // every chunk's weights, before the first chunk word rises
       const int64_t weight_bytes = a.num_topk * static_cast<int64_t>(sizeof(float));
       copy_async(block + area.topk_weights, reinterpret_cast<const uint8_t*>(a.topk_weights + first * a.num_topk),
-                 rows * weight_bytes, peer_stream);
+                 engine_rows * weight_bytes, peer_stream);
     }
     uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[owner]) + normal_chunk_word_offset(me);
     for (int chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t begin = normal_combine_chunk_begin(rows, chunks, chunk);
-      const int64_t count = normal_combine_chunk_begin(rows, chunks, chunk + 1) - begin;
+      const int64_t begin = normal_combine_chunk_begin(engine_rows, chunks, chunk);
+      const int64_t count = normal_combine_chunk_begin(engine_rows, chunks, chunk + 1) - begin;
       if (count == 0) continue;  // few rows: this chunk's word stays below, and no token waits for it
       copy_async(block + area.x + begin * row_bytes, static_cast<const uint8_t*>(a.x) + (first + begin) * row_bytes,
                  count * row_bytes, peer_stream);
       copy_async(word, chunk_values_ + chunk, sizeof(uint64_t), peer_stream);  // after the rows, in stream order
     }
   });
-  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks);
+  normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(
+      a, sm_push_percent_, gathered_warps_ + kNormalMaxChunks);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   join_peer_streams(me, stream);
   launch_normal_announce_freed(a.region, stream);

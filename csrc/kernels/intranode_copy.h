@@ -16,7 +16,8 @@
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
 //     peer's stream push the top-k weights and the rows received from that peer (a contiguous block
 //     of x) back into its staging, the rows in combine_chunks chunks, each followed by an 8-byte
-//     copy that raises the peer's chunk word; SMs sum each token's rows (its own straight from x)
+//     copy that raises the peer's chunk word; SMs store the last sm_push_percent of each peer's rows
+//     themselves (then raise its sm_pushed word), and sum each token's rows (its own straight from x)
 //     once the chunks holding them have landed, then freed.
 //   A stream wait has no timeout: the kernel that records a failure on a rank (every rank's own
 //   receive waits for the same owners with a deadline) raises that rank's chunk words past every
@@ -61,13 +62,16 @@ class NormalCopyEngine {
   // pull_chunks: the most pieces a dispatch's pulls come in (1 .. kNormalMaxChunks; at most the
   // dispatch's channels); every rank must use the same (the notify checks: kNormalSettingsDiffer).
   // sm_pull_percent: the share of each peer's dispatch rows (0..100, from the end of its block) that
-  // SMs copy over NVLink loads beside the copy engines.
+  // SMs copy over NVLink loads beside the copy engines; each rank may use its own.
+  // sm_push_percent: the share of the rows a combine returns to each peer (0..100, from the end of its
+  // block) that SMs store into the peer's staging before they sum; every rank must use the same (the
+  // notify checks).
   // own_rows: what copies this rank's rows to itself (normal_own_rows_by_engine); a copy engine copies
   // them only as runs of consecutive tokens, when the notify found at most kNormalMaxOwnGaps tokens it
   // does not keep, else the SMs do.
   NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunksBySms,
                    int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent,
-                   NormalOwnRows own_rows = NormalOwnRows::kAuto);
+                   int sm_push_percent = kNormalSmPushPercent, NormalOwnRows own_rows = NormalOwnRows::kAuto);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -141,6 +145,7 @@ class NormalCopyEngine {
   int combine_chunks_;
   int pull_chunks_;
   int sm_pull_percent_;
+  int sm_push_percent_;
   NormalOwnRows own_rows_;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;

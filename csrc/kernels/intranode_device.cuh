@@ -38,6 +38,11 @@ __device__ __forceinline__ uint64_t* chunk_word(const NormalRegion& r, int rank,
   return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_chunk_word_offset(src));
 }
 
+// In `rank`'s control area: the last combine whose SM-stored rows `src` has put in its staging.
+__device__ __forceinline__ uint64_t* sm_pushed_word(const NormalRegion& r, int rank, int src) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_sm_pushed_word_offset(src));
+}
+
 __device__ __forceinline__ uint64_t exchanges_done(const NormalRegion& r) {
   return *reinterpret_cast<const volatile uint64_t*>(r.control + kNormalExchangesWord);
 }

@@ -53,6 +53,7 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     expert_alignment,
                                                     num_worst_tokens,
                                                     0,  // pull_chunks: start_dispatch sets them when it gathers
+                                                    0,  // sm_push_percent: start_dispatch sets it
                                                     ptr<int32_t>(rank_prefix_matrix),
                                                     ptr<int32_t>(recv_channel_prefix_matrix),
                                                     ptr<int32_t>(recv_tokens_per_expert),
@@ -127,6 +128,7 @@ void bind_normal(py::module_& m) {
         "The pieces a combine pushes each peer's block in, for a combine_chunks setting and the combine's SMs.");
   m.attr("NORMAL_PULL_CHUNKS") = uccl_ep::kNormalPullChunks;
   m.attr("NORMAL_SM_PULL_PERCENT") = uccl_ep::kNormalSmPullPercent;
+  m.attr("NORMAL_SM_PUSH_PERCENT") = uccl_ep::kNormalSmPushPercent;
   m.attr("NORMAL_MAX_CHUNKS") = uccl_ep::kNormalMaxChunks;
   m.def("normal_chunk_word", &uccl_ep::normal_chunk_word, py::arg("epoch"), py::arg("landed"), py::arg("chunks"),
         "A chunk word: `landed` of the `chunks` pieces of exchange `epoch` are there.");
@@ -163,7 +165,16 @@ void bind_normal(py::module_& m) {
   m.def("normal_notify_area_bytes", &uccl_ep::normal_notify_area_bytes, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"), "Bytes of the data area a dispatch's notify needs.");
   m.def("normal_notify_settings_word", &uccl_ep::normal_notify_settings_word, py::arg("num_channels"),
-        py::arg("pull_chunks"), "The word in which a dispatch's notify checks that every rank uses the same settings.");
+        py::arg("pull_chunks"), py::arg("sm_push_percent"),
+        "The word in which a dispatch's notify checks that every rank uses the same settings.");
+  m.def(
+      "normal_notify_settings",
+      [](int32_t word) {
+        const int32_t pull_chunks = word % static_cast<int32_t>(uccl_ep::kNormalChunkCounts);
+        const int32_t rest = word / static_cast<int32_t>(uccl_ep::kNormalChunkCounts);
+        return std::make_tuple(rest / uccl_ep::kNormalPercentValues, pull_chunks, rest % uccl_ep::kNormalPercentValues);
+      },
+      py::arg("word"), "(num_channels, pull_chunks, sm_push_percent) of a normal_notify_settings_word.");
   m.attr("NORMAL_MAX_OWN_GAPS") = uccl_ep::kNormalMaxOwnGaps;
   py::enum_<uccl_ep::NormalOwnRows>(m, "NormalOwnRows", "What copies a rank's dispatch rows to itself.")
       .value("auto", uccl_ep::NormalOwnRows::kAuto)
@@ -260,10 +271,12 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, uccl_ep::NormalOwnRows>(), py::arg("device"),
+      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, int, uccl_ep::NormalOwnRows>(), py::arg("device"),
            py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunksBySms,
            py::arg("pull_chunks") = uccl_ep::kNormalPullChunks,
-           py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent, py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
+           py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent,
+           py::arg("sm_push_percent") = uccl_ep::kNormalSmPushPercent,
+           py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
       .def("pull_chunks", &uccl_ep::NormalCopyEngine::pull_chunks, py::arg("num_channels"),
            "The pieces a gathered dispatch of num_channels channels is pulled in.")
       .def(

@@ -39,8 +39,10 @@ _MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
-# Each chunk setting's default, by its name in the extension.
+SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"   # the combine: share of the rows to each peer SMs store beside them
+# Each chunk and share setting's default, by its name in the extension.
 _CHUNK_DEFAULTS = {COMBINE_CHUNKS_ENV: "NORMAL_COMBINE_CHUNKS", PULL_CHUNKS_ENV: "NORMAL_PULL_CHUNKS"}
+_SHARE_DEFAULTS = {SM_PULL_ENV: "NORMAL_SM_PULL_PERCENT", SM_PUSH_ENV: "NORMAL_SM_PUSH_PERCENT"}
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
 # (the copy engines need it), whether a combine fits their staging, by (hidden, num_topk), and the dispatch's
 # send positions (its cached dispatches and combine reuse them).
@@ -69,10 +71,11 @@ def _int_setting(env: str, default: int, low: int, high: int) -> int:
     return int(text)
 
 
-def sm_pull_percent(extension) -> int:
-    """The share (percent) of each peer's dispatch rows that SMs copy beside the copy engines, from SM_PULL_ENV,
-    else the extension's default. Each rank may use its own."""
-    return _int_setting(SM_PULL_ENV, extension.NORMAL_SM_PULL_PERCENT, 0, 100)
+def sm_share(env: str, extension) -> int:
+    """The share (percent) of the rows between two ranks that SMs move beside the copy engines, from ``env``, else
+    the extension's default: SM_PULL_ENV, of each peer's dispatch rows (each rank may use its own); SM_PUSH_ENV, of
+    the rows a combine returns to each peer (every rank must use the same)."""
+    return _int_setting(env, getattr(extension, _SHARE_DEFAULTS[env]), 0, 100)
 
 
 def chunk_setting(env: str, extension) -> int:
@@ -130,14 +133,17 @@ class NativeNormal:
         self.region = extension.NormalRegion(
             peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
             data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
+        self.sm_push_percent = sm_share(SM_PUSH_ENV, extension)
         # Reads every dispatch's counts; carries the rows too unless UCCL_EP_NORMAL_COPY=sm.
         self.copy_engine = extension.NormalCopyEngine(
             device.index, [peer_buffer.memory.peer_base(peer) for peer in range(num_ranks)],
             combine_chunks=chunk_setting(COMBINE_CHUNKS_ENV, extension),
-            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_pull_percent(extension),
+            pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_share(SM_PULL_ENV, extension),
+            sm_push_percent=self.sm_push_percent,
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)])
         self.rows_by_copy_engine = copy_mode() == "engine"
-        self._last_notify = (0, False)   # the last dispatch notify's channels, and whether a gather followed it
+        # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
+        self._last_notify = (0, False, 0)
         self._recv_capacity = 0   # rows of the recv_x allocated before a dispatch's counts are known (0: none)
 
     # ------------------------------------------------------------------ errors
@@ -158,20 +164,21 @@ class NativeNormal:
             raise ValueError(f"rank {self.rank}: {where}: some rank's rows do not fit in num_nvl_bytes="
                              f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
         if code == _SETTINGS_DIFFER:
-            num_channels, gathers = self._last_notify
-            mine = self._C.normal_notify_settings_word(num_channels,
-                                                       self.copy_engine.pull_chunks(num_channels) if gathers else 0)
+            num_channels, gathers, sm_push_percent = self._last_notify
+            mine = self._C.normal_notify_settings_word(
+                num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent)
             raise ValueError(f"rank {self.rank}: {where}: rank {peer} dispatches with "
                              f"{self._describe_settings(detail)}, this rank with {self._describe_settings(mine)}; "
                              f"every rank must pass the same config (num_sms) and num_worst_tokens (0 or not), "
-                             f"with the same {COPY_ENV} and {PULL_CHUNKS_ENV}; {_STALE}")
+                             f"with the same {COPY_ENV}, {PULL_CHUNKS_ENV} and {SM_PUSH_ENV}; {_STALE}")
         raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
 
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
-        num_channels, pull_chunks = divmod(word, self._C.normal_notify_settings_word(1, 0))
+        num_channels, pull_chunks, sm_push_percent = self._C.normal_notify_settings(word)
         rows = f"rows pulled by copy engines in {pull_chunks} pieces" if pull_chunks else "rows moved by SMs"
-        return f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}"
+        return (f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}, "
+                f"{sm_push_percent}% of the combine's rows stored by SMs")
 
     def _check_fits(self, what: str, needed: int) -> None:
         if needed > self.data_bytes:
@@ -294,7 +301,8 @@ class NativeNormal:
                                         expert_alignment, num_worst_tokens)
             rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
             setattr(rank_prefix_matrix, _SEND_POS, send_pos)
-            self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0)
+            gathers = self.rows_by_copy_engine and num_worst_tokens == 0
+            self._last_notify = (num_channels, gathers, self.sm_push_percent if num_worst_tokens == 0 else 0)
             if num_worst_tokens > 0:
                 self._C.normal_layout_and_notify(layout_notify, stream)
                 num_rows_out = num_worst_tokens
