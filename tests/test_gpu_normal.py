@@ -81,6 +81,8 @@ CASES = (
     Case("bf16_h4096_k9_e288_align16", 4096, 9, 288, (0, 200), expert_alignment=16, num_biases=2),
     # Each rank combines with its own SMs, so with its own chunk count (12 at 8 SMs, 6 at 24).
     Case("bf16_h4096_k8_e64_combine_sms_differ", 4096, 8, 64, (2000, 1500), combine_sms=(8, 24)),
+    # No tokens anywhere, after dispatches that left a recv_x ready: no rank receives a row.
+    Case("bf16_h2048_k2_e16_no_tokens", 2048, 2, 16, (0,)),
 )
 
 

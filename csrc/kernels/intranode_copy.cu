@@ -635,7 +635,8 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     pulls_.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
   }
   const int64_t rows = prefix[static_cast<int64_t>(num_ranks - 1) * num_ranks + region.rank];
-  if (target.recv_x != nullptr && rows <= target.capacity_rows) {
+  // No rows: the caller's view of none of them has no address (torch gives null), so pull_rows takes it.
+  if (target.recv_x != nullptr && rows > 0 && rows <= target.capacity_rows) {
     NormalDispatchArgs pull = *gather;
     pull.recv_x = target.recv_x;
     pull.num_rows_out = static_cast<int32_t>(rows);

@@ -45,8 +45,8 @@ struct NormalDispatchStart {
 };
 
 // A recv_x the caller allocated before the counts were known, with room for capacity_rows rows (or
-// null): when the rows fit, start_dispatch queues the pulls into it as soon as it has read the
-// counts, with no return to the caller in between.
+// null): when the rank receives rows and they fit, start_dispatch queues the pulls into it as soon as
+// it has read the counts, with no return to the caller in between.
 struct NormalPullTarget {
   void* recv_x = nullptr;
   int64_t capacity_rows = 0;
