@@ -174,6 +174,15 @@ UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_chann
   return (num_channels * kNormalPercentValues + sm_push_percent) * static_cast<int32_t>(kNormalChunkCounts) +
          pull_chunks;
 }
+// The settings back from a word (for the error that names them).
+struct NormalNotifySettings {
+  int32_t num_channels, pull_chunks, sm_push_percent;
+};
+inline NormalNotifySettings normal_notify_settings(int32_t word) {
+  const int32_t rest = word / static_cast<int32_t>(kNormalChunkCounts);
+  return NormalNotifySettings{rest / kNormalPercentValues, word % static_cast<int32_t>(kNormalChunkCounts),
+                              rest % kNormalPercentValues};
+}
 
 // dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
 // grouped by source rank, then in token order): x, scales, top-k ids (int64), top-k weights

@@ -170,9 +170,8 @@ void bind_normal(py::module_& m) {
   m.def(
       "normal_notify_settings",
       [](int32_t word) {
-        const int32_t pull_chunks = word % static_cast<int32_t>(uccl_ep::kNormalChunkCounts);
-        const int32_t rest = word / static_cast<int32_t>(uccl_ep::kNormalChunkCounts);
-        return std::make_tuple(rest / uccl_ep::kNormalPercentValues, pull_chunks, rest % uccl_ep::kNormalPercentValues);
+        const uccl_ep::NormalNotifySettings s = uccl_ep::normal_notify_settings(word);
+        return std::make_tuple(s.num_channels, s.pull_chunks, s.sm_push_percent);
       },
       py::arg("word"), "(num_channels, pull_chunks, sm_push_percent) of a normal_notify_settings_word.");
   m.attr("NORMAL_MAX_OWN_GAPS") = uccl_ep::kNormalMaxOwnGaps;
