@@ -210,11 +210,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
-  __shared__ int64_t sent_rows[kNormalMaxRanks];
+  __shared__ int64_t engine_rows[kNormalMaxRanks];  // of the rows each peer returns, those its copy engines push
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     const int64_t rows = normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
-    sent_rows[dst] = rows;
+    engine_rows[dst] = normal_copy_engine_rows(rows, sm_push_percent);
     if (dst == me) {
       const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
       from.x[dst] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
@@ -231,25 +231,34 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   if (aborted(r)) return;
   const uint64_t epoch = exchanges_done(r);  // counted by the arrival before this kernel
   if (sm_push_percent > 0) push_sm_share(a, sm_push_percent, pushed_warps, epoch);
+  // Lane d watches peers d, d + 32, ... and remembers what it has seen of peer d: how many of its
+  // engine rows have landed, and whether its SM share has. Tokens run in order, so most find their
+  // rows already known to be there and cost no load of a peer's word.
+  int64_t landed = 0;
+  bool pushed = false;
   reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
-    int ready = 1;
-    if (lane == 0) {
-      for (int dst = 0; dst < num_ranks && ready; ++dst) {
-        if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
-        const int64_t pos = a.send_pos[token * num_ranks + dst];
-        const int64_t engine_rows = normal_copy_engine_rows(sent_rows[dst], sm_push_percent);
+    bool ready = true;
+    for (int dst = lane; dst < num_ranks && ready; dst += kWarpSize) {
+      if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
+      const int64_t pos = a.send_pos[token * num_ranks + dst];
+      const int64_t by_engines = engine_rows[dst];
+      const bool remembered = dst == lane;
+      if (pos < by_engines) {
+        if (remembered && pos < landed) continue;
         // The pusher's chunk count comes with its word: ranks may combine with different SMs.
-        ready = pos < engine_rows
-                    ? wait_until(
-                          r, chunk_word(r, me, dst),
-                          [=](uint64_t word) { return normal_combine_rows_landed(word, epoch, engine_rows) > pos; },
-                          kNormalCombineRecv, dst)
-                    : wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
+        int64_t seen = 0;
+        ready = wait_until(
+            r, chunk_word(r, me, dst),
+            [&](uint64_t word) { return (seen = normal_combine_rows_landed(word, epoch, by_engines)) > pos; },
+            kNormalCombineRecv, dst);
+        if (remembered) landed = seen;
+      } else {
+        if (remembered && pushed) continue;
+        ready = wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
+        if (remembered) pushed = ready;
       }
     }
-    ready = __shfl_sync(0xffffffffu, ready, 0);
-    __syncwarp();
-    return ready != 0;
+    return __all_sync(0xffffffffu, ready) != 0;
   });
 }
 

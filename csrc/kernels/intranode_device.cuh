@@ -65,9 +65,11 @@ __device__ inline void record_failure(const NormalRegion& r, int32_t code, int32
 }
 
 // One thread waits until the word `peer` writes satisfies `ready(value)`; false on abort or timeout.
+// A word that is already there costs one load: the clock is read only when the wait begins.
 template <typename Ready>
 __device__ inline bool wait_until(const NormalRegion& r, const uint64_t* word, Ready ready, int32_t phase,
                                   int32_t peer) {
+  if (ready(load_acquire_system(word))) return true;
   const uint64_t start = device_time_ns();
   while (!ready(load_acquire_system(word))) {
     if (aborted(r)) return false;
