@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // Lane d watches peers d, d + 32, ... and remembers what it has seen of peer d: how many of its
   // engine rows have landed, and whether its SM share has. Tokens run in order, so most find their
   // rows already known to be there and cost no load of a peer's word.
-  int64_t landed = 0;
+  int32_t landed = 0;  // rows between two ranks fit an int32 (the layout's counts are int32)
   bool pushed = false;
   reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
     bool ready = true;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             r, chunk_word(r, me, dst),
             [&](uint64_t word) { return (seen = normal_combine_rows_landed(word, epoch, by_engines)) > pos; },
             kNormalCombineRecv, dst);
-        if (remembered) landed = seen;
+        if (remembered) landed = static_cast<int32_t>(seen);
       } else {
         if (remembered && pushed) continue;
         ready = wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);

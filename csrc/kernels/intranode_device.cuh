@@ -228,7 +228,64 @@ __device__ __forceinline__ void add_bf16_vector(float (&sum)[kBf16PerVector], in
   }
 }
 
-// A warp per token sums its rows like the reference: from 0, ranks in order, then the biases.
+// Per lane, kSumUnroll vectors of two rows (either may be absent: null), added to `sum` in that
+// order. All the loads are issued before the first add: with one row's loads at a time, a few SMs
+// reached barely half the bandwidth.
+constexpr int kSumUnroll = 2;
+__device__ __forceinline__ void add_two_rows(float (&sum)[kSumUnroll][kBf16PerVector], const uint8_t* row0,
+                                             const uint8_t* row1, int64_t v0, int64_t vectors) {
+  int4 values[2][kSumUnroll];
+#pragma unroll
+  for (int u = 0; u < kSumUnroll; ++u) {
+    const bool inside = v0 + u * kWarpSize < vectors;
+    if (inside && row0 != nullptr) values[0][u] = load_l2_16(row0 + (v0 + u * kWarpSize) * 16);
+    if (inside && row1 != nullptr) values[1][u] = load_l2_16(row1 + (v0 + u * kWarpSize) * 16);
+  }
+#pragma unroll
+  for (int u = 0; u < kSumUnroll; ++u) {
+    if (v0 + u * kWarpSize >= vectors) continue;
+    if (row0 != nullptr) add_bf16_vector(sum[u], values[0][u]);
+    if (row1 != nullptr) add_bf16_vector(sum[u], values[1][u]);
+  }
+}
+
+// A warp sums one token's `count` rows (lane i holds the i-th row's address, ranks ascending) like
+// the reference: from 0, ranks in order, then the biases. The first two rows' addresses are taken
+// once, before the vector loop; a token on more ranks adds the others two at a time. In isolation
+// (bench/probes/combine_sum.cu, H100, 4096 x 7168 bf16, two rows per token) this takes 242 us at
+// 8 SMs and 108 at 24, where one row at a time took 396 and 172. Four vectors per row would gain
+// another 15% there, but spill at 1024 threads in the library's kernels.
+__device__ __forceinline__ void sum_token_rows(const NormalCombineArgs& a, int64_t token, const uint8_t* my_row,
+                                               int count, int lane) {
+  constexpr int kUnroll = kSumUnroll;
+  const int64_t vectors = a.hidden / kBf16PerVector;
+  const auto row_at = [&](int i) {
+    const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), i % kWarpSize);
+    return i < count ? reinterpret_cast<const uint8_t*>(address) : nullptr;
+  };
+  const uint8_t* row0 = row_at(0);
+  const uint8_t* row1 = row_at(1);
+  for (int64_t v0 = lane; v0 < vectors; v0 += kUnroll * kWarpSize) {
+    float sum[kUnroll][kBf16PerVector] = {};
+    add_two_rows(sum, row0, row1, v0, vectors);
+    for (int i = 2; i < count; i += 2) add_two_rows(sum, row_at(i), row_at(i + 1), v0, vectors);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = v0 + u * kWarpSize;
+      if (v >= vectors) continue;
+      if (a.bias0 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
+      if (a.bias1 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
+      int4 packed;
+      auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
+      for (int i = 0; i < kBf16PerVector / 2; ++i) {
+        out[i] = __floats2bfloat162_rn(sum[u][2 * i], sum[u][2 * i + 1]);
+      }
+      reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
+    }
+  }
+}
+
+// A warp per token sums its rows (sum_token_rows) and its top-k weights, ranks in order.
 // `rows_ready(token, lane)` (the whole warp calls it) waits until the token's rows have landed;
 // false stops the warp (a failure was recorded).
 template <typename RowsReady>
@@ -237,42 +294,26 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
   const int num_ranks = a.region.num_ranks;
   const WarpPosition w = warp_position();
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
-  const int64_t vectors = a.hidden / kBf16PerVector;
   for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
     if (!rows_ready(token, w.lane)) return;
-    // kUnroll vectors per lane at once: their loads from every rank are in flight together.
-    constexpr int kUnroll = 2;
-    for (int64_t v0 = w.lane; v0 < vectors; v0 += kUnroll * kWarpSize) {
-      float sum[kUnroll][kBf16PerVector] = {};
-      for (int dst = 0; dst < num_ranks; ++dst) {
-        if (!in_rank[dst]) continue;
-        const uint8_t* row = from.x[dst] + pos[dst] * row_bytes;
-        int4 values[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (v0 + u * kWarpSize < vectors) values[u] = load_l2_16(row + (v0 + u * kWarpSize) * 16);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (v0 + u * kWarpSize < vectors) add_bf16_vector(sum[u], values[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * kWarpSize;
-        if (v >= vectors) continue;
-        if (a.bias0 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
-        if (a.bias1 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
-        int4 packed;
-        auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
-        for (int i = 0; i < kBf16PerVector / 2; ++i) {
-          out[i] = __floats2bfloat162_rn(sum[u][2 * i], sum[u][2 * i + 1]);
-        }
-        reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
+    // Lane i takes the address of the token's i-th row: a token has at most num_topk <= 32 ranks.
+    const uint8_t* my_row = nullptr;
+    int count = 0;
+    for (int dst0 = 0; dst0 < num_ranks; dst0 += kWarpSize) {
+      const int dst = dst0 + w.lane;
+      const bool has = dst < num_ranks && in_rank[dst];
+      const uint32_t present = __ballot_sync(0xffffffffu, has);
+      const uint8_t* row = has ? from.x[dst] + pos[dst] * row_bytes : nullptr;
+      // each present row in turn, ranks ascending, to the lane numbered by its place among them
+      for (uint32_t left = present; left != 0; left &= left - 1, ++count) {
+        const int holder = __ffs(left) - 1;
+        const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), holder);
+        if (w.lane == count) my_row = reinterpret_cast<const uint8_t*>(address);
       }
     }
+    sum_token_rows(a, token, my_row, count, w.lane);
     if (w.lane < a.num_topk) {
       float sum = 0.0f;
       for (int dst = 0; dst < num_ranks; ++dst) {
