@@ -38,13 +38,20 @@ struct Args {
   int hidden;
 };
 
-// The shape before 2026-11-23: a warp per token, one row at a time, UNROLL vectors per lane in flight.
-template <int THREADS, int UNROLL>
-__global__ void __launch_bounds__(THREADS, 1) sum_regs(Args a) {
-  const int lane = threadIdx.x % 32;
+// Each warp of the grid takes tokens t = its index, + the grid's warps, ...: body(t, lane, vectors, row_bytes).
+template <int THREADS, typename Body>
+__device__ __forceinline__ void for_each_token(const Args& a, Body body) {
   const int64_t warps = int64_t(gridDim.x) * (THREADS / 32);
   const int64_t vectors = a.hidden / 8, row_bytes = int64_t(a.hidden) * 2;
   for (int64_t t = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; t < a.tokens; t += warps) {
+    body(t, int(threadIdx.x % 32), vectors, row_bytes);
+  }
+}
+
+// The shape before 2026-11-23: a warp per token, one row at a time, UNROLL vectors per lane in flight.
+template <int THREADS, int UNROLL>
+__global__ void __launch_bounds__(THREADS, 1) sum_regs(Args a) {
+  for_each_token<THREADS>(a, [&](int64_t t, int lane, int64_t vectors, int64_t row_bytes) {
     const bool* in = a.in_rank + t * 2; const int32_t* pos = a.pos + t * 2;
     for (int64_t v0 = lane; v0 < vectors; v0 += UNROLL * 32) {
       float s[UNROLL][8] = {};
@@ -61,27 +68,31 @@ __global__ void __launch_bounds__(THREADS, 1) sum_regs(Args a) {
       for (int u = 0; u < UNROLL; ++u)
         if (v0 + u * 32 < vectors) reinterpret_cast<int4*>(a.out + t * row_bytes)[v0 + u * 32] = pack8(s[u]);
     }
+  });
+}
+
+// Per lane, UNROLL vectors of two rows (either may be null), every load issued before any use.
+template <int UNROLL>
+__device__ __forceinline__ void load_two_rows(int4 (&v)[2][UNROLL], const uint8_t* r0, const uint8_t* r1, int64_t v0,
+                                              int64_t vectors) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const bool ok = v0 + u * 32 < vectors;
+    if (ok && r0) v[0][u] = ld_cg(r0 + (v0 + u * 32) * 16);
+    if (ok && r1) v[1][u] = ld_cg(r1 + (v0 + u * 32) * 16);
   }
 }
 
 // Both sources' loads issued before any add (one source's loads no longer wait on the other's adds).
 template <int THREADS, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1) sum_regs_both(Args a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (THREADS / 32);
-  const int64_t vectors = a.hidden / 8, row_bytes = int64_t(a.hidden) * 2;
-  for (int64_t t = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; t < a.tokens; t += warps) {
+  for_each_token<THREADS>(a, [&](int64_t t, int lane, int64_t vectors, int64_t row_bytes) {
     const bool* in = a.in_rank + t * 2; const int32_t* pos = a.pos + t * 2;
     const uint8_t* r0 = in[0] ? a.src[0] + pos[0] * row_bytes : nullptr;
     const uint8_t* r1 = in[1] ? a.src[1] + pos[1] * row_bytes : nullptr;
     for (int64_t v0 = lane; v0 < vectors; v0 += UNROLL * 32) {
       int4 v[2][UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const bool ok = v0 + u * 32 < vectors;
-        if (ok && r0) v[0][u] = ld_cg(r0 + (v0 + u * 32) * 16);
-        if (ok && r1) v[1][u] = ld_cg(r1 + (v0 + u * 32) * 16);
-      }
+      load_two_rows<UNROLL>(v, r0, r1, v0, vectors);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         if (v0 + u * 32 >= vectors) continue;
@@ -91,7 +102,7 @@ __global__ void __launch_bounds__(THREADS, 1) sum_regs_both(Args a) {
         reinterpret_cast<int4*>(a.out + t * row_bytes)[v0 + u * 32] = pack8(s);
       }
     }
-  }
+  });
 }
 
 // Bulk copies (TMA, 1-D) of each token's piece from both sources into a warp's shared-memory stages,
@@ -165,12 +176,7 @@ template <int UNROLL>
 __device__ __forceinline__ void add_two_rows(float (&sum)[UNROLL][8], const uint8_t* r0, const uint8_t* r1, int64_t v0,
                                              int64_t vectors) {
   int4 v[2][UNROLL];
-#pragma unroll
-  for (int u = 0; u < UNROLL; ++u) {
-    const bool ok = v0 + u * 32 < vectors;
-    if (ok && r0) v[0][u] = ld_cg(r0 + (v0 + u * 32) * 16);
-    if (ok && r1) v[1][u] = ld_cg(r1 + (v0 + u * 32) * 16);
-  }
+  load_two_rows<UNROLL>(v, r0, r1, v0, vectors);
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
     if (v0 + u * 32 >= vectors) continue;
@@ -180,10 +186,7 @@ __device__ __forceinline__ void add_two_rows(float (&sum)[UNROLL][8], const uint
 }
 template <int THREADS, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1) sum_library(Args a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (THREADS / 32);
-  const int64_t vectors = a.hidden / 8, row_bytes = int64_t(a.hidden) * 2;
-  for (int64_t t = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; t < a.tokens; t += warps) {
+  for_each_token<THREADS>(a, [&](int64_t t, int lane, int64_t vectors, int64_t row_bytes) {
     const bool has = lane < 2 && a.in_rank[t * 2 + lane];
     const uint32_t present = __ballot_sync(0xffffffffu, has);
     const uint8_t* row = has ? a.src[lane] + a.pos[t * 2 + lane] * row_bytes : nullptr;
@@ -206,16 +209,13 @@ __global__ void __launch_bounds__(THREADS, 1) sum_library(Args a) {
       for (int u = 0; u < UNROLL; ++u)
         if (v0 + u * 32 < vectors) reinterpret_cast<int4*>(a.out + t * row_bytes)[v0 + u * 32] = pack8(sum[u]);
     }
-  }
+  });
 }
 
 // A warp per row copies source 0 into out (the dispatch gather's shape), UNROLL loads per lane before their stores.
 template <int THREADS, int UNROLL>
 __global__ void __launch_bounds__(THREADS, 1) copy_rows(Args a) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t(gridDim.x) * (THREADS / 32);
-  const int64_t vectors = a.hidden / 8, row_bytes = int64_t(a.hidden) * 2;
-  for (int64_t t = blockIdx.x * (THREADS / 32) + threadIdx.x / 32; t < a.tokens; t += warps) {
+  for_each_token<THREADS>(a, [&](int64_t t, int lane, int64_t vectors, int64_t row_bytes) {
     const int4* from = reinterpret_cast<const int4*>(a.src[0] + a.pos[t * 2] * row_bytes);
     int4* to = reinterpret_cast<int4*>(a.out + t * row_bytes);
     int64_t i = lane;
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(THREADS, 1) copy_rows(Args a) {
       for (int u = 0; u < UNROLL; ++u) to[i + u * 32] = v[u];
     }
     for (; i < vectors; i += 32) to[i] = ld_cg(from + i);
-  }
+  });
 }
 
 template <typename K>
