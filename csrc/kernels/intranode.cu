@@ -503,6 +503,9 @@ void check_normal_combine_args(const NormalCombineArgs& args) {
   require(args.num_topk == 0 || args.num_tokens == 0 || args.combined_topk_weights != nullptr,
           "num_topk > 0 needs combined_topk_weights");
   require(args.num_rows >= 0 && args.num_tokens >= 0, "num_rows and num_tokens must be >= 0");
+  require(args.region.num_ranks <= kNormalMaxCombineRanks,
+          "a combine serves at most " + std::to_string(kNormalMaxCombineRanks) + " ranks, got " +
+              std::to_string(args.region.num_ranks));
 }
 
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream) {

@@ -37,6 +37,8 @@
 namespace uccl_ep {
 
 constexpr int kNormalMaxRanks = 256;
+// A combine's sums give each of a token's rows one lane of a warp (sum_token_rows): at most this many ranks.
+constexpr int kNormalMaxCombineRanks = 32;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
 constexpr int64_t kNormalControlBytes = 4 * kNormalMaxRanks * sizeof(uint64_t);
 // The copy-engine combine pushes each block in chunks, so the sums start on the first. By default

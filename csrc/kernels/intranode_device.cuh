@@ -17,6 +17,7 @@ constexpr int kWideThreads = 1024;
 constexpr int kBf16PerVector = 8;  // bf16 values in one 16-byte vector
 
 static_assert(kNormalMaxTopk <= kWarpSize, "one lane per top-k entry");
+static_assert(kNormalMaxCombineRanks <= kWarpSize, "the sums give each of a token's rows one lane");
 
 __device__ __forceinline__ uint8_t* rank_base(const NormalRegion& r, int rank) {
   return reinterpret_cast<uint8_t*>(r.peer_bases[rank]);
@@ -298,7 +299,7 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
     if (!rows_ready(token, w.lane)) return;
-    // Lane i takes the address of the token's i-th row: a token has at most num_topk <= 32 ranks.
+    // Lane i takes the address of the token's i-th row (a combine serves at most kNormalMaxCombineRanks).
     const uint8_t* my_row = nullptr;
     int count = 0;
     for (int dst0 = 0; dst0 < num_ranks; dst0 += kWarpSize) {

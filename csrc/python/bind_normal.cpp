@@ -123,6 +123,7 @@ void bind_normal(py::module_& m) {
 
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
+  m.attr("NORMAL_MAX_COMBINE_RANKS") = uccl_ep::kNormalMaxCombineRanks;
   m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunksBySms;  // 0: by the combine's SMs
   m.def("normal_combine_chunks", &uccl_ep::normal_combine_chunks, py::arg("setting"), py::arg("num_sms"),
         "The pieces a combine pushes each peer's block in, for a combine_chunks setting and the combine's SMs.");

@@ -69,9 +69,10 @@ class NativeEngine:
         if num_bytes <= self._C.NORMAL_CONTROL_BYTES:
             return dict.fromkeys(NORMAL_OPERATIONS, f"num_nvl_bytes={num_bytes} leaves no room for rows (the native "
                                                     f"normal mode needs more than {self._C.NORMAL_CONTROL_BYTES})")
-        if self.num_ranks > self._C.NORMAL_MAX_RANKS:
-            return dict.fromkeys(NORMAL_OPERATIONS, f"the native normal mode serves at most "
-                                                    f"{self._C.NORMAL_MAX_RANKS} ranks")
+        max_ranks = min(self._C.NORMAL_MAX_RANKS, self._C.NORMAL_MAX_COMBINE_RANKS)
+        if self.num_ranks > max_ranks:
+            return dict.fromkeys(NORMAL_OPERATIONS, f"the native normal mode serves at most {max_ranks} ranks "
+                                                    f"(a combine sums a token's rows with one warp lane per rank)")
         with torch.cuda.device(self.device):
             peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
             if peer_buffer is None:
