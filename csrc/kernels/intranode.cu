@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) combine_receive(NormalCombineArgs a)
     }
   }
   __syncthreads();
-  reduce_combined_tokens(a, from, [](int64_t, int) { return true; });  // the whole exchange has arrived
+  reduce_combined_tokens(a, from, [](int, bool, int64_t) { return true; });  // the whole exchange has arrived
 }
 
 }  // namespace normal_kernels

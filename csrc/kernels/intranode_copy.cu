@@ -231,31 +231,27 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   if (aborted(r)) return;
   const uint64_t epoch = exchanges_done(r);  // counted by the arrival before this kernel
   if (sm_push_percent > 0) push_sm_share(a, sm_push_percent, pushed_warps, epoch);
-  // Lane d watches peers d, d + 32, ... and remembers what it has seen of peer d: how many of its
-  // engine rows have landed, and whether its SM share has. Tokens run in order, so most find their
-  // rows already known to be there and cost no load of a peer's word.
+  // Lane d watches peer d and remembers what it has seen of it: how many of its engine rows have
+  // landed, and whether its SM share has. Tokens run in order, so most find their rows already known
+  // to be there and cost no load of a peer's word.
   int32_t landed = 0;  // rows between two ranks fit an int32 (the layout's counts are int32)
   bool pushed = false;
-  reduce_combined_tokens(a, from, [&](int64_t token, int lane) {
+  reduce_combined_tokens(a, from, [&](int dst, bool has_row, int64_t pos) {
     bool ready = true;
-    for (int dst = lane; dst < num_ranks && ready; dst += kWarpSize) {
-      if (dst == me || !a.is_token_in_rank[token * num_ranks + dst]) continue;
-      const int64_t pos = a.send_pos[token * num_ranks + dst];
+    if (has_row && dst != me) {
       const int64_t by_engines = engine_rows[dst];
-      const bool remembered = dst == lane;
       if (pos < by_engines) {
-        if (remembered && pos < landed) continue;
-        // The pusher's chunk count comes with its word: ranks may combine with different SMs.
-        int64_t seen = 0;
-        ready = wait_until(
-            r, chunk_word(r, me, dst),
-            [&](uint64_t word) { return (seen = normal_combine_rows_landed(word, epoch, by_engines)) > pos; },
-            kNormalCombineRecv, dst);
-        if (remembered) landed = static_cast<int32_t>(seen);
-      } else {
-        if (remembered && pushed) continue;
-        ready = wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
-        if (remembered) pushed = ready;
+        if (pos >= landed) {
+          // The pusher's chunk count comes with its word: ranks may combine with different SMs.
+          int64_t seen = 0;
+          ready = wait_until(
+              r, chunk_word(r, me, dst),
+              [&](uint64_t word) { return (seen = normal_combine_rows_landed(word, epoch, by_engines)) > pos; },
+              kNormalCombineRecv, dst);
+          landed = static_cast<int32_t>(seen);
+        }
+      } else if (!pushed) {
+        ready = pushed = wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
       }
     }
     return __all_sync(0xffffffffu, ready) != 0;

@@ -286,9 +286,10 @@ __device__ __forceinline__ void sum_token_rows(const NormalCombineArgs& a, int64
   }
 }
 
-// A warp per token sums its rows (sum_token_rows) and its top-k weights, ranks in order.
-// `rows_ready(token, lane)` (the whole warp calls it) waits until the token's rows have landed;
-// false stops the warp (a failure was recorded).
+// A warp per token sums its rows (sum_token_rows) and its top-k weights, ranks in order. Lane d
+// reads rank d's entry of the token (a combine serves at most kNormalMaxCombineRanks ranks):
+// `rows_ready(d, has_row, position)` (the whole warp calls it) waits until the token's rows have
+// landed; false stops the warp (a failure was recorded).
 template <typename RowsReady>
 __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& a, const CombineSources& from,
                                                        RowsReady rows_ready) {
@@ -298,21 +299,18 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
   for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
-    if (!rows_ready(token, w.lane)) return;
-    // Lane i takes the address of the token's i-th row (a combine serves at most kNormalMaxCombineRanks).
+    const int dst = w.lane;
+    const bool has = dst < num_ranks && in_rank[dst];
+    const int64_t position = has ? pos[dst] : 0;
+    if (!rows_ready(dst, has, position)) return;
+    // Lane i takes the address of the token's i-th row: each present row in turn, ranks ascending.
+    const uint32_t present = __ballot_sync(0xffffffffu, has);
+    const uint8_t* row = has ? from.x[dst] + position * row_bytes : nullptr;
     const uint8_t* my_row = nullptr;
     int count = 0;
-    for (int dst0 = 0; dst0 < num_ranks; dst0 += kWarpSize) {
-      const int dst = dst0 + w.lane;
-      const bool has = dst < num_ranks && in_rank[dst];
-      const uint32_t present = __ballot_sync(0xffffffffu, has);
-      const uint8_t* row = has ? from.x[dst] + pos[dst] * row_bytes : nullptr;
-      // each present row in turn, ranks ascending, to the lane numbered by its place among them
-      for (uint32_t left = present; left != 0; left &= left - 1, ++count) {
-        const int holder = __ffs(left) - 1;
-        const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), holder);
-        if (w.lane == count) my_row = reinterpret_cast<const uint8_t*>(address);
-      }
+    for (uint32_t left = present; left != 0; left &= left - 1, ++count) {
+      const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), __ffs(left) - 1);
+      if (w.lane == count) my_row = reinterpret_cast<const uint8_t*>(address);
     }
     sum_token_rows(a, token, my_row, count, w.lane);
     if (w.lane < a.num_topk) {
