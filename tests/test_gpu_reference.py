@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import needs_gpus, rank_device, run_ranks
+from tests.multiprocess import environment, needs_gpus, rank_device, run_ranks
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 
@@ -39,6 +39,13 @@ def _body(rank, num_ranks, group):
     # On a gloo group (vLLM builds its Buffer on the CPU group) CUDA tensors are staged through the host.
     os.environ["UCCL_EP_DEVICE"] = "cuda"
     num_tokens_limit, hidden, num_experts = 96, 1024, 32
+    # Sizes or engines that differ between the ranks raise on every rank (over this group, before any mapping).
+    with pytest.raises(ValueError, match="num_nvl_bytes must be the same on every rank"):
+        ep.Buffer(group, num_nvl_bytes=(1 << 24) + (rank << 20))
+    if "dispatch_layout" in ep.build_info()["features"]:   # else auto chooses the reference engine too
+        with environment("UCCL_EP_ENGINE", "reference" if rank == 1 else "auto"), pytest.raises(
+                ValueError, match="the engine of each operation"):
+            ep.Buffer(group, num_nvl_bytes=1 << 24)
     buffer = ep.Buffer(group, num_nvl_bytes=1 << 24, low_latency_mode=True, explicitly_destroy=True,
                        num_rdma_bytes=ep.Buffer.get_low_latency_rdma_size_hint(num_tokens_limit, hidden, num_ranks,
                                                                              num_experts))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.multiprocess import environment
 from tests.reference_checks import (SectionCache, assert_section, generator, random_bf16, random_topk_idx,
                                     random_weights)
 
@@ -41,6 +42,11 @@ class Context:
         self.shrink = Buffer(group, 0, self.ll_size, low_latency_mode=True, enable_shrink=True)
         self.small = Buffer(group, 0, self.ll_size - 128, low_latency_mode=True)
         self.normal_with_rdma = Buffer(group, 0, self.ll_size)
+        # Made here, by every rank: creating a Buffer is a collective (the ranks compare their sizes).
+        self.destroyed_normal = Buffer(group, explicitly_destroy=True)
+        self.destroyed_ll = Buffer(group, 0, self.ll_size, low_latency_mode=True, explicitly_destroy=True)
+        self.destroyed_normal.destroy()
+        self.destroyed_ll.destroy()
         self.layout = self.nb.get_dispatch_layout(self.topk_idx, self.E)
         # Collectives, run by every rank while building the context.
         self.dispatched = self.nb.dispatch(self.x, **self.layout_kwargs(), topk_idx=self.topk_idx,
@@ -91,11 +97,7 @@ class Context:
                 torch.zeros((N, r), dtype=torch.int32))
 
     def destroyed(self, low_latency: bool = False):
-        from uccl_ep_plugin import Buffer
-        buffer = Buffer(self.group, 0, self.ll_size if low_latency else 0, low_latency_mode=low_latency,
-                        explicitly_destroy=True)
-        buffer.destroy()
-        return buffer
+        return self.destroyed_ll if low_latency else self.destroyed_normal
 
 
 def _new_buffer(**kwargs):
@@ -328,6 +330,14 @@ MULTI_RANK_CASES = [
 ]
 
 
+# Buffers whose settings differ between the ranks: (what the error names, Buffer arguments, UCCL_EP_ENGINE).
+def _differing_buffers(rank: int, ll_size: int):
+    return (("num_nvl_bytes", {"num_nvl_bytes": (rank + 1) << 20}, "auto"),
+            ("num_rdma_bytes", {"num_rdma_bytes": ll_size + 128 * rank}, "auto"),
+            ("low_latency_mode", {"num_rdma_bytes": ll_size, "low_latency_mode": rank == 0}, "auto"),
+            ("the engine", {}, "native" if rank == 1 else "auto"))
+
+
 def _run_case(rec, ctx, name, exception, match, call):
     with rec.section(name):
         with rec.raises(exception, match, name):
@@ -352,6 +362,13 @@ def _two_rank_body(rank, num_ranks, group, rec):
                                              num_tokens_per_expert=layout[2])[4]
     for case in MULTI_RANK_CASES:
         _run_case(rec, ctx, *case)
+
+    for setting, per_rank, engine in _differing_buffers(rank, ctx.ll_size):
+        with rec.section(f"buffer_{setting.split()[-1]}_differs"):
+            # A collective: every rank must raise, naming the setting, rather than corrupt or wait.
+            with environment("UCCL_EP_ENGINE", engine), rec.raises(ValueError, setting,
+                                                                   f"rank {rank}: Buffer with {per_rank}, {engine}"):
+                Buffer(group, **per_rank)
 
     with rec.section("raises_before_communication"):
         # Rank 0 alone makes every bad call; then both ranks run valid collectives and check them.
@@ -378,7 +395,8 @@ def test_single_rank_validation(case):
     assert_section(_SINGLE.get(1), case)
 
 
-@pytest.mark.parametrize("case", [c[0] for c in MULTI_RANK_CASES] + ["raises_before_communication"])
+@pytest.mark.parametrize("case", [c[0] for c in MULTI_RANK_CASES] + ["raises_before_communication"] +
+                         [f"buffer_{s[0].split()[-1]}_differs" for s in _differing_buffers(0, 0)])
 def test_two_rank_validation(case):
     assert_section(_TWO.get(2), case)
 

@@ -79,6 +79,22 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def _require_same_on_every_rank(group: dist.ProcessGroup, **settings) -> None:
+    """A collective: raise the same ValueError on every rank when one of ``settings`` differs between them.
+    The engines size and place every exchange from their own rank's values (a native rank writes into its
+    peers' buffers by its own num_nvl_bytes), and ranks that chose different engines would wait in
+    different collectives: a difference would corrupt memory or leave the ranks waiting."""
+    if dist.get_world_size(group) == 1:
+        return
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, settings, group=group)
+    for name, value in gathered[0].items():
+        differing = [rank for rank, theirs in enumerate(gathered) if theirs[name] != value]
+        if differing:
+            raise ValueError(f"Buffer: {name} must be the same on every rank of the group; rank 0 has {value!r}, "
+                             f"rank {differing[0]} has {gathered[differing[0]][name]!r}")
+
+
 def timeout_seconds() -> float:
     """UCCL_EP_TIMEOUT_SECONDS: how long any wait for a peer may last."""
     raw = os.environ.get(TIMEOUT_ENV, "")
@@ -109,6 +125,9 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
+        # What _release frees, so that it also serves a Buffer whose construction failed part way.
+        self._destroyed = False
+        self._reference = self._native = None
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -125,10 +144,42 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.device = _group_device(self.group)
+        try:
+            choice = engines.choose(engines.requested_mode(), self.device)
+            engine_by_operation = choice.by_operation
+        except (ValueError, RuntimeError) as error:   # raised after the comparison: the other ranks wait in it
+            choice, engine_by_operation = error, f"none ({error})"
+        _require_same_on_every_rank(self.group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                                    low_latency_mode=low_latency_mode,
+                                    **{"the engine of each operation (UCCL_EP_ENGINE and the build choose it)":
+                                       engine_by_operation})
+        if isinstance(choice, Exception):
+            raise choice
         self._owner_id = next(_owner_ids)
 
+        try:
+            self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+            self._comm = CommStream(self.device) if self.device.type == "cuda" else None
+            native_normal_buffer = None if self._native is None else self._native.normal_buffer
+            self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
+                                else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
+            native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
+            self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
+                                 else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
+            self._low_latency_buffer_idx = 0
+            self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
+            self._default_configs: Dict[Tuple[Callable[[int], Config], int], Config] = {}
+            self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
+                             else None)
+        except BaseException:
+            self._release()   # what was made so far (mapped peer memory, proxies) does not wait for the GC
+            raise
+        self._warned_normal_fallback = False
+
+    def _set_up_engines(self, choice: engines.EngineChoice, num_nvl_bytes: int, num_rdma_bytes: int,
+                        low_latency_mode: bool) -> None:
+        """The reference engine, and the native engine with its buffers mapped where it serves."""
         timeout_s = timeout_seconds()
-        choice = engines.choose(engines.requested_mode(), self.device)
         # The reference engine also provides the timed barriers, so it is always there.
         self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s)
         self._native = (NativeEngine(self.group_size, self.device)
@@ -153,22 +204,7 @@ class Buffer:
                        + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
             if message not in _warned:
                 _warned.add(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-        self._comm = CommStream(self.device) if self.device.type == "cuda" else None
-        native_normal_buffer = None if self._native is None else self._native.normal_buffer
-        self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
-                            else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
-        native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
-        self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
-                             else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
-        self._low_latency_buffer_idx = 0
-        self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None
-        self._default_configs: Dict[Tuple[Callable[[int], Config], int], Config] = {}
-        self._traffic = (TrafficCounters(self.rank, self.group_size, self.device) if traffic_enabled_by_env()
-                         else None)
-        self._destroyed = False
-        self._warned_normal_fallback = False
+                warnings.warn(message, RuntimeWarning, stacklevel=3)   # at the Buffer's construction
 
     @staticmethod
     def _all_native(choice: engines.EngineChoice, operations) -> bool:
