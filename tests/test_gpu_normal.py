@@ -27,6 +27,7 @@ PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
 SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"
+DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"
 HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -230,11 +231,12 @@ class _PullCounter:
 
 
 def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chunks: str, pull_chunks: str,
-                  sm_pull: str, sm_push: str, own_rows: str) -> None:
+                  sm_pull: str, sm_push: str, own_rows: str, dispatch_rows: str) -> None:
     device = rank_device(rank)
     torch.cuda.set_device(device)
     with environment(COMBINE_CHUNKS_ENV, combine_chunks), environment(PULL_CHUNKS_ENV, pull_chunks), \
-            environment(SM_PULL_ENV, sm_pull), environment(SM_PUSH_ENV, sm_push), environment(OWN_ROWS_ENV, own_rows):
+            environment(SM_PULL_ENV, sm_pull), environment(SM_PUSH_ENV, sm_push), \
+            environment(OWN_ROWS_ENV, own_rows), environment(DISPATCH_ROWS_ENV, dispatch_rows):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     engine = native._native.normal
@@ -249,6 +251,9 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
         # The first dispatch has no recv_x ready, the large case's rows exceed the one ready, the others fit theirs.
         if copy_mode == "engine":
             assert counter.pulled[True] > 0 and counter.pulled[False] > 0, f"dispatches pulled at once: {counter.pulled}"
+        # Pushed where a rank keeps out few tokens (the cases with many experts per rank), pulled elsewhere.
+        pushed = counter.inner.blocks_pushed()
+        assert (pushed > 0) == (dispatch_rows == "push"), f"{pushed} blocks pushed with {DISPATCH_ROWS_ENV}={dispatch_rows!r}"
     finally:
         native.destroy()
         reference.destroy()
@@ -525,6 +530,7 @@ class DispatchSettings:
     pull_chunks: int = 3
     worst_tokens: bool = False
     sm_push_percent: int = 0
+    dispatch_rows: str = "pull"
 
     def describe(self) -> str:
         """As the error names them."""
@@ -532,7 +538,8 @@ class DispatchSettings:
         if self.copy_mode == "sm" or self.worst_tokens:
             rows = "rows moved by SMs"
         else:
-            rows = f"rows pulled by copy engines in {min(self.pull_chunks, num_channels)} pieces"
+            how = "pushed where they can be, else pulled" if self.dispatch_rows == "push" else "pulled"
+            rows = f"rows {how} by copy engines in {min(self.pull_chunks, num_channels)} pieces"
         push = 0 if self.worst_tokens else self.sm_push_percent
         return (f"{num_channels} channels (config.num_sms {self.num_sms}), {rows}, "
                 f"{push}% of the combine's rows stored by SMs")
@@ -542,7 +549,8 @@ class DispatchSettings:
 DIFFERENT_SETTINGS = {"num_sms": DispatchSettings(num_sms=8), "copy_mode": DispatchSettings(copy_mode="sm"),
                       "pull_chunks": DispatchSettings(pull_chunks=1),
                       "num_worst_tokens": DispatchSettings(worst_tokens=True),
-                      "sm_push_percent": DispatchSettings(sm_push_percent=25)}
+                      "sm_push_percent": DispatchSettings(sm_push_percent=25),
+                      "dispatch_rows": DispatchSettings(dispatch_rows="push")}
 
 
 def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> None:
@@ -550,7 +558,8 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
     differ and both settings, at once (no timeout)."""
     usual, changed = DispatchSettings(), DIFFERENT_SETTINGS[setting]
     mine, others = (changed, usual) if rank == num_ranks - 1 else (usual, changed)
-    with environment(PULL_CHUNKS_ENV, str(mine.pull_chunks)), environment(SM_PUSH_ENV, str(mine.sm_push_percent)):
+    with environment(PULL_CHUNKS_ENV, str(mine.pull_chunks)), environment(SM_PUSH_ENV, str(mine.sm_push_percent)), \
+            environment(DISPATCH_ROWS_ENV, mine.dispatch_rows):
         device, side, native = _short_timeout_setup(rank, group, mine.copy_mode)
     case = Case(f"settings_{setting}", 2048, 2, 8, (64, 64), num_sms=mine.num_sms)
     x, topk_idx, topk_weights, _ = _inputs(case, rank, 9, device)
@@ -583,14 +592,18 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
 # and with one chunk each, no pulled rows copied by SMs, every pushed row stored by SMs (no combine chunk at all) and
 # the own rows by copy engine where few tokens break their runs (the cases with many experts per rank; by SMs in the
 # others).
-@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,sm_push,own_rows",
-                         [("engine", "", "", "", "", ""), ("engine", "7", "5", "30", "30", "sm"),
-                          ("engine", "1", "1", "0", "100", "engine"), ("sm", "", "", "", "", "")],
+@pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,sm_push,own_rows,dispatch_rows",
+                         [("engine", "", "", "", "", "", ""), ("engine", "7", "5", "30", "30", "sm", ""),
+                          ("engine", "1", "1", "0", "100", "engine", ""), ("sm", "", "", "", "", "", ""),
+                          ("engine", "", "", "", "", "", "push"), ("engine", "7", "5", "30", "30", "sm", "push")],
                          ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm",
-                              "engine-1-1-chunks-no-sm-pulls-sm-pushes-own-rows-engine", "sm"])
-def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, sm_push, own_rows):
+                              "engine-1-1-chunks-no-sm-pulls-sm-pushes-own-rows-engine", "sm", "engine-push",
+                              "engine-push-7-5-chunks-30-sm-own-rows-sm"])
+def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, sm_push, own_rows,
+                                         dispatch_rows):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
-              pull_chunks=pull_chunks, sm_pull=sm_pull, sm_push=sm_push, own_rows=own_rows)
+              pull_chunks=pull_chunks, sm_pull=sm_pull, sm_push=sm_push, own_rows=own_rows,
+              dispatch_rows=dispatch_rows)
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

@@ -58,9 +58,10 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     assert ext.normal_dispatch_area_bytes(0, 14336, 224, 9) == 0
     # 3 rows of 32 bytes, 2 weights each: 96 + 32 (24)
     assert ext.normal_combine_area_bytes(3, 32, 2) == 96 + 32
-    # the settings words of 2 sources (padded to 16 bytes), then 2 slots of 2 + 10 + 144 counts
-    assert ext.normal_notify_area_bytes(2, 10, 144) == 16 + 2 * 4 * 156
-    assert ext.normal_notify_area_bytes(5, 1, 1) == 32 + 5 * 4 * 7
+    # the settings words of 2 sources (padded to 16 bytes), then 2 slots of 2 + 10 + 144 counts and the
+    # source's token count
+    assert ext.normal_notify_area_bytes(2, 10, 144) == 16 + 2 * 4 * 157
+    assert ext.normal_notify_area_bytes(5, 1, 1) == 32 + 5 * 4 * 8
     assert ext.NORMAL_CONTROL_BYTES == 4 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk, sm_pushed words
 
 
@@ -89,14 +90,15 @@ def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
 def test_notify_settings_word_tells_every_setting_apart():
     ext = _extension_with_normal()
     seen = set()
-    for num_channels in (1, 4, 10, 12, 66, 1000, (1 << 18) - 1):
+    for num_channels in (1, 4, 10, 12, 66, 1000, (1 << 17) - 1):
         for pull_chunks in (0, 1, 3, ext.NORMAL_MAX_CHUNKS):
             for sm_push_percent in (0, 1, 30, 100):
-                word = ext.normal_notify_settings_word(num_channels, pull_chunks, sm_push_percent)
-                assert 0 <= word < 1 << 31
-                assert ext.normal_notify_settings(word) == (num_channels, pull_chunks, sm_push_percent)
-                seen.add(word)
-    assert len(seen) == 7 * 4 * 4
+                for push_rows in (False, True):
+                    word = ext.normal_notify_settings_word(num_channels, pull_chunks, sm_push_percent, push_rows)
+                    assert 0 <= word < 1 << 31
+                    assert ext.normal_notify_settings(word) == (num_channels, pull_chunks, sm_push_percent, push_rows)
+                    seen.add(word)
+    assert len(seen) == 7 * 4 * 4 * 2
 
 
 class _FakeExtension:

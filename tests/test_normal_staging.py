@@ -42,3 +42,31 @@ def test_fullest_staging(num_ranks, kind):
         num_topk = rng.randrange(10)
         got = _C.normal_staging_most_bytes(kind, _prefix(sent), num_ranks, x_row_bytes, scale_row_bytes, num_topk)
         assert got == _fullest(kind, sent, x_row_bytes, scale_row_bytes, num_topk), (sent, x_row_bytes, num_topk)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_landing_lies_past_the_staging_and_the_notify(num_ranks):
+    """Pushed dispatch rows land where no other write of the exchange goes: past every rank's staging and
+    past the notify's slots, 16-byte aligned."""
+    rng = random.Random(num_ranks)
+    for _ in range(20):
+        sent = [[rng.choice([0, 1, rng.randrange(5000)]) for _ in range(num_ranks)] for _ in range(num_ranks)]
+        x_row_bytes, scale_row_bytes, num_topk = rng.choice([(14336, 0, 8), (7168, 224, 9), (4096, 0, 1)])
+        notify_bytes = rng.choice([0, 4096, 1 << 30])
+        offset = _C.normal_landing_offset(_prefix(sent), num_ranks, x_row_bytes, scale_row_bytes, num_topk,
+                                          notify_bytes)
+        staging = _fullest(_C.NormalStaging.DISPATCH, sent, x_row_bytes, scale_row_bytes, num_topk)
+        assert offset % 16 == 0
+        assert max(staging, notify_bytes) <= offset < max(staging, notify_bytes) + 16
+
+
+def test_push_decision():
+    """A source pushes a peer's rows only when asked, when the landing fits, when it sends some, and when at
+    most NORMAL_MAX_GAPS of its tokens stay out of them (they are then few runs of x)."""
+    most = _C.NORMAL_MAX_GAPS
+    assert _C.normal_pushes_rows(True, True, 4096, 4096 - most)
+    assert not _C.normal_pushes_rows(True, True, 4096, 4096 - most - 1)
+    assert _C.normal_pushes_rows(True, True, 1, 1)
+    assert not _C.normal_pushes_rows(True, True, 0, 0)
+    assert not _C.normal_pushes_rows(False, True, 4096, 4096)
+    assert not _C.normal_pushes_rows(True, False, 4096, 4096)

@@ -119,7 +119,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     reinterpret_cast<int32_t*>(data_area(r, dst))[r.rank] =
-        normal_notify_settings_word(num_channels, a.pull_chunks, a.sm_push_percent);
+        normal_notify_settings_word(num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows);
   }
   for (int dst = 0; dst < num_ranks; ++dst) {
     int32_t* slot =
@@ -130,8 +130,10 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
         value = a.num_tokens_per_rank[i];
       } else if (i < num_ranks + num_channels) {
         value = a.channel_prefix_matrix[dst * num_channels + (i - num_ranks)];
-      } else {
+      } else if (i < slot_ints - 1) {
         value = a.num_tokens_per_expert[dst * local + (i - num_ranks - num_channels)];
+      } else {
+        value = static_cast<int32_t>(a.num_tokens);
       }
       slot[i] = value;
     }
@@ -145,7 +147,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
 // another way after the notify. Every rank compares every pair, so all of them record the difference.
 __device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent);
+  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows);
   const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
   for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
     const int32_t theirs = __ldcg(words + src);
@@ -194,22 +196,26 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
                          : i < channel_ints + prefix_ints ? a.rank_prefix_matrix[i - channel_ints]
                                                           : a.recv_tokens_per_expert[i - channel_ints - prefix_ints];
     }
+    int32_t* source_tokens = a.host_counts + normal_host_source_tokens_index(num_ranks, num_channels, local);
+    for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+      source_tokens[src] = __ldcg(slots + src * slot_ints + slot_ints - 1);
+    }
   }
   return true;
 }
 
-// The tokens this rank does not send itself, in order, into `out` (a count, then the first
-// kNormalMaxOwnGaps tokens): the whole block, a pass of blockDim.x tokens at a time.
-__device__ void notify_own_gaps(const NormalNotifyArgs& a, int32_t* out) {
+// The tokens this rank does not send `dst`, in order, into `out` (a count, then the first
+// kNormalMaxGaps tokens): the whole block, a pass of blockDim.x tokens at a time.
+__device__ void notify_gaps(const NormalNotifyArgs& a, int dst, int32_t* out) {
   __shared__ int32_t warp_totals[kThreads / kWarpSize];
-  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  const int num_ranks = a.region.num_ranks;
   int32_t found = 0;  // gaps in the passes before, alike in every thread
   for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
     const int64_t token = first + threadIdx.x;
-    const int32_t gap = token < a.num_tokens && a.send_pos[token * num_ranks + me] < 0 ? 1 : 0;
+    const int32_t gap = token < a.num_tokens && a.send_pos[token * num_ranks + dst] < 0 ? 1 : 0;
     int32_t pass_gaps = 0;
     const int32_t before = found + block_exclusive_sum(gap, warp_totals, pass_gaps);
-    if (gap && before < kNormalMaxOwnGaps) out[1 + before] = static_cast<int32_t>(token);
+    if (gap && before < kNormalMaxGaps) out[1 + before] = static_cast<int32_t>(token);
     found += pass_gaps;
   }
   if (threadIdx.x == 0) out[0] = found;
@@ -222,7 +228,10 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) 
     block_announce_arrival(r);
     // Local work while the peers' counts are on their way.
     if (a.host_counts != nullptr && a.send_pos != nullptr) {
-      notify_own_gaps(a, a.host_counts + normal_host_own_gaps_index(normal_host_counts_epoch_index(a)));
+      const int64_t epoch_index = normal_host_counts_epoch_index(a);
+      for (int dst = 0; dst < r.num_ranks; ++dst) {
+        if (dst == r.rank || a.push_rows) notify_gaps(a, dst, a.host_counts + normal_host_gaps_index(epoch_index, dst));
+      }
     }
     done = notify_receive_counts(a);
     if (done) block_announce_freed(r);

@@ -153,10 +153,10 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_align16(int64_t bytes) { return (bytes
 // settings word (normal_notify_settings_word; every rank must use the same, and a receiver checks
 // that before it reads the slots), then one slot per source, which holds int32 counts: tokens the
 // source sends to each rank [num_ranks], its channel_prefix_matrix row for the destination
-// [num_channels], its tokens per expert of the destination [num_local_experts].
+// [num_channels], its tokens per expert of the destination [num_local_experts], its token count [1].
 UCCL_EP_HOST_DEVICE inline int64_t normal_notify_slot_ints(int64_t num_ranks, int64_t num_channels,
                                                            int64_t num_local_experts) {
-  return num_ranks + num_channels + num_local_experts;
+  return num_ranks + num_channels + num_local_experts + 1;
 }
 UCCL_EP_HOST_DEVICE inline int64_t normal_notify_slots_offset_ints(int64_t num_ranks) {
   return normal_align16(num_ranks * 4) / 4;
@@ -168,22 +168,26 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_notify_area_bytes(int64_t num_ranks, i
 }
 // What the ranks of a dispatch must agree on, in one word: its channels (the slot layout, and the
 // handle's channel tables), the pieces the copy engines' gather after the notify announces (0: no
-// gather, the rows go by SMs), and the share of its combine's rows that SMs push.
-constexpr int32_t kNormalMaxNotifyChannels = (1 << 18) - 1;
+// gather, the rows go by SMs), whether senders push rows where they can (normal_pushes_rows), and the
+// share of its combine's rows that SMs push.
+constexpr int32_t kNormalMaxNotifyChannels = (1 << 17) - 1;
 constexpr int32_t kNormalPercentValues = 128;
 UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_channels, int32_t pull_chunks,
-                                                               int32_t sm_push_percent) {
-  return (num_channels * kNormalPercentValues + sm_push_percent) * static_cast<int32_t>(kNormalChunkCounts) +
+                                                               int32_t sm_push_percent, bool push_rows) {
+  return ((num_channels * 2 + (push_rows ? 1 : 0)) * kNormalPercentValues + sm_push_percent) *
+             static_cast<int32_t>(kNormalChunkCounts) +
          pull_chunks;
 }
 // The settings back from a word (for the error that names them).
 struct NormalNotifySettings {
   int32_t num_channels, pull_chunks, sm_push_percent;
+  bool push_rows;
 };
 inline NormalNotifySettings normal_notify_settings(int32_t word) {
   const int32_t rest = word / static_cast<int32_t>(kNormalChunkCounts);
-  return NormalNotifySettings{rest / kNormalPercentValues, word % static_cast<int32_t>(kNormalChunkCounts),
-                              rest % kNormalPercentValues};
+  const int32_t channels_and_push = rest / kNormalPercentValues;
+  return NormalNotifySettings{channels_and_push / 2, word % static_cast<int32_t>(kNormalChunkCounts),
+                              rest % kNormalPercentValues, channels_and_push % 2 == 1};
 }
 
 // dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
@@ -285,37 +289,47 @@ struct NormalNotifyArgs {
   int32_t* rank_prefix_matrix;           // out [R, R]: [i][j] = tokens ranks 0..i send to rank j
   int32_t* recv_channel_prefix_matrix;   // out [R, C]: exclusive prefix of each source's channels
   int32_t* recv_tokens_per_expert;       // out [El], rounded up to expert_alignment
-  // Or null: mapped host memory (8-byte aligned) that gets recv_channel_prefix_matrix, rank_prefix_matrix
-  // and recv_tokens_per_expert, then at normal_host_counts_epoch_index (a uint64, written last) the
-  // notify's exchange number, or kNormalNotifyFailed when a wait gave up.
+  // Or null: mapped host memory (8-byte aligned) that gets recv_channel_prefix_matrix, rank_prefix_matrix,
+  // recv_tokens_per_expert and every source's token count, then at normal_host_counts_epoch_index (a
+  // uint64, written last) the notify's exchange number, or kNormalNotifyFailed when a wait gave up.
   int32_t* host_counts;
   // With host_counts: the send layout's send_pos [num_tokens, R]; the tokens this rank does not send
-  // itself go to the host after the epoch (normal_host_own_gaps_index), so that the copy engines can
-  // copy its own rows in runs of consecutive tokens. Or null.
+  // itself (and with push_rows, those it does not send each other rank) go to the host after the
+  // epoch (normal_host_gaps_index), so that the copy engines can move its rows in runs of consecutive
+  // tokens. Or null.
   const int32_t* send_pos;
-  int64_t num_tokens;
+  int64_t num_tokens;                    // this rank's tokens (each slot carries its source's)
+  bool push_rows;                        // the copy-engine dispatch after it pushes rows where it can
 };
 
 constexpr uint64_t kNormalNotifyFailed = ~uint64_t{0};
+// Where host_counts keeps every source's token count, after the other counts.
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_source_tokens_index(int64_t num_ranks, int64_t num_channels,
+                                                                   int64_t num_local_experts) {
+  return num_ranks * num_channels + num_ranks * num_ranks + num_local_experts;
+}
 // Where host_counts keeps the exchange number: the first 8-byte boundary after the counts.
 UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(int64_t num_ranks, int64_t num_channels,
                                                                   int64_t num_local_experts) {
-  return (num_ranks * num_channels + num_ranks * num_ranks + num_local_experts + 1) / 2 * 2;
+  return (normal_host_source_tokens_index(num_ranks, num_channels, num_local_experts) + num_ranks + 1) / 2 * 2;
 }
 UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_epoch_index(const NormalNotifyArgs& a) {
   return normal_host_counts_epoch_index(a.region.num_ranks, a.num_channels, a.num_local_experts);
 }
-// After the epoch word: how many tokens this rank does not send itself, then the first
-// kNormalMaxOwnGaps of them in order. More gaps than that: the SMs copy the own rows.
-constexpr int kNormalMaxOwnGaps = 128;
-UCCL_EP_HOST_DEVICE inline int64_t normal_host_own_gaps_index(int64_t epoch_index) { return epoch_index + 2; }
-UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_ints(int64_t epoch_index) {
-  return normal_host_own_gaps_index(epoch_index) + 1 + kNormalMaxOwnGaps;
+// After the epoch word, per destination rank: how many tokens this rank does not send it, then the
+// first kNormalMaxGaps of them in order. More gaps than that: the copy engines do not move those rows
+// as runs (the SMs copy the own rows, and the peer's are gathered and pulled).
+constexpr int kNormalMaxGaps = 128;
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_gaps_index(int64_t epoch_index, int dst) {
+  return epoch_index + 2 + static_cast<int64_t>(dst) * (1 + kNormalMaxGaps);
+}
+UCCL_EP_HOST_DEVICE inline int64_t normal_host_counts_ints(int64_t epoch_index, int num_ranks) {
+  return normal_host_gaps_index(epoch_index, num_ranks);
 }
 
-// A run of consecutive tokens that a rank sends itself: rows `token`.. of x become its received rows
-// `row`.. counted from its own first row.
-struct NormalOwnRun {
+// A run of consecutive tokens that a rank sends one rank (itself, or a peer it pushes to): rows
+// `token`.. of x become that rank's received rows `row`.. counted from the sender's first row there.
+struct NormalTokenRun {
   int64_t token;
   int64_t row;
   int64_t count;
@@ -331,16 +345,54 @@ inline bool normal_own_rows_by_engine(NormalOwnRows mode, int64_t own_bytes, int
   if (mode != NormalOwnRows::kAuto) return mode == NormalOwnRows::kEngine;
   return own_bytes >= kNormalOwnRowsEngineBytesPerSm * num_sms;
 }
-// The runs between the tokens it does not send itself (`gaps`, ascending, all below num_tokens).
-inline std::vector<NormalOwnRun> normal_own_runs(const int32_t* gaps, int64_t num_gaps, int64_t num_tokens) {
-  std::vector<NormalOwnRun> runs;
+// The runs between the tokens it does not send a rank (`gaps`, ascending, all below num_tokens).
+inline std::vector<NormalTokenRun> normal_token_runs(const int32_t* gaps, int64_t num_gaps, int64_t num_tokens) {
+  std::vector<NormalTokenRun> runs;
   int64_t start = 0;
   for (int64_t i = 0; i <= num_gaps; ++i) {
     const int64_t end = i < num_gaps ? gaps[i] : num_tokens;
-    if (end > start) runs.push_back(NormalOwnRun{start, start - i, end - start});
+    if (end > start) runs.push_back(NormalTokenRun{start, start - i, end - start});
     start = end + 1;
   }
   return runs;
+}
+
+// Pushed dispatch rows (NormalCopyEngine's push_rows): where a sender keeps out of a peer's way at
+// most kNormalMaxGaps of its tokens, its copy engines push the rows for that peer straight from x, as
+// runs of consecutive tokens, into a landing area in the peer's data area; the peer copies them from
+// there into recv_x. No gather, and one NVLink pass in the faster direction (a push). The landing
+// holds a rank's received rows (x only) grouped by source, and lies past the dispatch staging and the
+// notify's slots: a sender's notify has ended only after every rank freed the exchange before, and no
+// other write of this exchange goes there, so the pushes need no wait.
+UCCL_EP_HOST_DEVICE inline int64_t normal_landing_offset(const int32_t* rank_prefix_matrix, int num_ranks,
+                                                         NormalRowBytes b, int64_t notify_bytes) {
+  int64_t most = notify_bytes;
+  for (int owner = 0; owner < num_ranks; ++owner) {
+    const int64_t staging = normal_staging_offset(NormalStaging::kDispatch, rank_prefix_matrix, num_ranks, owner,
+                                                  num_ranks, b);
+    most = staging > most ? staging : most;
+  }
+  return normal_align16(most);
+}
+// Whether every rank's landing holds the rows it receives: the same answer on every rank.
+UCCL_EP_HOST_DEVICE inline bool normal_landing_fits(const int32_t* rank_prefix_matrix, int num_ranks, NormalRowBytes b,
+                                                    int64_t notify_bytes, int64_t data_bytes) {
+  const int64_t offset = normal_landing_offset(rank_prefix_matrix, num_ranks, b, notify_bytes);
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    if (offset + rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank] * b.x_row_bytes > data_bytes) return false;
+  }
+  return true;
+}
+// Whether a source of `source_tokens` tokens that sends `sent` of them to another rank pushes them (both
+// ends decide alike: the notify gives every rank each source's token count).
+UCCL_EP_HOST_DEVICE inline bool normal_pushes_rows(bool push_rows, bool landing_fits, int64_t source_tokens,
+                                                   int64_t sent) {
+  return push_rows && landing_fits && sent > 0 && source_tokens - sent <= kNormalMaxGaps;
+}
+// The ranks that push to a rank, or that it pushes to, as a bit mask: pushes serve at most
+// kNormalMaxCombineRanks ranks, as the combine does.
+UCCL_EP_HOST_DEVICE inline bool normal_rank_in_mask(uint32_t mask, int rank) {
+  return rank < kNormalMaxCombineRanks && (mask >> rank & 1u) != 0;
 }
 
 struct NormalDispatchArgs {

@@ -44,10 +44,12 @@ __global__ void wait_source_arrived(NormalRegion r, int32_t source) {
 }
 
 // The calling warp has written its rows of one pull chunk; the last warp of the grid to get here
-// raises every peer's chunk word for this rank to `value` (all warps' rows first, at system scope:
-// the peers' copy engines read them). Warps, not blocks, count: a block would wait for its slowest
-// warp at every chunk. Every warp takes the chunks in order, so they complete in order.
-__device__ inline void announce_gathered(const NormalRegion& r, uint32_t* warps_done, uint64_t value, int lane) {
+// raises the chunk word for this rank of every peer that pulls (not `pushed` to) to `value` (all
+// warps' rows first, at system scope: the peers' copy engines read them). Warps, not blocks, count: a
+// block would wait for its slowest warp at every chunk. Every warp takes the chunks in order, so they
+// complete in order.
+__device__ inline void announce_gathered(const NormalRegion& r, const bool* pushed, uint32_t* warps_done,
+                                         uint64_t value, int lane) {
   __threadfence_system();
   __syncwarp();
   const uint32_t warps = gridDim.x * (blockDim.x / kWarpSize);
@@ -55,14 +57,18 @@ __device__ inline void announce_gathered(const NormalRegion& r, uint32_t* warps_
   *warps_done = 0;  // the next gather, after this kernel, counts from zero
   __threadfence_system();
   for (int peer = 0; peer < r.num_ranks; ++peer) {
-    if (peer != r.rank) atomicMax_system(reinterpret_cast<unsigned long long*>(chunk_word(r, peer, r.rank)), value);
+    if (peer != r.rank && !pushed[peer]) {
+      atomicMax_system(reinterpret_cast<unsigned long long*>(chunk_word(r, peer, r.rank)), value);
+    }
   }
 }
 
 // Dispatch, before the arrival: the rows for every other rank into this rank's staging, one pull
-// chunk after another, each announced to the peers once every warp has gathered its part.
+// chunk after another, each announced to the peers once every warp has gathered its part. With
+// push_rows, the rows for peers it pushes to (normal_pushes_rows) without their data, which the copy
+// engines push from x, and unannounced: the pushes raise those peers' chunk words.
 __global__ void __launch_bounds__(kWideThreads, 1)
-    gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, uint32_t* gathered_warps) {
+    gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, bool push_rows, uint32_t* gathered_warps) {
   const NormalRegion& r = a.region;
   if (!wait_destinations_free(r, kNormalDispatchSend)) return;
   // The host checks the same counts before it pulls; here only: gather nothing that would not fit.
@@ -72,11 +78,21 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   }
   __shared__ uint8_t* block[kNormalMaxRanks];
   __shared__ NormalDispatchArea area[kNormalMaxRanks];
+  __shared__ bool pushed[kNormalMaxRanks];
+  __shared__ bool landing_fits;
+  if (threadIdx.x == 0) {
+    landing_fits = push_rows && normal_landing_fits(a.rank_prefix_matrix, r.num_ranks, dispatch_row_bytes(a),
+                                                    normal_notify_area_bytes(r.num_ranks, chunks.num_channels,
+                                                                             a.num_local_experts),
+                                                    r.data_bytes);
+  }
+  __syncthreads();
   for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
+    const int64_t sent = normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst);
     block[dst] = data_area(r, r.rank) + normal_staging_offset(NormalStaging::kDispatch, a.rank_prefix_matrix,
                                                                r.num_ranks, r.rank, dst, dispatch_row_bytes(a));
-    area[dst] = normal_dispatch_area(normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst), a.x_row_bytes,
-                                     a.scale_row_bytes, a.num_topk);
+    area[dst] = normal_dispatch_area(sent, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+    pushed[dst] = dst != r.rank && normal_pushes_rows(push_rows, landing_fits, a.num_tokens, sent);
   }
   __syncthreads();
   const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
@@ -90,10 +106,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
         if (dst == r.rank || pos < 0) continue;
         write_dispatch_row<kLocalCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
-                                             w.lane);
+                                             w.lane, !pushed[dst]);
       }
     }
-    announce_gathered(r, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count), w.lane);
+    announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
+                      w.lane);
   }
 }
 
@@ -114,12 +131,13 @@ __device__ __forceinline__ PeerBlock peer_block(const NormalDispatchArgs& a, int
 }
 
 // Dispatch, after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
-// block that the copy engines leave to SMs (sm_pull_percent), and the small fields of every peer row
-// (fp8 scales, top-k, source index), read from the peers' staging: copy engines would pay a ramp
-// per extra copy for them. With `own_x_by_engine` a copy engine copies the own rows' data (runs of
-// consecutive tokens), and the SMs write the rest of each own row.
+// block that the copy engines leave to SMs (sm_pull_percent; none of the peers in `pushing_sources`,
+// whose rows the copy engines move whole), and the small fields of every peer row (fp8 scales,
+// top-k, source index), read from the peers' staging: copy engines would pay a ramp per extra copy
+// for them. With `own_x_by_engine` a copy engine copies the own rows' data (runs of consecutive
+// tokens), and the SMs write the rest of each own row.
 __global__ void __launch_bounds__(kWideThreads, 1)
-    receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent, bool own_x_by_engine) {
+    receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent, bool own_x_by_engine, uint32_t pushing_sources) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
@@ -138,7 +156,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
   }
   for (int src = 0; src < num_ranks && sm_pull_percent > 0; ++src) {
-    if (src == me) continue;
+    if (src == me || normal_rank_in_mask(pushing_sources, src)) continue;
     const PeerBlock b = peer_block(a, src);
     for (int64_t row = normal_copy_engine_rows(b.rows, sm_pull_percent) + w.first; row < b.rows; row += w.stride) {
       warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
@@ -292,13 +310,15 @@ int64_t normal_staging_most_bytes(NormalStaging kind, const std::vector<int32_t>
 }
 
 NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks,
-                                   int pull_chunks, int sm_pull_percent, int sm_push_percent, NormalOwnRows own_rows)
+                                   int pull_chunks, int sm_pull_percent, int sm_push_percent, NormalOwnRows own_rows,
+                                   bool push_rows)
     : device_(device),
       combine_chunks_(combine_chunks),
       pull_chunks_(pull_chunks),
       sm_pull_percent_(sm_pull_percent),
       sm_push_percent_(sm_push_percent),
       own_rows_(own_rows),
+      push_rows_(push_rows),
       peer_bases_(std::move(peer_bases)) {
   require(sm_pull_percent >= 0 && sm_pull_percent <= 100,
           "sm_pull_percent must be in 0..100, got " + std::to_string(sm_pull_percent));
@@ -309,6 +329,8 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   require(combine_chunks == kNormalCombineChunksBySms || in_range(combine_chunks),
           "combine_chunks must be 0 (by the combine's SMs) or in " + range + ", got " + std::to_string(combine_chunks));
   require(in_range(pull_chunks), "pull_chunks must be in " + range + ", got " + std::to_string(pull_chunks));
+  require(!push_rows || peer_bases_.size() <= static_cast<size_t>(kNormalMaxCombineRanks),
+          "push_rows serves at most " + std::to_string(kNormalMaxCombineRanks) + " ranks");
   int previous = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
   UCCL_EP_GPU_CHECK(gpu_set_device(device_));
@@ -328,6 +350,18 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
     status = gpu_stream_create_nonblocking(&peer_streams_[peer]);
     if (status == kGpuSuccess) status = gpu_event_create(&peer_done_[peer]);
+  }
+  if (push_rows_) {
+    push_streams_.assign(peer_bases_.size(), nullptr);
+    push_done_.assign(peer_bases_.size(), nullptr);
+    for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
+      status = gpu_stream_create_nonblocking(&push_streams_[peer]);
+      if (status == kGpuSuccess) status = gpu_event_create(&push_done_[peer]);
+    }
+    void* values = nullptr;
+    void* values_device = nullptr;  // unused: the copies read the host address
+    if (status == kGpuSuccess) status = gpu_host_alloc_mapped(&values, &values_device, kNormalMaxChunks * sizeof(uint64_t));
+    if (status == kGpuSuccess) push_values_ = static_cast<uint64_t*>(values);
   }
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
   if (status == kGpuSuccess) status = gpu_event_create(&notify_done_);
@@ -351,14 +385,20 @@ void NormalCopyEngine::release() {
   notify_done_ = nullptr;
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
   fork_ = nullptr;
-  for (gpuEvent_t event : peer_done_) {
-    if (event != nullptr) (void)gpu_event_destroy(event);
+  if (push_values_ != nullptr) (void)gpu_host_free(push_values_);
+  push_values_ = nullptr;
+  for (std::vector<gpuEvent_t>* events : {&peer_done_, &push_done_}) {
+    for (gpuEvent_t event : *events) {
+      if (event != nullptr) (void)gpu_event_destroy(event);
+    }
+    events->clear();
   }
-  for (gpuStream_t peer_stream : peer_streams_) {
-    if (peer_stream != nullptr) (void)gpu_stream_destroy(peer_stream);
+  for (std::vector<gpuStream_t>* streams : {&peer_streams_, &push_streams_}) {
+    for (gpuStream_t peer_stream : *streams) {
+      if (peer_stream != nullptr) (void)gpu_stream_destroy(peer_stream);
+    }
+    streams->clear();
   }
-  peer_done_.clear();
-  peer_streams_.clear();
 }
 
 void NormalCopyEngine::require_unreleased() const {
@@ -393,7 +433,7 @@ void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t si
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
-  for (const NormalOwnRun& run : own_runs_.runs) {
+  for (const NormalTokenRun& run : own_runs_.runs) {
     dsts.push_back(static_cast<uint8_t*>(a.recv_x) + (own_runs_.first_row + run.row) * a.x_row_bytes);
     srcs.push_back(static_cast<const uint8_t*>(a.x) + run.token * a.x_row_bytes);
     sizes.push_back(static_cast<size_t>(run.count * a.x_row_bytes));
@@ -418,13 +458,14 @@ void NormalCopyEngine::check_usable(const NormalRegion& region, const std::vecto
           "rank_prefix_matrix must have num_ranks * num_ranks entries");
 }
 
-void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChunks chunks, gpuStream_t stream) {
+void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChunks chunks, bool push_rows,
+                                     gpuStream_t stream) {
   check_normal_dispatch_args(a);
   require_unreleased();
   require(chunks.count >= 1 && chunks.count <= chunks.num_channels && chunks.count <= kNormalMaxChunks,
           "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalMaxChunks) + "), got " +
               std::to_string(chunks.count) + " for " + std::to_string(chunks.num_channels) + " channels");
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks,
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks, push_rows,
                                                                                             gathered_warps_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
   launch_normal_announce_arrival(a.region, stream);
@@ -457,6 +498,7 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
   // Nothing on `stream` after the notify can touch the outputs, allocated on it before that end.
   fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
+  receive_pushing_sources_ = pulls_.ready ? pulls_.pushing_sources : 0;
   pulls_.ready = false;
   own_runs_.first_row = normal_rows_before(prefix.data(), num_ranks, me, me);
   receive_pending_ = true;
@@ -474,8 +516,8 @@ void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t str
             "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
     // The own rows' copies wait for the notify, as the pulls do (unless start_dispatch queued them).
     queue_own_rows(a, notify_done_);
-    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, sm_pull_percent_,
-                                                                                              own_rows_queued_);
+    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(
+        a, sm_pull_percent_, own_rows_queued_, receive_pushing_sources_);
     UCCL_EP_GPU_CHECK(gpu_last_error());
   } catch (...) {
     end_receive(stream);
@@ -490,6 +532,7 @@ void NormalCopyEngine::abandon_receive(const NormalRegion& region, gpuStream_t s
     end_receive(stream);
   } else {
     own_runs_.ready = false;
+    join_pushes(stream);
     abandon_dispatch(region, stream);
   }
 }
@@ -499,8 +542,17 @@ void NormalCopyEngine::end_receive(gpuStream_t stream) {
   own_runs_.ready = false;
   const bool own_rows_queued = own_rows_queued_;
   own_rows_queued_ = false;
+  receive_pushing_sources_ = 0;
   join_peer_streams(own_rows_queued ? -1 : pending_region_.rank, stream);
+  join_pushes(stream);
   launch_normal_announce_freed(pending_region_, stream);
+}
+
+void NormalCopyEngine::join_pushes(gpuStream_t stream) {
+  for (int peer = 0; peer < static_cast<int>(push_done_.size()); ++peer) {
+    if (normal_rank_in_mask(pushed_to_, peer)) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, push_done_[peer]));
+  }
+  pushed_to_ = 0;
 }
 
 void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, int src,
@@ -511,16 +563,21 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
     UCCL_EP_GPU_CHECK(gpu_last_error());
   }
   const int64_t rows = normal_sent(prefix.data(), num_ranks, src, me);
-  const int64_t engine_rows = normal_copy_engine_rows(rows, sm_pull_percent_);  // receive_own_rows copies the rest
+  // A source that pushes its rows pushes them all, into this rank's landing; receive_own_rows copies
+  // the rest of a pulled block.
+  const bool pushed = pulls_.ready && normal_rank_in_mask(pulls_.pushing_sources, src);
+  const int64_t engine_rows = pushed ? rows : normal_copy_engine_rows(rows, sm_pull_percent_);
   if (engine_rows == 0) return;
   const int64_t first = normal_rows_before(prefix.data(), num_ranks, src, me);
-  const uint8_t* block = staging(src) + normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src,
-                                                              me, NormalRowBytes{a.x_row_bytes, a.scale_row_bytes,
-                                                                                 a.num_topk});
-  const NormalDispatchArea area = normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+  const uint8_t* rows_x =
+      pushed ? staging(me) + pulls_.landing_offset + first * a.x_row_bytes
+             : staging(src) +
+                   normal_staging_offset(NormalStaging::kDispatch, prefix.data(), num_ranks, src, me,
+                                         NormalRowBytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk}) +
+                   normal_dispatch_area(rows, a.x_row_bytes, a.scale_row_bytes, a.num_topk).x;
   const auto pull = [&](int64_t begin, int64_t end) {  // the rows' data only: receive_own_rows copies their scales
-    copy_async(static_cast<uint8_t*>(a.recv_x) + (first + begin) * a.x_row_bytes,
-               block + area.x + begin * a.x_row_bytes, (end - begin) * a.x_row_bytes, peer_stream);
+    copy_async(static_cast<uint8_t*>(a.recv_x) + (first + begin) * a.x_row_bytes, rows_x + begin * a.x_row_bytes,
+               (end - begin) * a.x_row_bytes, peer_stream);
   };
   if (!pulls_.ready) {
     pull(0, engine_rows);
@@ -540,11 +597,54 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
   }
 }
 
+void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, int peer,
+                                    const int32_t* gaps) {
+  const int num_ranks = a.region.num_ranks, me = a.region.rank;
+  const std::vector<NormalTokenRun> runs = normal_token_runs(gaps + 1, gaps[0], a.num_tokens);
+  uint8_t* landing =
+      staging(peer) + pulls_.landing_offset + normal_rows_before(prefix.data(), num_ranks, me, peer) * a.x_row_bytes;
+  uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[peer]) + normal_chunk_word_offset(me);
+  const gpuStream_t push_stream = push_streams_[peer];
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(push_stream, notify_done_));
+  pushed_to_ |= 1u << peer;  // from here the exchange's end waits for this stream
+  ++blocks_pushed_;
+  // The pieces are the pull chunks' token ranges, so the peer finds each one's rows in its
+  // recv_channel_prefix_matrix, as it does for pulled ones.
+  const NormalPullChunks chunks = pulls_.chunks;
+  const int64_t per_channel = (a.num_tokens + chunks.num_channels - 1) / chunks.num_channels;
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (int piece = 0; piece < chunks.count; ++piece) {
+    const int64_t begin = std::min<int64_t>(a.num_tokens, normal_pull_chunk_first_channel(chunks, piece) * per_channel);
+    const int64_t end =
+        std::min<int64_t>(a.num_tokens, normal_pull_chunk_first_channel(chunks, piece + 1) * per_channel);
+    dsts.clear();
+    srcs.clear();
+    sizes.clear();
+    for (const NormalTokenRun& run : runs) {
+      const int64_t from = std::max(run.token, begin), to = std::min(run.token + run.count, end);
+      if (from >= to) continue;
+      dsts.push_back(landing + (run.row + from - run.token) * a.x_row_bytes);
+      srcs.push_back(static_cast<const uint8_t*>(a.x) + from * a.x_row_bytes);
+      sizes.push_back(static_cast<size_t>((to - from) * a.x_row_bytes));
+    }
+    if (!sizes.empty()) {
+      UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), push_stream));
+    }
+    // Every peer's copies of a piece write the same value; the next dispatch rewrites it only after
+    // its count read, when every copy of this exchange is done (its end waited for them).
+    push_values_[piece] = normal_chunk_word(pulls_.epoch, piece + 1, chunks.count);
+    copy_async(word, push_values_ + piece, sizeof(uint64_t), push_stream);
+  }
+  UCCL_EP_GPU_CHECK(gpu_event_record(push_done_[peer], push_stream));
+}
+
 void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
   check_usable(a.region, prefix);
   pulls_.ready = false;  // a cached dispatch: the host does not know its exchange number
   own_runs_.ready = false;  // nor which tokens it keeps
-  dispatch_send(a, NormalPullChunks{1, 1}, stream);
+  dispatch_send(a, NormalPullChunks{1, 1}, false, stream);
   pull_rows(a, prefix, stream);
   receive_rest(a, stream);
 }
@@ -574,6 +674,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const int64_t channel_ints = static_cast<int64_t>(num_ranks) * notify.num_channels;
   require_unreleased();
   pulls_.ready = false;
+  pulls_.pushing_sources = 0;
   own_runs_.ready = false;
   require(layout.num_channels == notify.num_channels, "the layout and the notify must use the same num_channels");
   if (gather != nullptr) {
@@ -584,7 +685,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   }
   // The notify writes its counts into mapped host memory, its exchange number last: no copy, no event.
   const int64_t epoch_index = normal_host_counts_epoch_index(notify);
-  const int64_t host_ints = normal_host_counts_ints(epoch_index);
+  const int64_t host_ints = normal_host_counts_ints(epoch_index, num_ranks);
   if (host_ints > host_counts_capacity_) {
     if (host_counts_ != nullptr) UCCL_EP_GPU_CHECK(gpu_host_free(host_counts_));
     host_counts_ = nullptr;
@@ -599,13 +700,15 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   host_store_release(reinterpret_cast<uint64_t*>(host_counts_ + epoch_index), 0);  // the last notify's is read
   NormalNotifyArgs to_host = notify;
   to_host.host_counts = host_counts_device_;
-  if (gather == nullptr || own_rows_ == NormalOwnRows::kSms) to_host.send_pos = nullptr;  // no runs wanted
+  const bool push = gather != nullptr && pushes_rows();
+  to_host.push_rows = push;
+  if (gather == nullptr || (own_rows_ == NormalOwnRows::kSms && !push)) to_host.send_pos = nullptr;  // no runs wanted
   const NormalPullChunks chunks{notify.num_channels, pull_chunks(notify.num_channels)};
   to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
   to_host.sm_push_percent = sm_push_percent_;
   launch_normal_layout_and_notify(layout, to_host, stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
-  if (gather != nullptr) dispatch_send(*gather, chunks, stream);  // runs while the host waits
+  if (gather != nullptr) dispatch_send(*gather, chunks, push, stream);  // runs while the host waits
   const uint64_t notify_epoch = wait_for_notify(region, epoch_index);
   NormalDispatchStart start;
   if (notify_epoch == kNormalNotifyFailed) {  // recorded on the device: the caller raises it
@@ -626,11 +729,11 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     abandon_dispatch(region, stream);
     return start;
   }
-  const int32_t* gaps = host_counts_ + normal_host_own_gaps_index(epoch_index);
+  const int32_t* gaps = host_counts_ + normal_host_gaps_index(epoch_index, region.rank);
   // It keeps every token but its gaps.
-  if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxOwnGaps &&
+  if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxGaps &&
       normal_own_rows_by_engine(own_rows_, (notify.num_tokens - gaps[0]) * gather->x_row_bytes, gather->num_sms)) {
-    own_runs_.runs = normal_own_runs(gaps + 1, gaps[0], notify.num_tokens);
+    own_runs_.runs = normal_token_runs(gaps + 1, gaps[0], notify.num_tokens);
     own_runs_.ready = true;
   }
   if (stream_waits_) {
@@ -638,6 +741,29 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
     pulls_.chunks = chunks;
     pulls_.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
+  }
+  if (push) {  // pushes_rows: stream waits, so pulls_ holds this exchange
+    const int64_t notify_bytes = normal_notify_area_bytes(num_ranks, notify.num_channels, notify.num_local_experts);
+    const bool fits = normal_landing_fits(prefix.data(), num_ranks, dispatch_rows, notify_bytes, region.data_bytes);
+    const int32_t* source_tokens =
+        host_counts_ + normal_host_source_tokens_index(num_ranks, notify.num_channels, notify.num_local_experts);
+    pulls_.landing_offset = normal_landing_offset(prefix.data(), num_ranks, dispatch_rows, notify_bytes);
+    try {
+      for (int peer = 0; peer < num_ranks; ++peer) {
+        if (peer == region.rank) continue;
+        const int me = region.rank;
+        if (normal_pushes_rows(true, fits, source_tokens[peer], normal_sent(prefix.data(), num_ranks, peer, me))) {
+          pulls_.pushing_sources |= 1u << peer;
+        }
+        if (normal_pushes_rows(true, fits, source_tokens[me], normal_sent(prefix.data(), num_ranks, me, peer))) {
+          queue_pushes(*gather, prefix, peer, host_counts_ + normal_host_gaps_index(epoch_index, peer));
+        }
+      }
+    } catch (...) {
+      pulls_.ready = false;
+      abandon_receive(region, stream);  // waits for the pushes queued so far, and ends the exchange
+      throw;
+    }
   }
   const int64_t rows = prefix[static_cast<int64_t>(num_ranks - 1) * num_ranks + region.rank];
   // No rows: the caller's view of none of them has no address (torch gives null), so pull_rows takes it.

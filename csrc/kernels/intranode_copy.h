@@ -12,7 +12,10 @@
 //     are gathered. SMs meanwhile copy this rank's own rows, then, after the arrival, the pulled
 //     rows' fp8 scales, top-k and source index (small) from the peers' staging; freed
 //     follows all of them. A cached dispatch, whose exchange number the host does not know, pulls
-//     each block whole after a kernel waited for its owner's arrival.
+//     each block whole after a kernel waited for its owner's arrival. With push_rows, a sender whose
+//     rows for a peer are a few runs of x (normal_pushes_rows) pushes them instead, piece by piece,
+//     into the peer's landing (each piece followed by an 8-byte copy that raises the peer's chunk
+//     word), and the peer copies each piece from its landing into recv_x once its word says so.
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
 //     peer's stream push the top-k weights and the rows received from that peer (a contiguous block
 //     of x) back into its staging, the rows in combine_chunks chunks, each followed by an 8-byte
@@ -67,11 +70,15 @@ class NormalCopyEngine {
   // block) that SMs store into the peer's staging before they sum; every rank must use the same (the
   // notify checks).
   // own_rows: what copies this rank's rows to itself (normal_own_rows_by_engine); a copy engine copies
-  // them only as runs of consecutive tokens, when the notify found at most kNormalMaxOwnGaps tokens it
+  // them only as runs of consecutive tokens, when the notify found at most kNormalMaxGaps tokens it
   // does not keep, else the SMs do.
+  // push_rows: a dispatch's senders push the rows for a peer from x where normal_pushes_rows says so
+  // (needs stream waits on the device, and at most kNormalMaxCombineRanks ranks); every rank must use
+  // the same (the notify checks).
   NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_bases, int combine_chunks = kNormalCombineChunksBySms,
                    int pull_chunks = kNormalPullChunks, int sm_pull_percent = kNormalSmPullPercent,
-                   int sm_push_percent = kNormalSmPushPercent, NormalOwnRows own_rows = NormalOwnRows::kAuto);
+                   int sm_push_percent = kNormalSmPushPercent, NormalOwnRows own_rows = NormalOwnRows::kAuto,
+                   bool push_rows = false);
   ~NormalCopyEngine();
   NormalCopyEngine(const NormalCopyEngine&) = delete;
   NormalCopyEngine& operator=(const NormalCopyEngine&) = delete;
@@ -102,6 +109,10 @@ class NormalCopyEngine {
   void abandon_receive(const NormalRegion& region, gpuStream_t stream);
   // The pieces a gathered dispatch of num_channels channels is pulled in (its notify's pull_chunks).
   int pull_chunks(int num_channels) const { return std::min(pull_chunks_, num_channels); }
+  // Whether its gathered dispatches push rows where they can (its notifies' push_rows).
+  bool pushes_rows() const { return push_rows_ && stream_waits_; }
+  // How many blocks of rows (one per peer and dispatch) its dispatches have pushed so far.
+  int64_t blocks_pushed() const { return blocks_pushed_; }
   // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
@@ -114,7 +125,13 @@ class NormalCopyEngine {
  private:
   // The gather and the arrival, from args.rank_prefix_matrix on the device (the output pointers are
   // not used yet). A rank whose staging would not fit gathers nothing.
-  void dispatch_send(const NormalDispatchArgs& args, NormalPullChunks chunks, gpuStream_t stream);
+  void dispatch_send(const NormalDispatchArgs& args, NormalPullChunks chunks, bool push_rows, gpuStream_t stream);
+  // This rank's rows for `peer` from x into the peer's landing, on the peer's push stream after the
+  // notify, as the runs between `gaps` (the notify's list for the peer), in the pieces of pulls_.
+  void queue_pushes(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int peer,
+                    const int32_t* gaps);
+  // `stream` waits for the pushes the last start_dispatch queued (they read x).
+  void join_pushes(gpuStream_t stream);
   // Each peer's rows for this rank into recv_x on the peer's stream: whole after a
   // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
@@ -147,6 +164,7 @@ class NormalCopyEngine {
   int sm_pull_percent_;
   int sm_push_percent_;
   NormalOwnRows own_rows_;
+  bool push_rows_;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
   // What pull_rows needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
@@ -155,7 +173,12 @@ class NormalCopyEngine {
     uint64_t epoch = 0;                        // the dispatch's exchange number
     NormalPullChunks chunks{1, 1};
     std::vector<int32_t> recv_channel_prefix;  // [R, C] as read on the host
+    uint32_t pushing_sources = 0;              // those that push their rows into this rank's landing
+    int64_t landing_offset = 0;                // in every data area
   } pulls_;
+  uint32_t receive_pushing_sources_ = 0;  // pulls_.pushing_sources, from pull_rows to receive_rest
+  uint32_t pushed_to_ = 0;                // the peers the last start_dispatch queued pushes to
+  int64_t blocks_pushed_ = 0;
   // Between pull_rows and receive_rest: the exchange's pulls are queued into pulled_into_.
   bool receive_pending_ = false;
   bool own_rows_queued_ = false;  // this rank's own rows' data go by copy engine (queue_own_rows)
@@ -166,7 +189,7 @@ class NormalCopyEngine {
   // where the own rows start in the outputs (set by pull_rows).
   struct OwnRuns {
     bool ready = false;
-    std::vector<NormalOwnRun> runs;
+    std::vector<NormalTokenRun> runs;
     int64_t first_row = 0;
   } own_runs_;
   // Device words: the chunk word values of the current combine (written by its first kernel, copied
@@ -178,6 +201,11 @@ class NormalCopyEngine {
   // peer's block at once instead of one after another.
   std::vector<gpuStream_t> peer_streams_;
   std::vector<gpuEvent_t> peer_done_;  // recorded on each peer's stream after its copies
+  // With push_rows, one more stream per peer for the pushes to it: on the peer's stream they would
+  // hold back the copies out of this rank's landing.
+  std::vector<gpuStream_t> push_streams_;
+  std::vector<gpuEvent_t> push_done_;
+  uint64_t* push_values_ = nullptr;    // pinned: the chunk words the pushes' 8-byte copies write
   gpuEvent_t fork_ = nullptr;          // the caller's stream up to the copies
   gpuEvent_t notify_done_ = nullptr;   // the caller's stream up to the notify (before the gather)
   int32_t* host_counts_ = nullptr;     // mapped pinned memory the notify writes, host_counts_capacity_ int32

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/require.h"
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
 #include "python/arguments.h"
@@ -59,7 +60,8 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     ptr<int32_t>(recv_tokens_per_expert),
                                                     nullptr,
                                                     ptr<const int32_t>(send_pos),
-                                                    num_tokens}};
+                                                    num_tokens,
+                                                    false}};  // push_rows: start_dispatch sets it
 }
 
 uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
@@ -166,16 +168,16 @@ void bind_normal(py::module_& m) {
   m.def("normal_notify_area_bytes", &uccl_ep::normal_notify_area_bytes, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"), "Bytes of the data area a dispatch's notify needs.");
   m.def("normal_notify_settings_word", &uccl_ep::normal_notify_settings_word, py::arg("num_channels"),
-        py::arg("pull_chunks"), py::arg("sm_push_percent"),
+        py::arg("pull_chunks"), py::arg("sm_push_percent"), py::arg("push_rows"),
         "The word in which a dispatch's notify checks that every rank uses the same settings.");
   m.def(
       "normal_notify_settings",
       [](int32_t word) {
         const uccl_ep::NormalNotifySettings s = uccl_ep::normal_notify_settings(word);
-        return std::make_tuple(s.num_channels, s.pull_chunks, s.sm_push_percent);
+        return std::make_tuple(s.num_channels, s.pull_chunks, s.sm_push_percent, s.push_rows);
       },
-      py::arg("word"), "(num_channels, pull_chunks, sm_push_percent) of a normal_notify_settings_word.");
-  m.attr("NORMAL_MAX_OWN_GAPS") = uccl_ep::kNormalMaxOwnGaps;
+      py::arg("word"), "(num_channels, pull_chunks, sm_push_percent, push_rows) of a normal_notify_settings_word.");
+  m.attr("NORMAL_MAX_GAPS") = uccl_ep::kNormalMaxGaps;
   py::enum_<uccl_ep::NormalOwnRows>(m, "NormalOwnRows", "What copies a rank's dispatch rows to itself.")
       .value("auto", uccl_ep::NormalOwnRows::kAuto)
       .value("engine", uccl_ep::NormalOwnRows::kEngine)
@@ -184,17 +186,34 @@ void bind_normal(py::module_& m) {
   m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
         py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");
   m.def(
-      "normal_own_runs",
+      "normal_token_runs",
       [](const std::vector<int32_t>& gaps, int64_t num_tokens) {
         std::vector<std::tuple<int64_t, int64_t, int64_t>> runs;
-        for (const uccl_ep::NormalOwnRun& run :
-             uccl_ep::normal_own_runs(gaps.data(), static_cast<int64_t>(gaps.size()), num_tokens)) {
+        for (const uccl_ep::NormalTokenRun& run :
+             uccl_ep::normal_token_runs(gaps.data(), static_cast<int64_t>(gaps.size()), num_tokens)) {
           runs.emplace_back(run.token, run.row, run.count);
         }
         return runs;
       },
       py::arg("gaps"), py::arg("num_tokens"),
-      "(token, row, count) of each run of consecutive tokens a rank keeps, given those it does not (ascending).");
+      "(token, row, count) of each run of consecutive tokens a rank sends one rank, given those it does not "
+      "(ascending).");
+  m.def(
+      "normal_landing_offset",
+      [](const std::vector<int32_t>& rank_prefix_matrix, int num_ranks, int64_t x_row_bytes, int64_t scale_row_bytes,
+         int64_t num_topk, int64_t notify_bytes) {
+        uccl_ep::require(static_cast<int64_t>(rank_prefix_matrix.size()) == static_cast<int64_t>(num_ranks) * num_ranks,
+                         "rank_prefix_matrix must have num_ranks * num_ranks entries");
+        return uccl_ep::normal_landing_offset(rank_prefix_matrix.data(), num_ranks,
+                                              uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk},
+                                              notify_bytes);
+      },
+      py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("x_row_bytes"), py::arg("scale_row_bytes"),
+      py::arg("num_topk"), py::arg("notify_bytes"),
+      "Where pushed dispatch rows land in every rank's data area (past the staging and the notify's slots).");
+  m.def("normal_pushes_rows", &uccl_ep::normal_pushes_rows, py::arg("push_rows"), py::arg("landing_fits"),
+        py::arg("source_tokens"), py::arg("sent"),
+        "Whether a source of source_tokens tokens pushes the `sent` it sends a peer (with push_rows).");
   py::class_<LayoutNotifyArgs>(m, "NormalLayoutNotifyArgs",
                                "A dispatch's send layout and notify (pointers as integers).")
       .def(py::init(&layout_notify_args), py::arg("region"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
@@ -271,14 +290,19 @@ void bind_normal(py::module_& m) {
       "one call per path decision, with the counts converted once.");
   py::class_<uccl_ep::NormalCopyEngine>(m, "NormalCopyEngine",
                                         "Normal-mode dispatch and combine whose NVLink traffic the copy engines carry.")
-      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, int, uccl_ep::NormalOwnRows>(), py::arg("device"),
+      .def(py::init<int, std::vector<std::uintptr_t>, int, int, int, int, uccl_ep::NormalOwnRows, bool>(),
+           py::arg("device"),
            py::arg("peer_bases"), py::arg("combine_chunks") = uccl_ep::kNormalCombineChunksBySms,
            py::arg("pull_chunks") = uccl_ep::kNormalPullChunks,
            py::arg("sm_pull_percent") = uccl_ep::kNormalSmPullPercent,
            py::arg("sm_push_percent") = uccl_ep::kNormalSmPushPercent,
-           py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto)
+           py::arg("own_rows") = uccl_ep::NormalOwnRows::kAuto, py::arg("push_rows") = false)
       .def("pull_chunks", &uccl_ep::NormalCopyEngine::pull_chunks, py::arg("num_channels"),
            "The pieces a gathered dispatch of num_channels channels is pulled in.")
+      .def("pushes_rows", &uccl_ep::NormalCopyEngine::pushes_rows,
+           "Whether its gathered dispatches push rows where they can (push_rows and stream waits).")
+      .def("blocks_pushed", &uccl_ep::NormalCopyEngine::blocks_pushed,
+           "How many blocks of rows (one per peer and dispatch) its dispatches have pushed so far.")
       .def(
           "dispatch",
           [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,

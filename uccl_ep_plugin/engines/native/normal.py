@@ -34,8 +34,9 @@ _TIMEOUT, _TOO_MANY_ROWS, _AREA_TOO_SMALL, _SETTINGS_DIFFER = 1, 2, 3, 4
 _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a new one on every rank"
 COPY_ENV = "UCCL_EP_NORMAL_COPY"   # what carries the rows between ranks
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copies a rank's rows to itself
+DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch: peers' rows pulled, or pushed
 # Each mode setting's values, its default first.
-_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm")}
+_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -53,7 +54,9 @@ _SEND_POS = "_uccl_ep_send_pos"
 
 def copy_mode(env: str = COPY_ENV) -> str:
     """What copies the rows, from ``env``: COPY_ENV "engine" (copy engines, the default) or "sm"; OWN_ROWS_ENV
-    "auto" (the default: by the bytes each SM would copy), "engine" or "sm"."""
+    "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
+    default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
+    runs of it, normal_pushes_rows; every rank must use the same)."""
     modes = _MODES[env]
     mode = os.environ.get(env, "").strip().lower() or modes[0]
     if mode not in modes:
@@ -105,8 +108,11 @@ class ExchangeTooLarge(Exception):
 
 def exchange_bytes(extension, rows: int, hidden: int, num_topk: int) -> int:
     """num_nvl_bytes for which the native engine serves a dispatch of at most ``rows`` rows to any rank and
-    from any rank (bf16 or fp8 with float scales per 128 channels), and their combine."""
+    from any rank (bf16 or fp8 with float scales per 128 channels), and their combine; with
+    DISPATCH_ROWS_ENV=push, room for the landing of pushed rows too (after the staging)."""
     dispatch = extension.normal_dispatch_area_bytes(rows, 2 * hidden, 4 * ((hidden + 127) // 128), num_topk)
+    if copy_mode(DISPATCH_ROWS_ENV) == "push":
+        dispatch += 16 * ((rows * 2 * hidden + 15) // 16)
     combine = extension.normal_combine_area_bytes(rows, 2 * hidden, num_topk)
     return extension.NORMAL_CONTROL_BYTES + max(dispatch, combine)
 
@@ -140,7 +146,8 @@ class NativeNormal:
             combine_chunks=chunk_setting(COMBINE_CHUNKS_ENV, extension),
             pull_chunks=chunk_setting(PULL_CHUNKS_ENV, extension), sm_pull_percent=sm_share(SM_PULL_ENV, extension),
             sm_push_percent=self.sm_push_percent,
-            own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)])
+            own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)],
+            push_rows=copy_mode(DISPATCH_ROWS_ENV) == "push" and num_ranks <= extension.NORMAL_MAX_COMBINE_RANKS)
         self.rows_by_copy_engine = copy_mode() == "engine"
         # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
         self._last_notify = (0, False, 0)
@@ -166,17 +173,20 @@ class NativeNormal:
         if code == _SETTINGS_DIFFER:
             num_channels, gathers, sm_push_percent = self._last_notify
             mine = self._C.normal_notify_settings_word(
-                num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent)
+                num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent,
+                gathers and self.copy_engine.pushes_rows())
             raise ValueError(f"rank {self.rank}: {where}: rank {peer} dispatches with "
                              f"{self._describe_settings(detail)}, this rank with {self._describe_settings(mine)}; "
                              f"every rank must pass the same config (num_sms) and num_worst_tokens (0 or not), "
-                             f"with the same {COPY_ENV}, {PULL_CHUNKS_ENV} and {SM_PUSH_ENV}; {_STALE}")
+                             f"with the same {COPY_ENV}, {PULL_CHUNKS_ENV}, {DISPATCH_ROWS_ENV} and {SM_PUSH_ENV}; "
+                             f"{_STALE}")
         raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
 
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
-        num_channels, pull_chunks, sm_push_percent = self._C.normal_notify_settings(word)
-        rows = f"rows pulled by copy engines in {pull_chunks} pieces" if pull_chunks else "rows moved by SMs"
+        num_channels, pull_chunks, sm_push_percent, push_rows = self._C.normal_notify_settings(word)
+        how = "pushed where they can be, else pulled" if push_rows else "pulled"
+        rows = f"rows {how} by copy engines in {pull_chunks} pieces" if pull_chunks else "rows moved by SMs"
         return (f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}, "
                 f"{sm_push_percent}% of the combine's rows stored by SMs")
 

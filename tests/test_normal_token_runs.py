@@ -1,5 +1,5 @@
 """The copy-engine dispatch copies a rank's rows to itself in runs of consecutive tokens, worked out on the host
-from the tokens the notify found it does not keep (``normal_own_runs``): on random masks the runs cover exactly the
+from the tokens the notify found it does not keep (``normal_token_runs``): on random masks the runs cover exactly the
 kept tokens, in order, each at its received row. Host arithmetic only, but it needs an extension built with the
 native normal mode (a CUDA build; no GPU is used)."""
 
@@ -12,7 +12,7 @@ try:
 except ImportError:
     _C = None
 
-pytestmark = pytest.mark.skipif(_C is None or not hasattr(_C, "normal_own_runs"),
+pytestmark = pytest.mark.skipif(_C is None or not hasattr(_C, "normal_token_runs"),
                                 reason="needs an extension built with the native normal mode")
 
 
@@ -32,7 +32,7 @@ def test_runs_cover_the_kept_tokens(keep_share):
     for num_tokens in (0, 1, 2, 17, 4096 + 17):
         kept = [rng.random() < keep_share for _ in range(num_tokens)]
         gaps = [token for token, keep in enumerate(kept) if not keep]
-        runs = _C.normal_own_runs(gaps, num_tokens)
+        runs = _C.normal_token_runs(gaps, num_tokens)
         want = {}
         for token in range(num_tokens):
             if kept[token]:
