@@ -474,6 +474,10 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),
               "correct": all_correct, "iters": options.iters, "device": options.device_name, "commit": options.commit}
+    if case.mode == "normal" and case.engine == "native":
+        # The normal mode's switches this run set (UCCL_EP_NORMAL_*), so A/B runs say which side they are.
+        result["settings"] = {name: value for name, value in sorted(os.environ.items())
+                              if name.startswith("UCCL_EP_NORMAL_")}
     if kernel_note is not None:
         result["kernel_note"] = kernel_note
     if rank == 0:
