@@ -748,10 +748,10 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     const int32_t* source_tokens =
         host_counts_ + normal_host_source_tokens_index(num_ranks, notify.num_channels, notify.num_local_experts);
     pulls_.landing_offset = normal_landing_offset(prefix.data(), num_ranks, dispatch_rows, notify_bytes);
+    const int me = region.rank;
     try {
       for (int peer = 0; peer < num_ranks; ++peer) {
-        if (peer == region.rank) continue;
-        const int me = region.rank;
+        if (peer == me) continue;
         if (normal_pushes_rows(true, fits, source_tokens[peer], normal_sent(prefix.data(), num_ranks, peer, me))) {
           pulls_.pushing_sources |= 1u << peer;
         }
