@@ -357,9 +357,9 @@ inline std::vector<NormalTokenRun> normal_token_runs(const int32_t* gaps, int64_
   return runs;
 }
 
-// Pushed dispatch rows (NormalCopyEngine's push_rows): where a sender keeps out of a peer's way at
-// most kNormalMaxGaps of its tokens, its copy engines push the rows for that peer straight from x, as
-// runs of consecutive tokens, into a landing area in the peer's data area; the peer copies them from
+// Pushed dispatch rows (NormalCopyEngine's push_rows): where at most kNormalMaxGaps of a sender's
+// tokens do not go to a peer, its copy engines push the rows for that peer straight from x, as runs
+// of consecutive tokens, into a landing area in the peer's data area; the peer copies them from
 // there into recv_x. No gather, and one NVLink pass in the faster direction (a push). The landing
 // holds a rank's received rows (x only) grouped by source, and lies past the dispatch staging and the
 // notify's slots: a sender's notify has ended only after every rank freed the exchange before, and no
