@@ -97,6 +97,18 @@ UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChu
   return 1 + static_cast<int32_t>(static_cast<int64_t>(chunk - 1) * (p.num_channels - 1) / (p.count - 1));
 }
 
+// The tokens of pull chunk `chunk` of a rank with num_tokens tokens: [first, end).
+struct NormalTokenRange {
+  int64_t first, end;
+};
+UCCL_EP_HOST_DEVICE inline NormalTokenRange normal_pull_chunk_tokens(NormalPullChunks p, int32_t chunk,
+                                                                     int64_t num_tokens) {
+  const int64_t per_channel = (num_tokens + p.num_channels - 1) / p.num_channels;
+  const int64_t first = normal_pull_chunk_first_channel(p, chunk) * per_channel;
+  const int64_t end = normal_pull_chunk_first_channel(p, chunk + 1) * per_channel;
+  return NormalTokenRange{first < num_tokens ? first : num_tokens, end < num_tokens ? end : num_tokens};
+}
+
 // Of `rows` rows between two ranks, those the copy engines move (from the start); SMs move the rest
 // beside them (sm_percent of the rows, 0..100): a dispatch's pulls, or a combine's pushes.
 UCCL_EP_HOST_DEVICE inline int64_t normal_copy_engine_rows(int64_t rows, int32_t sm_percent) {
@@ -374,12 +386,13 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_landing_offset(const int32_t* rank_pre
   }
   return normal_align16(most);
 }
-// Whether every rank's landing holds the rows it receives: the same answer on every rank.
-UCCL_EP_HOST_DEVICE inline bool normal_landing_fits(const int32_t* rank_prefix_matrix, int num_ranks, NormalRowBytes b,
-                                                    int64_t notify_bytes, int64_t data_bytes) {
-  const int64_t offset = normal_landing_offset(rank_prefix_matrix, num_ranks, b, notify_bytes);
+// Whether every rank's landing, at `landing_offset`, holds the rows it receives: the same answer on every rank.
+UCCL_EP_HOST_DEVICE inline bool normal_landing_fits(const int32_t* rank_prefix_matrix, int num_ranks,
+                                                    int64_t landing_offset, int64_t x_row_bytes, int64_t data_bytes) {
   for (int rank = 0; rank < num_ranks; ++rank) {
-    if (offset + rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank] * b.x_row_bytes > data_bytes) return false;
+    if (landing_offset + rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank] * x_row_bytes > data_bytes) {
+      return false;
+    }
   }
   return true;
 }

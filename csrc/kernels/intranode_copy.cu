@@ -81,10 +81,13 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   __shared__ bool pushed[kNormalMaxRanks];
   __shared__ bool landing_fits;
   if (threadIdx.x == 0) {
-    landing_fits = push_rows && normal_landing_fits(a.rank_prefix_matrix, r.num_ranks, dispatch_row_bytes(a),
-                                                    normal_notify_area_bytes(r.num_ranks, chunks.num_channels,
-                                                                             a.num_local_experts),
-                                                    r.data_bytes);
+    landing_fits =
+        push_rows &&
+        normal_landing_fits(a.rank_prefix_matrix, r.num_ranks,
+                            normal_landing_offset(a.rank_prefix_matrix, r.num_ranks, dispatch_row_bytes(a),
+                                                  normal_notify_area_bytes(r.num_ranks, chunks.num_channels,
+                                                                           a.num_local_experts)),
+                            a.x_row_bytes, r.data_bytes);
   }
   __syncthreads();
   for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
@@ -97,11 +100,9 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   __syncthreads();
   const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
   const WarpPosition w = warp_position();
-  const int per_channel = (a.num_tokens + chunks.num_channels - 1) / chunks.num_channels;
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
-    const int first = normal_pull_chunk_first_channel(chunks, chunk) * per_channel;
-    const int end = min(a.num_tokens, normal_pull_chunk_first_channel(chunks, chunk + 1) * per_channel);
-    for (int token = first + w.first; token < end; token += w.stride) {
+    const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
+    for (int token = static_cast<int>(tokens.first) + w.first; token < tokens.end; token += w.stride) {
       for (int dst = 0; dst < r.num_ranks; ++dst) {
         const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
         if (dst == r.rank || pos < 0) continue;
@@ -290,6 +291,23 @@ void copy_async(void* dst, const void* src, int64_t bytes, gpuStream_t stream) {
   if (bytes > 0) UCCL_EP_GPU_CHECK(gpu_copy_async(dst, src, static_cast<size_t>(bytes), stream));
 }
 
+// The rows of x in `runs`, those of tokens in `tokens`, to their rows counted from `rows` (a run's
+// row r at rows + r * row_bytes): one batched copy.
+void copy_token_runs(const std::vector<NormalTokenRun>& runs, NormalTokenRange tokens, const void* x, uint8_t* rows,
+                     int64_t row_bytes, gpuStream_t stream) {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (const NormalTokenRun& run : runs) {
+    const int64_t from = std::max(run.token, tokens.first), to = std::min(run.token + run.count, tokens.end);
+    if (from >= to) continue;
+    dsts.push_back(rows + (run.row + from - run.token) * row_bytes);
+    srcs.push_back(static_cast<const uint8_t*>(x) + from * row_bytes);
+    sizes.push_back(static_cast<size_t>((to - from) * row_bytes));
+  }
+  if (!sizes.empty()) UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), stream));
+}
+
 }  // namespace
 
 int64_t normal_staging_bytes(NormalStaging kind, const std::vector<int32_t>& rank_prefix_matrix_host, int num_ranks,
@@ -430,18 +448,11 @@ void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t si
   own_runs_.ready = false;
   if (!ready) return;
   const int me = a.region.rank;
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  for (const NormalTokenRun& run : own_runs_.runs) {
-    dsts.push_back(static_cast<uint8_t*>(a.recv_x) + (own_runs_.first_row + run.row) * a.x_row_bytes);
-    srcs.push_back(static_cast<const uint8_t*>(a.x) + run.token * a.x_row_bytes);
-    sizes.push_back(static_cast<size_t>(run.count * a.x_row_bytes));
-  }
   const gpuStream_t own_stream = peer_streams_[me];
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(own_stream, since));
   own_rows_queued_ = true;  // from here end_receive joins the own stream, whatever fails after
-  UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), own_stream));
+  copy_token_runs(own_runs_.runs, NormalTokenRange{0, a.num_tokens}, a.x,
+                  static_cast<uint8_t*>(a.recv_x) + own_runs_.first_row * a.x_row_bytes, a.x_row_bytes, own_stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[me], own_stream));
 }
 
@@ -611,27 +622,9 @@ void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vect
   // The pieces are the pull chunks' token ranges, so the peer finds each one's rows in its
   // recv_channel_prefix_matrix, as it does for pulled ones.
   const NormalPullChunks chunks = pulls_.chunks;
-  const int64_t per_channel = (a.num_tokens + chunks.num_channels - 1) / chunks.num_channels;
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
   for (int piece = 0; piece < chunks.count; ++piece) {
-    const int64_t begin = std::min<int64_t>(a.num_tokens, normal_pull_chunk_first_channel(chunks, piece) * per_channel);
-    const int64_t end =
-        std::min<int64_t>(a.num_tokens, normal_pull_chunk_first_channel(chunks, piece + 1) * per_channel);
-    dsts.clear();
-    srcs.clear();
-    sizes.clear();
-    for (const NormalTokenRun& run : runs) {
-      const int64_t from = std::max(run.token, begin), to = std::min(run.token + run.count, end);
-      if (from >= to) continue;
-      dsts.push_back(landing + (run.row + from - run.token) * a.x_row_bytes);
-      srcs.push_back(static_cast<const uint8_t*>(a.x) + from * a.x_row_bytes);
-      sizes.push_back(static_cast<size_t>((to - from) * a.x_row_bytes));
-    }
-    if (!sizes.empty()) {
-      UCCL_EP_GPU_CHECK(gpu_copy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), push_stream));
-    }
+    copy_token_runs(runs, normal_pull_chunk_tokens(chunks, piece, a.num_tokens), a.x, landing, a.x_row_bytes,
+                    push_stream);
     // Every peer's copies of a piece write the same value; the next dispatch rewrites it only after
     // its count read, when every copy of this exchange is done (its end waited for them).
     push_values_[piece] = normal_chunk_word(pulls_.epoch, piece + 1, chunks.count);
@@ -744,10 +737,11 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   }
   if (push) {  // pushes_rows: stream waits, so pulls_ holds this exchange
     const int64_t notify_bytes = normal_notify_area_bytes(num_ranks, notify.num_channels, notify.num_local_experts);
-    const bool fits = normal_landing_fits(prefix.data(), num_ranks, dispatch_rows, notify_bytes, region.data_bytes);
+    pulls_.landing_offset = normal_landing_offset(prefix.data(), num_ranks, dispatch_rows, notify_bytes);
+    const bool fits =
+        normal_landing_fits(prefix.data(), num_ranks, pulls_.landing_offset, gather->x_row_bytes, region.data_bytes);
     const int32_t* source_tokens =
         host_counts_ + normal_host_source_tokens_index(num_ranks, notify.num_channels, notify.num_local_experts);
-    pulls_.landing_offset = normal_landing_offset(prefix.data(), num_ranks, dispatch_rows, notify_bytes);
     const int me = region.rank;
     try {
       for (int peer = 0; peer < num_ranks; ++peer) {
