@@ -4,9 +4,11 @@ Every public method keeps DeepEP's name, parameters, defaults and return tuple. 
 are checked here, before any communication, so both engines see only valid input.
 """
 
+import functools
 import itertools
 import os
 import warnings
+from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -23,15 +25,30 @@ from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .streams import CommStream, StreamScope
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
-                         check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
+                         check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights,
+                         tensor_signature)
 
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
+_NO_SCOPE = nullcontext()   # a call on the caller's stream: no stream scope
+_MAX_CHECKED_CALLS = 1024
 _warned = set()   # fallback messages already given in this process
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _without_torch_function(operation):
+    """Run a Buffer operation with torch-function handling off. A mode such as torch.set_default_device's
+    (DeepEP's tests and many scripts set one) routes every torch call made in Python, down to ``.shape`` and
+    ``.data_ptr()``, through a Python handler: several microseconds each, and an operation makes dozens. Every
+    tensor an operation makes names its device, so the handling changes nothing it does."""
+    @functools.wraps(operation)
+    def without(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return operation(*args, **kwargs)
+    return without
 
 
 def _then_once(hook: Optional[Callable[[], None]], action: Callable[[], None]) -> Optional[Callable[[], None]]:
@@ -175,6 +192,9 @@ class Buffer:
             self._release()   # what was made so far (mapped peer memory, proxies) does not wait for the GC
             raise
         self._warned_normal_fallback = False
+        # The signatures (tensor_signature and the other arguments) of calls whose arguments passed the checks:
+        # a call that matches one passes them too, so the checks run once per kind of call, not per call.
+        self._checked_calls = set()
 
     def _set_up_engines(self, choice: engines.EngineChoice, num_nvl_bytes: int, num_rdma_bytes: int,
                         low_latency_mode: bool) -> None:
@@ -363,12 +383,22 @@ class Buffer:
         return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish,
                            allocate_on_comm_stream or self._traffic is not None)
 
+    def _checked(self, call: tuple, engine) -> None:
+        """Remember that ``call`` passed the checks, for the native engine: the reference engine's calls also
+        check the values of topk_idx, which no signature covers."""
+        if engine is not self._native:
+            return
+        if len(self._checked_calls) >= _MAX_CHECKED_CALLS:   # bounded: calls of ever new sizes
+            self._checked_calls.clear()
+        self._checked_calls.add(call)
+
     def _check_owner(self, handle, name: str = "handle") -> None:
         owner = owner_of(handle)
         if owner is not None and owner != self._owner_id:
             raise ValueError(f"{name} was produced by a different Buffer; pass the handle returned by this Buffer")
 
     # ------------------------------------------------------------------ normal mode
+    @_without_torch_function
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -388,6 +418,7 @@ class Buffer:
         event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank), inputs=(topk_idx,))
         return per_rank, per_rdma_rank, per_expert, in_rank, event
 
+    @_without_torch_function
     def dispatch(self, x: XType, handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -471,6 +502,7 @@ class Buffer:
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
+    @_without_torch_function
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -537,6 +569,7 @@ class Buffer:
                 self._rdma_buffer[start:start + layout.signal_bytes].zero_()
         self._reference.barrier("clean_low_latency_buffer")
 
+    @_without_torch_function
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -553,8 +586,49 @@ class Buffer:
         """
         engine = self._engine_for("low_latency_dispatch")
         self._require_low_latency_mode("low_latency_dispatch")
+        call = ("low_latency_dispatch", tensor_signature(x), tensor_signature(topk_idx),
+                num_max_dispatch_tokens_per_rank, num_experts, tensor_signature(cumulative_local_expert_recv_stats),
+                tensor_signature(dispatch_wait_recv_cost_stats), use_fp8, round_scale, use_ue8m0, async_finish,
+                return_recv_hook)
+        if call not in self._checked_calls:
+            self._check_low_latency_dispatch(engine, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                             use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+            self._checked(call, engine)
+        # On the caller's stream unless async_finish asks for an event to overlap with: the same order for the
+        # caller as DeepEP's comm stream plus two stream waits, without those waits (fewer launches and graph
+        # nodes, and no stream of this process waiting on a kernel that waits for a proxy's copies).
+        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
+        with scope:
+            result = engine.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, masked_ranks=self._mask,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
+                buffer_idx=self._low_latency_buffer_idx)
+            hook = result.hook
+            if self._traffic is not None:
+                # layout_range is complete once the data has been received: after the hook, if there is one.
+                traffic, mask = self._traffic, self._mask
+                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts,
+                                                                                 result.layout_range, mask))
+        self._low_latency_buffer_idx ^= 1
+        handle = LowLatencyHandle((result.src_info, result.layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
+                                   num_experts), self._owner_id)
+        handle.positions = result.positions
+        event = EventOverlap()
+        if async_finish:
+            outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range,
+                       result.positions)
+            event = scope.finish(outputs, (x, topk_idx) + outputs)
+        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
+        return recv_x, result.recv_count, handle, event, hook
+
+    def _check_low_latency_dispatch(self, engine, x, topk_idx, num_tokens_limit, num_experts,
+                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
         check_flag_pair(async_finish, return_recv_hook)
-        num_tokens_limit = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+        check_int("num_max_dispatch_tokens_per_rank", num_tokens_limit, minimum=1)
         check_tensor("x", x, (torch.bfloat16,), dim=2)
         if x.size(0) > num_tokens_limit:
             raise ValueError(f"x has {x.size(0)} tokens, more than num_max_dispatch_tokens_per_rank={num_tokens_limit}")
@@ -576,32 +650,8 @@ class Buffer:
         check_same_device(self.device, x=x, topk_idx=topk_idx,
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                           dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
-        # On the caller's stream unless async_finish asks for an event to overlap with: the same order for the
-        # caller as DeepEP's comm stream plus two stream waits, without those waits (fewer launches and graph
-        # nodes, and no stream of this process waiting on a kernel that waits for a proxy's copies).
-        with self._scope(None, async_finish, False, use_comm_stream=async_finish) as scope:
-            result = engine.low_latency_dispatch(
-                x, topk_idx, num_tokens_limit, num_experts, use_fp8=use_fp8, round_scale=round_scale,
-                use_ue8m0=use_ue8m0, masked_ranks=self._mask,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
-                buffer_idx=self._low_latency_buffer_idx)
-            hook = result.hook
-            if self._traffic is not None:
-                # layout_range is complete once the data has been received: after the hook, if there is one.
-                traffic, mask = self._traffic, self._mask
-                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts,
-                                                                                 result.layout_range, mask))
-        self._low_latency_buffer_idx ^= 1
-        handle = LowLatencyHandle((result.src_info, result.layout_range, num_tokens_limit, x.size(1), num_experts),
-                                  self._owner_id)
-        handle.positions = result.positions
-        outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range,
-                   result.positions)
-        event = scope.finish(outputs, (x, topk_idx) + outputs if async_finish else None)
-        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv_x, result.recv_count, handle, event, hook
 
+    @_without_torch_function
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
@@ -615,8 +665,35 @@ class Buffer:
         """
         engine = self._engine_for("low_latency_combine")
         self._require_low_latency_mode("low_latency_combine")
-        check_flag_pair(async_finish, return_recv_hook)
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
+        call = ("low_latency_combine", tensor_signature(x), tensor_signature(topk_idx), tensor_signature(topk_weights),
+                num_tokens_limit, hidden, num_experts, use_logfmt, zero_copy, async_finish,
+                return_recv_hook, tensor_signature(out), tensor_signature(combine_wait_recv_cost_stats))
+        if call not in self._checked_calls:
+            self._check_low_latency_combine(engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
+                                            num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                                            combine_wait_recv_cost_stats)
+            self._checked(call, engine)
+        if zero_copy:
+            x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
+        positions = getattr(handle, "positions", None)
+        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
+        with scope:   # as in dispatch
+            combined, hook = engine.low_latency_combine(
+                x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
+                num_experts=num_experts, positions=positions, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
+                buffer_idx=self._low_latency_buffer_idx)
+        self._low_latency_buffer_idx ^= 1
+        event = EventOverlap()
+        if async_finish:
+            event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined, positions))
+        return combined, event, hook
+
+    def _check_low_latency_combine(self, engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
+                                   num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                                   combine_wait_recv_cost_stats) -> None:
+        check_flag_pair(async_finish, return_recv_hook)
         local_experts, slots = src_info.shape
         check_tensor("x", x, (torch.bfloat16,), shape=(local_experts, slots, hidden))
         self._check_topk_idx(engine, topk_idx, num_experts)
@@ -635,19 +712,6 @@ class Buffer:
                          shape=(self.group_size,))
         check_same_device(self.device, x=x, topk_idx=topk_idx, topk_weights=topk_weights, out=out,
                           combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
-        if zero_copy:
-            x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
-        with self._scope(None, async_finish, False, use_comm_stream=async_finish) as scope:   # as in dispatch
-            combined, hook = engine.low_latency_combine(
-                x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
-                num_experts=num_experts, positions=getattr(handle, "positions", None), use_logfmt=use_logfmt,
-                masked_ranks=self._mask, out=out,
-                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
-                buffer_idx=self._low_latency_buffer_idx)
-        self._low_latency_buffer_idx ^= 1
-        event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined,
-                                           getattr(handle, "positions", None)) if async_finish else None)
-        return combined, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: object) -> torch.Tensor:
         """A bf16 ``[El, R*T, H]`` view of the registered buffer the next combine sends from (for zero_copy)."""

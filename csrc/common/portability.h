@@ -244,6 +244,26 @@ void gpu_load_kernels(Kernels... kernels) {
   for (const void* kernel : {reinterpret_cast<const void*>(kernels)...}) UCCL_EP_GPU_CHECK(gpu_load_kernel(kernel));
 }
 
+// Makes `device` current for its lifetime and restores the caller's device after: a call from
+// Python runs on whatever device the caller's thread has current, and must not change it.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    UCCL_EP_GPU_CHECK(gpu_get_device(&previous_));
+    if (previous_ != device) UCCL_EP_GPU_CHECK(gpu_set_device(device));
+    changed_ = previous_ != device;
+  }
+  ~CurrentDevice() {
+    if (changed_) (void)gpu_set_device(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
 #endif  // UCCL_EP_GPU_RUNTIME
 
 // ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace uccl_ep {
 namespace kernels {
@@ -673,10 +674,8 @@ __device__ void dispatch_recv(const LowLatencyDispatchArgs& a, const GroupPositi
   }
 }
 
-// One body, three kernels named after what they do (profilers tell the hook's halves apart).
 template <int kPhases>
-__device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispatchArgs& a) {
-  __shared__ GroupShared shared[kGroupsPerBlock];
+__device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispatchArgs& a, GroupShared* shared) {
   extern __shared__ int4 staging[];  // kGroupsPerBlock fp8 messages (fp8 only)
   const GroupPosition g = group_position();
   GroupShared& sh = shared[g.index];
@@ -698,15 +697,20 @@ __device__ __forceinline__ void low_latency_dispatch_body(const LowLatencyDispat
   }
 }
 
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch(const LowLatencyDispatchArgs a) {
-  low_latency_dispatch_body<kLowLatencySend | kLowLatencyRecv>(a);
+// One kernel per operation, whatever its phases: profilers and DeepEP's bench_kineto find the
+// send and the receive of a hooked call under one name ("::dispatch", "::combine").
+namespace low_latency {
+__global__ void __launch_bounds__(kBlockThreads, 1) dispatch(const LowLatencyDispatchArgs a) {
+  __shared__ GroupShared shared[kGroupsPerBlock];
+  if (a.phases == kLowLatencySend) {
+    low_latency_dispatch_body<kLowLatencySend>(a, shared);
+  } else if (a.phases == kLowLatencyRecv) {
+    low_latency_dispatch_body<kLowLatencyRecv>(a, shared);
+  } else {
+    low_latency_dispatch_body<kLowLatencySend | kLowLatencyRecv>(a, shared);
+  }
 }
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch_send(const LowLatencyDispatchArgs a) {
-  low_latency_dispatch_body<kLowLatencySend>(a);
-}
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_dispatch_recv(const LowLatencyDispatchArgs a) {
-  low_latency_dispatch_body<kLowLatencyRecv>(a);
-}
+}  // namespace low_latency
 
 // ------------------------------------------------------------------------------ combine
 // LogFMT: per 128 channels, 16 lanes of 8 channels. A group that is cast stores 10-bit codes
@@ -1172,8 +1176,7 @@ __device__ void combine_recv_partials(const LowLatencyCombineArgs& a, GroupShare
 }
 
 template <int kPhases, bool kLogfmt>
-__device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombineArgs& a) {
-  __shared__ GroupShared shared[kGroupsPerBlock];
+__device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombineArgs& a, GroupShared* shared) {
   const GroupPosition g = group_position();
   GroupShared& sh = shared[g.index];
   const uint64_t epoch = completed_uses(a.region) + 1;
@@ -1206,39 +1209,22 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   }
 }
 
-template <bool kLogfmt>
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencySend | kLowLatencyRecv, kLogfmt>(a);
-}
-__global__ void __launch_bounds__(kBlockThreads, 1) low_latency_combine_send(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencySend, false>(a);  // the send reads a.use_logfmt itself
-}
-// The receive alone waits only on other launches, so its blocks need not all be resident at once:
-// two per SM (64 registers a thread) put twice the loads in flight.
+// The receive alone waits only on other launches, so its grid may exceed what is resident at once.
 constexpr int kCombineRecvBlocksPerSm = 2;
+
+namespace low_latency {
 template <bool kLogfmt>
-__global__ void __launch_bounds__(kBlockThreads, kCombineRecvBlocksPerSm) low_latency_combine_recv(const LowLatencyCombineArgs a) {
-  low_latency_combine_body<kLowLatencyRecv, kLogfmt>(a);
+__global__ void __launch_bounds__(kBlockThreads, 1) combine(const LowLatencyCombineArgs a) {
+  __shared__ GroupShared shared[kGroupsPerBlock];
+  if (a.phases == kLowLatencySend) {
+    low_latency_combine_body<kLowLatencySend, kLogfmt>(a, shared);
+  } else if (a.phases == kLowLatencyRecv) {
+    low_latency_combine_body<kLowLatencyRecv, kLogfmt>(a, shared);
+  } else {
+    low_latency_combine_body<kLowLatencySend | kLowLatencyRecv, kLogfmt>(a, shared);
+  }
 }
-
-// The kernel for `phases` (send, receive or both).
-template <typename Args>
-using KernelOf = void (*)(const Args);
-
-KernelOf<LowLatencyDispatchArgs> dispatch_kernel(int phases) {
-  if (phases == kLowLatencySend) return low_latency_dispatch_send;
-  return phases == kLowLatencyRecv ? low_latency_dispatch_recv : low_latency_dispatch;
-}
-
-template <bool kLogfmt>
-KernelOf<LowLatencyCombineArgs> combine_kernel(int phases) {
-  if (phases == kLowLatencySend) return low_latency_combine_send;
-  return phases == kLowLatencyRecv ? low_latency_combine_recv<kLogfmt> : low_latency_combine<kLogfmt>;
-}
-
-KernelOf<LowLatencyCombineArgs> combine_kernel(int phases, bool logfmt) {
-  return logfmt ? combine_kernel<true>(phases) : combine_kernel<false>(phases);
-}
+}  // namespace low_latency
 
 // ------------------------------------------------------------------------------ launchers
 void require(bool condition, const std::string& message) {
@@ -1247,22 +1233,27 @@ void require(bool condition, const std::string& message) {
 
 void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens, int hidden, int num_topk,
                   int num_experts, int phases, int num_sms) {
-  require(r.num_ranks >= 1 && r.num_ranks <= kLowLatencyMaxRanks,
-          "num_ranks must be in [1, " + std::to_string(kLowLatencyMaxRanks) + "], got " + std::to_string(r.num_ranks));
+  // Messages are built only on failure: these checks run on every launch.
+  if (r.num_ranks < 1 || r.num_ranks > kLowLatencyMaxRanks) {
+    require(false, "num_ranks must be in [1, " + std::to_string(kLowLatencyMaxRanks) + "], got " +
+                       std::to_string(r.num_ranks));
+  }
   require(r.rank >= 0 && r.rank < r.num_ranks, "rank out of range");
   require(r.peer_bases != nullptr && r.control != nullptr && r.status != nullptr, "region pointers must be set");
   require(r.timeout_ns > 0, "timeout_ns must be positive");
   require(num_max_tokens >= 1, "num_max_tokens must be positive");
   require(num_tokens >= 0 && num_tokens <= num_max_tokens, "num_tokens must be in [0, num_max_tokens]");
   require(hidden > 0 && hidden % 8 == 0, "hidden must be a positive multiple of 8");
-  require(num_topk >= 1 && num_topk <= kLowLatencyMaxTopk,
-          "num_topk must be in [1, " + std::to_string(kLowLatencyMaxTopk) + "]");
+  if (num_topk < 1 || num_topk > kLowLatencyMaxTopk) {
+    require(false, "num_topk must be in [1, " + std::to_string(kLowLatencyMaxTopk) + "]");
+  }
   require(num_experts > 0 && num_experts % r.num_ranks == 0, "num_experts must be a positive multiple of num_ranks");
   require(phases >= 1 && phases <= (kLowLatencySend | kLowLatencyRecv), "phases must be send, recv or both");
   // A receiving launch splits a use into kUseShares shares, at least one per block.
-  require(num_sms >= 1 && static_cast<uint64_t>(num_sms) * kCombineRecvBlocksPerSm <= kUseShares,
-          "num_sms must be in [1, " + std::to_string(kUseShares / kCombineRecvBlocksPerSm) + "], got " +
-              std::to_string(num_sms));
+  if (num_sms < 1 || static_cast<uint64_t>(num_sms) * kCombineRecvBlocksPerSm > kUseShares) {
+    require(false, "num_sms must be in [1, " + std::to_string(kUseShares / kCombineRecvBlocksPerSm) + "], got " +
+                       std::to_string(num_sms));
+  }
 }
 
 // One block per unit up to the SM count: units spread over every SM before any SM takes two.
@@ -1272,9 +1263,7 @@ int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_
 
 void load_low_latency_kernels() {
   using namespace kernels;
-  gpu_load_kernels(low_latency_dispatch, low_latency_dispatch_send, low_latency_dispatch_recv,
-                   low_latency_combine<false>, low_latency_combine<true>, low_latency_combine_send,
-                   low_latency_combine_recv<false>, low_latency_combine_recv<true>);
+  gpu_load_kernels(low_latency::dispatch, low_latency::combine<false>, low_latency::combine<true>);
 }
 
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t stream) {
@@ -1293,10 +1282,19 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t st
   const int units = (a.phases & kLowLatencySend) ? std::max(a.num_tokens, a.num_experts) : a.num_sms;
   // Only the send casts into shared memory: a receive alone asks for none (no carveout to set up).
   const int64_t staging = a.use_fp8 && (a.phases & kLowLatencySend) ? kGroupsPerBlock * staging_bytes(a.hidden) : 0;
-  require(staging + static_cast<int64_t>(sizeof(GroupShared)) * kGroupsPerBlock <= kMaxSharedBytes,
-          "hidden " + std::to_string(a.hidden) + " is too large for the fp8 staging in shared memory");
-  const auto kernel = dispatch_kernel(a.phases);
-  UCCL_EP_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staging)));
+  if (staging + static_cast<int64_t>(sizeof(GroupShared)) * kGroupsPerBlock > kMaxSharedBytes) {
+    require(false, "hidden " + std::to_string(a.hidden) + " is too large for the fp8 staging in shared memory");
+  }
+  const auto kernel = low_latency::dispatch;
+  // The largest staging any launch asked for, per device (the attribute holds for every later launch).
+  static thread_local std::vector<int64_t> staging_allowed;
+  int device = 0;
+  UCCL_EP_GPU_CHECK(gpu_get_device(&device));
+  if (static_cast<int>(staging_allowed.size()) <= device) staging_allowed.resize(device + 1, 0);
+  if (staging > staging_allowed[device]) {
+    UCCL_EP_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staging)));
+    staging_allowed[device] = staging;
+  }
   kernel<<<grid_size(units, a.num_sms), kBlockThreads, staging, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
@@ -1325,7 +1323,7 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stre
     units = (a.num_tokens * chunk_rounds + kGroupsPerBlock - 1) / kGroupsPerBlock;
     max_blocks = a.num_sms * kCombineRecvBlocksPerSm;
   }
-  combine_kernel(a.phases, a.use_logfmt)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
+  (a.use_logfmt ? low_latency::combine<true> : low_latency::combine<false>)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 

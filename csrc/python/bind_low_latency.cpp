@@ -53,37 +53,53 @@ uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_
                                    outbox_release_pos};
 }
 
-void dispatch(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens,
-              int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
-              bool round_scale, bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales,
-              std::uintptr_t recv_count, std::uintptr_t src_info, std::uintptr_t layout_range,
-              std::uintptr_t positions, std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats,
-              int32_t phases, int32_t num_sms, std::uintptr_t stream) {
-  const uccl_ep::LowLatencyDispatchArgs args{
-      region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
-      num_max_tokens,  hidden,                    num_topk,                     num_experts,
-      use_fp8,         round_scale,               use_ue8m0,                    ptr<void>(recv_x),
-      ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
-      ptr<int32_t>(positions), ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
-  py::gil_scoped_release no_gil;
-  uccl_ep::launch_low_latency_dispatch(args, as_stream(stream));
-}
+// One half of the low-latency region with what every launch on it needs besides the call's own
+// arguments: the device to make current, and the state whose recorded failure stops a launch.
+// A low-latency operation (or hook) is one call of dispatch or combine: it returns the failure
+// code recorded before it (LowLatencyError; nothing launched) or 0 once the kernel is queued.
+struct LowLatencyLauncher {
+  uccl_ep::LowLatencyRegion region;
+  int device;
+  const uccl_ep::LowLatencyState* state;
 
-void combine(const uccl_ep::LowLatencyRegion& region, std::uintptr_t x, std::uintptr_t topk_idx,
-             std::uintptr_t topk_weights, std::uintptr_t src_info, std::uintptr_t layout_range,
-             std::uintptr_t positions, int32_t num_tokens,
-             int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt,
-             std::uintptr_t out, std::uintptr_t wait_cost_stats, int32_t phases, int32_t num_sms,
-             std::uintptr_t stream) {
-  const uccl_ep::LowLatencyCombineArgs args{
-      region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
-      ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), ptr<const int32_t>(positions), num_tokens,
-      num_max_tokens,
-      hidden,         num_topk,               num_experts,                  use_logfmt,
-      ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
-  py::gil_scoped_release no_gil;
-  uccl_ep::launch_low_latency_combine(args, as_stream(stream));
-}
+  int32_t dispatch(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens, int32_t num_max_tokens,
+                   int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8, bool round_scale,
+                   bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales, std::uintptr_t recv_count,
+                   std::uintptr_t src_info, std::uintptr_t layout_range, std::uintptr_t positions,
+                   std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t num_sms,
+                   std::uintptr_t stream) const {
+    const int32_t failure = state->status().code;
+    if (failure != uccl_ep::kLowLatencyOk) return failure;
+    const uccl_ep::LowLatencyDispatchArgs args{
+        region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
+        num_max_tokens,  hidden,                    num_topk,                     num_experts,
+        use_fp8,         round_scale,               use_ue8m0,                    ptr<void>(recv_x),
+        ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
+        ptr<int32_t>(positions), ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
+    py::gil_scoped_release no_gil;
+    const uccl_ep::CurrentDevice on_device(device);
+    uccl_ep::launch_low_latency_dispatch(args, as_stream(stream));
+    return uccl_ep::kLowLatencyOk;
+  }
+
+  int32_t combine(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t src_info,
+                  std::uintptr_t layout_range, std::uintptr_t positions, int32_t num_tokens, int32_t num_max_tokens,
+                  int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt, std::uintptr_t out,
+                  std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
+    const int32_t failure = state->status().code;
+    if (failure != uccl_ep::kLowLatencyOk) return failure;
+    const uccl_ep::LowLatencyCombineArgs args{
+        region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
+        ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), ptr<const int32_t>(positions), num_tokens,
+        num_max_tokens,
+        hidden,         num_topk,               num_experts,                  use_logfmt,
+        ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
+    py::gil_scoped_release no_gil;
+    const uccl_ep::CurrentDevice on_device(device);
+    uccl_ep::launch_low_latency_combine(args, as_stream(stream));
+    return uccl_ep::kLowLatencyOk;
+  }
+};
 
 }  // namespace
 
@@ -137,17 +153,21 @@ void bind_low_latency(py::module_& m) {
   m.def("low_latency_flags_per_source", &uccl_ep::low_latency_flags_per_source, py::arg("local_experts"));
   m.def("low_latency_index_per_source", &uccl_ep::low_latency_index_per_source, py::arg("local_experts"),
         py::arg("num_max_tokens"));
-  m.def("low_latency_dispatch", &dispatch, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
-        py::arg("num_tokens"), py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"),
-        py::arg("num_experts"), py::arg("use_fp8"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("recv_x"),
-        py::arg("recv_scales"), py::arg("recv_count"), py::arg("src_info"), py::arg("layout_range"),
-        py::arg("positions"), py::arg("cumulative_recv_stats"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
-        py::arg("stream"), "Enqueue the low-latency dispatch kernel (send, receive or both) on `stream`.");
-  m.def("low_latency_combine", &combine, py::arg("region"), py::arg("x"), py::arg("topk_idx"),
-        py::arg("topk_weights"), py::arg("src_info"), py::arg("layout_range"), py::arg("positions"),
-        py::arg("num_tokens"),
-        py::arg("num_max_tokens"), py::arg("hidden"), py::arg("num_topk"), py::arg("num_experts"),
-        py::arg("use_logfmt"), py::arg("out"), py::arg("wait_cost_stats"), py::arg("phases"), py::arg("num_sms"),
-        py::arg("stream"), "Enqueue the low-latency combine kernel (send, receive or both) on `stream`.");
+  py::class_<LowLatencyLauncher>(m, "LowLatencyLauncher",
+                                 "Launches the low-latency kernels on one half of the region (positional "
+                                 "arguments only: each operation is one call).")
+      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const LowLatencyState& state) {
+             return LowLatencyLauncher{region, device, &state};
+           }),
+           py::arg("region"), py::arg("device"), py::arg("state"), py::keep_alive<1, 4>())
+      .def("dispatch", &LowLatencyLauncher::dispatch,
+           "dispatch(phases, x, topk_idx, num_tokens, num_max_tokens, hidden, num_topk, num_experts, use_fp8, round_scale, "
+           "use_ue8m0, recv_x, recv_scales, recv_count, src_info, layout_range, positions, cumulative_recv_stats, "
+           "wait_cost_stats, num_sms, stream) -> the failure code recorded before (nothing launched), else "
+           "0 with the dispatch kernel (send, receive or both) queued on `stream`.")
+      .def("combine", &LowLatencyLauncher::combine,
+           "combine(phases, x, topk_idx, topk_weights, src_info, layout_range, positions, num_tokens, num_max_tokens, "
+           "hidden, num_topk, num_experts, use_logfmt, out, wait_cost_stats, num_sms, stream) -> as "
+           "dispatch, for the combine kernel.");
 }
 #endif  // UCCL_EP_WITH_CUDA

@@ -118,20 +118,18 @@ class NativeEngine:
                 proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
                                        timeout_s)
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
+                                                torch.cuda.get_device_properties(self.device).multi_processor_count,
                                                 proxy_path)
+        # The operations themselves, not wrappers: a call from the Buffer goes straight to them (the extension
+        # makes the Buffer's device current for its own calls).
+        self.low_latency_dispatch = self.low_latency.low_latency_dispatch
+        self.low_latency_combine = self.low_latency.low_latency_combine
         return {}
 
     @property
     def low_latency_buffer(self) -> Optional[torch.Tensor]:
         return None if self.low_latency is None else self.low_latency.peer_buffer.tensor
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        with torch.cuda.device(self.device):
-            return self.low_latency.low_latency_dispatch(*args, **kwargs)
-
-    def low_latency_combine(self, *args, **kwargs):
-        with torch.cuda.device(self.device):
-            return self.low_latency.low_latency_combine(*args, **kwargs)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
         num_tokens, num_topk = topk_idx.shape

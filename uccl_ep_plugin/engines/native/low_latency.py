@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ...dispatch_config import LowLatencyLayout, low_latency_layout
+from ...streams import current_stream_handle
 from ..reference.collectives import CommTimeoutError
 from ..reference.low_latency import LowLatencyDispatchResult
 from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
@@ -23,6 +24,7 @@ _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (re
 _SEND_PHASES = (3, 4)
 _RECORDS_PHASE = 6
 _TIMEOUT, _TOO_MANY_ROWS, _PROXY_STALLED = 1, 2, 3
+_FP8 = torch.float8_e4m3fn
 
 
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
@@ -57,10 +59,11 @@ def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_
 
 
 class NativeLowLatency:
-    """``proxy_path``: a ProxyPath for the peers reached through the CPU proxy, or None (all mapped)."""
+    """``num_sms``: the device's SMs; ``proxy_path``: a ProxyPath for the peers reached through the CPU proxy, or
+    None (all mapped)."""
 
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float, proxy_path=None) -> None:
+                 timeout_s: float, num_sms: int, proxy_path=None) -> None:
         self._C = extension
         self.peer_buffer = peer_buffer
         self.proxy_path = proxy_path
@@ -69,8 +72,9 @@ class NativeLowLatency:
         self.device = device
         self.timeout_s = timeout_s
         self.state = extension.LowLatencyState(device.index)
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._regions = {}   # (layout, half, mask address) -> LowLatencyRegion: built once, not per call
+        self.num_sms = num_sms   # the kernels' grid: every SM
+        self._launchers = {}   # (T, hidden, experts, half, mask address) -> LowLatencyLauncher
+        self._send, self._recv = extension.LOW_LATENCY_SEND, extension.LOW_LATENCY_RECV
 
     # ------------------------------------------------------------------ state and errors
     def check(self) -> None:
@@ -113,6 +117,7 @@ class NativeLowLatency:
         if self.proxy_path is not None:     # its transport reads the buffer: closed first
             self.proxy_path.close()
             self.proxy_path = None
+        self._launchers.clear()
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -120,12 +125,16 @@ class NativeLowLatency:
             self.peer_buffer.release()
             self.peer_buffer = None
 
-    def _region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
-        key = (layout, buffer_idx, _ptr(masked_ranks))
-        region = self._regions.get(key)
-        if region is None:
-            region = self._regions[key] = self._new_region(layout, buffer_idx, masked_ranks)
-        return region
+    def _launcher(self, num_max_tokens: int, hidden: int, num_experts: int, buffer_idx: int,
+                  masked_ranks: Optional[torch.Tensor]):
+        """The LowLatencyLauncher of one half for these sizes: built once, not per call."""
+        key = (num_max_tokens, hidden, num_experts, buffer_idx, _ptr(masked_ranks))
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
+            launcher = self._launchers[key] = self._C.LowLatencyLauncher(
+                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state)
+        return launcher
 
     def _new_region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
         proxy = dict()
@@ -147,65 +156,60 @@ class NativeLowLatency:
             masked=_ptr(masked_ranks), status=self.state.status_device,
             timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks, **proxy)
 
-    def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _launcher(self, launch: Callable[[int], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
-        """Send and receive in one kernel, or send now and return the hook that receives."""
-        send, recv = self._C.LOW_LATENCY_SEND, self._C.LOW_LATENCY_RECV
+    def _launch(self, launch: Callable[..., int], args: tuple, return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        """Send and receive in one kernel, or send now and return the hook that receives: each one call of
+        ``launch(phases, *args)``, which launches nothing when a failure was recorded before (raised here)."""
+        if self.proxy_path is not None:
+            self.proxy_path.check()
         if not return_recv_hook:
-            launch(send | recv)
+            if launch(self._send | self._recv, *args):
+                self.check()
             return None
-        launch(send)
+        if launch(self._send, *args):
+            self.check()
         received = []
 
         def hook() -> None:   # later calls do nothing, as with the reference engine
-            if not received:
+            if received:
+                return
+            if self.state is None:
+                raise RuntimeError("this Buffer was destroyed: its low-latency hooks cannot receive")
+            if self.proxy_path is not None:
+                self.proxy_path.check()
+            if launch(self._recv, *args):
                 self.check()
-                received.append(True)
-                launch(recv)
+            received.append(True)
         return hook
 
     # ------------------------------------------------------------------ operations
+    # Each launches on the caller's current stream (the Buffer makes its communication stream current for
+    # async_finish); a hook launches on the stream its operation used, as DeepEP's do.
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int, *,
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked_ranks: Optional[torch.Tensor],
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor], return_recv_hook: bool,
                              buffer_idx: int) -> LowLatencyDispatchResult:
-        self.check()
-        hidden = x.size(1)
-        layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        num_tokens, hidden = x.shape
         local_experts = num_experts // self.num_ranks
         slots = self.num_ranks * num_max_tokens
-        options = dict(device=self.device)
-        recv_x = torch.empty((local_experts, slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                             **options)
+        device = self.device
+        recv_x = torch.empty((local_experts, slots, hidden), dtype=_FP8 if use_fp8 else torch.bfloat16, device=device)
         recv_x_scales = None
         if use_fp8:
-            num_scales = hidden // CHANNELS_PER_SCALE
-            if use_ue8m0:
-                num_scales //= SCALES_PER_UE8M0_WORD
+            num_scales = hidden // (CHANNELS_PER_SCALE * SCALES_PER_UE8M0_WORD if use_ue8m0 else CHANNELS_PER_SCALE)
             recv_x_scales = torch.empty((local_experts, num_scales, slots),
-                                        dtype=torch.int32 if use_ue8m0 else torch.float32, **options).transpose(1, 2)
-        recv_count = torch.empty(local_experts, dtype=torch.int32, **options)
-        src_info = torch.empty((local_experts, slots), dtype=torch.int32, **options)
-        layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, **options)
-        positions = torch.empty((2,) + tuple(topk_idx.shape), dtype=torch.int32, **options)
-        x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        region = self._region(layout, buffer_idx, masked_ranks)
-
-        def launch(phases: int) -> None:
-            self._C.low_latency_dispatch(
-                region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=x.size(0),
-                num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, recv_x=recv_x.data_ptr(),
-                recv_scales=_ptr(recv_x_scales), recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(),
-                layout_range=layout_range.data_ptr(), positions=positions.data_ptr(),
-                cumulative_recv_stats=_ptr(cumulative_local_expert_recv_stats),
-                wait_cost_stats=_ptr(dispatch_wait_recv_cost_stats), phases=phases, num_sms=self.num_sms,
-                stream=self._stream())
-
-        hook = self._launcher(launch, return_recv_hook)
+                                        dtype=torch.int32 if use_ue8m0 else torch.float32, device=device).transpose(1, 2)
+        recv_count = torch.empty(local_experts, dtype=torch.int32, device=device)
+        src_info = torch.empty((local_experts, slots), dtype=torch.int32, device=device)
+        layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, device=device)
+        positions = torch.empty((2, num_tokens, topk_idx.size(1)), dtype=torch.int32, device=device)
+        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
+        hook = self._launch(launcher.dispatch, (
+            x.data_ptr(), topk_idx.data_ptr(), num_tokens, num_max_tokens, hidden, topk_idx.size(1), num_experts,
+            use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(), _ptr(recv_x_scales), recv_count.data_ptr(),
+            src_info.data_ptr(), layout_range.data_ptr(), positions.data_ptr(),
+            _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats), self.num_sms,
+            current_stream_handle(device)), return_recv_hook)
         return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -214,26 +218,17 @@ class NativeLowLatency:
                             masked_ranks: Optional[torch.Tensor],
                             out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor],
                             return_recv_hook: bool, buffer_idx: int):
-        self.check()
         hidden = x.size(2)
-        layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
         num_tokens = topk_idx.size(0)
-        # The Buffer checked that out (if given) is contiguous bf16 [num_tokens, hidden].
+        # The Buffer checked every tensor contiguous, and out (if given) bf16 [num_tokens, hidden].
         combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
                                                            device=self.device)
-        x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
             positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
-        region = self._region(layout, buffer_idx, masked_ranks)
-
-        def launch(phases: int) -> None:
-            self._C.low_latency_combine(
-                region=region, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
-                src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(), positions=positions.data_ptr(),
-                num_tokens=num_tokens,
-                num_max_tokens=num_max_tokens, hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
-                use_logfmt=use_logfmt, out=combined.data_ptr(), wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
-                phases=phases, num_sms=self.num_sms, stream=self._stream())
-
-        hook = self._launcher(launch, return_recv_hook)
+        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
+        hook = self._launch(launcher.combine, (
+            x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+            positions.data_ptr(), num_tokens, num_max_tokens, hidden, topk_idx.size(1), num_experts, use_logfmt,
+            combined.data_ptr(), _ptr(combine_wait_recv_cost_stats), self.num_sms,
+            current_stream_handle(self.device)), return_recv_hook)
         return combined, hook

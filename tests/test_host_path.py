@@ -1,0 +1,218 @@
+"""The host path of the native low-latency operations: each crosses into the extension once and makes a fixed
+set of torch operations, counted here on the CPU.
+
+A one-rank gloo Buffer gets a native low-latency engine whose extension is a recorder: it answers like the
+real one (no failure recorded) and notes every call made into it. A TorchDispatchMode counts the aten
+operations an operation runs. A change that adds a torch operation or a second extension call to these paths
+fails here, however fast the machine; the timings themselves are measured on GPUs (``uccl-ep bench``).
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.multiprocess import free_local_port
+
+T, H, K, E = 8, 256, 2, 8
+
+
+class RecordingExtension:
+    """Stands in for uccl_ep_plugin._C where the native low-latency engine uses it; ``calls`` counts every call
+    into it by name."""
+
+    LOW_LATENCY_SEND, LOW_LATENCY_RECV = 1, 2
+
+    def __init__(self) -> None:
+        self.calls = Counter()
+        extension = self
+
+        class State:
+            status_device = 0x1000
+
+            def control(self, half):
+                extension.calls["LowLatencyState.control"] += 1
+                return 0x2000 + 64 * half
+
+            def status(self):
+                extension.calls["LowLatencyState.status"] += 1
+                return 0, 0, 0, 0
+
+            def release(self):
+                extension.calls["LowLatencyState.release"] += 1
+
+        class Launcher:
+            def __init__(self, region, device, state):
+                extension.calls["LowLatencyLauncher"] += 1
+
+            def dispatch(self, phases, *args):
+                extension.calls[f"LowLatencyLauncher.dispatch(phases={phases})"] += 1
+                return 0
+
+            def combine(self, phases, *args):
+                extension.calls[f"LowLatencyLauncher.combine(phases={phases})"] += 1
+                return 0
+
+        self.LowLatencyLauncher = Launcher
+        self.state = State()
+
+    def LowLatencyRegion(self, **fields):  # noqa: N802 - the extension's name
+        self.calls["LowLatencyRegion"] += 1
+        return fields
+
+
+class PeerBuffer:
+    def __init__(self, num_bytes: int) -> None:
+        self.tensor = torch.zeros(num_bytes, dtype=torch.uint8)
+        self.peer_bases = 0x3000
+
+    def release(self) -> None:
+        pass
+
+
+class AtenOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_local_port()}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def native_buffer(group, monkeypatch):
+    """A low-latency Buffer whose low-latency operations run the native engine's Python over the recorder."""
+    from uccl_ep_plugin import Buffer
+    from uccl_ep_plugin.engines.native import NativeEngine
+    from uccl_ep_plugin.engines.native import low_latency as native_low_latency
+
+    monkeypatch.setattr(native_low_latency, "current_stream_handle", lambda device: 0)
+    size = Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
+    buffer = Buffer(group, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+    extension = RecordingExtension()
+    monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
+    engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its low-latency part, set up by hand
+    engine.normal = None
+    engine.low_latency = native_low_latency.NativeLowLatency(extension, PeerBuffer(size), 0, 1, torch.device("cpu"),
+                                                             5.0, 4)
+    engine.low_latency_dispatch = engine.low_latency.low_latency_dispatch
+    engine.low_latency_combine = engine.low_latency.low_latency_combine
+    buffer._native = engine
+    for operation in ("low_latency_dispatch", "low_latency_combine"):
+        buffer.engine_by_operation[operation] = "native"
+        buffer.engine_reasons.pop(operation, None)
+    yield buffer, extension
+    buffer._native = None   # its engine owns nothing real
+    buffer.destroy()
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn((T, H), generator=generator).bfloat16()
+    topk_idx = torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+    topk_weights = torch.rand((T, K), generator=generator)
+    expert_out = torch.randn((E, T, H), generator=generator).bfloat16()
+    return x, topk_idx, topk_weights, expert_out
+
+
+def _counted(extension: RecordingExtension, call):
+    """The aten operations and extension calls ``call()`` makes (after two calls that built what is kept for
+    each of the two buffer halves)."""
+    call()
+    call()
+    extension.calls.clear()
+    with AtenOps() as aten:
+        result = call()
+    return result, dict(aten.ops), dict(extension.calls)
+
+
+@pytest.mark.parametrize("use_fp8", [True, False], ids=["fp8", "bf16"])
+def test_low_latency_dispatch_is_one_extension_call(native_buffer, use_fp8):
+    buffer, extension = native_buffer
+    x, topk_idx, _, _ = _inputs()
+    result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=use_fp8))
+    assert calls == {"LowLatencyLauncher.dispatch(phases=3)": 1}
+    # recv_x, its scales (fp8: one allocation and the transpose that makes them column-major), recv_count,
+    # src_info, layout_range and the combine positions: one allocation each, nothing else.
+    expected = {"empty": 6, "transpose": 1} if use_fp8 else {"empty": 5}
+    assert ops == expected
+    recv_x = result[0][0] if use_fp8 else result[0]
+    assert recv_x.shape == (E, T, H)
+
+
+def test_low_latency_hook_is_one_extension_call_each(native_buffer):
+    buffer, extension = native_buffer
+    x, topk_idx, _, _ = _inputs()
+    _, _, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True))
+    assert calls == {"LowLatencyLauncher.dispatch(phases=1)": 1}
+    hook = buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)[4]
+    extension.calls.clear()
+    with AtenOps() as aten:
+        hook()
+        hook()   # a second call receives nothing more
+    assert dict(extension.calls) == {"LowLatencyLauncher.dispatch(phases=2)": 1}
+    assert not aten.ops
+
+
+def test_low_latency_combine_is_one_extension_call(native_buffer):
+    buffer, extension = native_buffer
+    x, topk_idx, topk_weights, expert_out = _inputs()
+    handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+    _, ops, calls = _counted(extension, lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle))
+    assert calls == {"LowLatencyLauncher.combine(phases=3)": 1}
+    assert ops == {"empty": 1}   # the combined rows
+    out = torch.empty((T, H), dtype=torch.bfloat16)
+    _, ops, calls = _counted(extension, lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
+                                                                           out=out))
+    assert calls == {"LowLatencyLauncher.combine(phases=3)": 1}
+    assert not ops
+
+
+def test_checked_signature_still_refuses_bad_input(native_buffer):
+    """The checks run once per kind of call; a call that differs in what they read is checked again."""
+    buffer, _ = native_buffer
+    x, topk_idx, _, _ = _inputs()
+    buffer.low_latency_dispatch(x, topk_idx, T, E)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        buffer.low_latency_dispatch(x.float(), topk_idx, T, E)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        buffer.low_latency_dispatch(torch.cat([x, x], 1)[:, ::2], topk_idx, T, E)
+    with pytest.raises(ValueError, match="more than num_max_dispatch_tokens_per_rank"):
+        buffer.low_latency_dispatch(torch.cat([x, x]), torch.cat([topk_idx, topk_idx]), T, E)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        buffer.low_latency_dispatch(x.tolist(), topk_idx, T, E)
+
+
+class TorchFunctions(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_operations_bypass_torch_function_modes(native_buffer):
+    """A torch-function mode (torch.set_default_device installs one) sees none of an operation's own torch
+    calls: each would cost a Python handler. The operation's calls and outputs stay the same."""
+    buffer, extension = native_buffer
+    x, topk_idx, topk_weights, expert_out = _inputs()
+    with TorchFunctions() as mode:
+        result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
+        combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, result[2])[0]
+    assert mode.calls == 0
+    assert calls == {"LowLatencyLauncher.dispatch(phases=3)": 1}
+    assert ops == {"empty": 6, "transpose": 1}
+    assert combined.shape == (T, H)
