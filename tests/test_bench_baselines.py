@@ -56,7 +56,12 @@ def test_report_shows_kernel_host_and_back_to_back_times():
     assert "(kernels 250.0 us, host 288.2 us)" in progress_line(1, 3, both)
     assert progress_line(2, 3, dict(result, host_us=None, correct=False)).endswith("412.5 us, 1.50 GB/s, WRONG")
     header, _, row = table([result]).splitlines()
-    assert "host us" in header and row.split()[-5:] == ["288.2", "1.50", "-", "-", "True"]
+    assert "host us" in header and row.split()[-6:] == ["288.2", "-", "1.50", "-", "-", "True"]
+    # The host's time per call when calls go back to back.
+    hosted = dict(result, host_back_to_back_us=95.0)
+    assert "(host 288.2 us, host back to back 95.0 us)" in progress_line(1, 3, hosted)
+    header, _, row = table([hosted]).splitlines()
+    assert "host b2b us" in header and row.split()[-6:-4] == ["288.2", "95.0"]
     # DeepEP's timing (calls back to back) beside ours, with its bandwidth.
     timed_both = dict(result, back_to_back_us=300.0, back_to_back_gbps=2.06)
     assert "(host 288.2 us, back to back 300.0 us)" in progress_line(1, 3, timed_both)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import environment, needs_gpus, rank_device, run_ranks
+from uccl_ep_plugin.engines.native.normal import DONE, NEED_OUTPUTS
 
 FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
@@ -28,7 +29,7 @@ SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
 SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"
-HOST_PREFIX = "_uccl_ep_host_prefix"   # where the native engine keeps the counts the copy engines need
+HOST_COUNTS = "_uccl_ep_host_counts"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
 RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
@@ -180,7 +181,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
     assert got[3] == want[3], f"{tag}: num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
     _assert_equal(tuple(got[4]), tuple(want[4]), f"{tag}: handle")
     # The copy engines serve exactly the dispatches whose counts reached the host (and their combines).
-    by_copy_engine = hasattr(got[4][0], HOST_PREFIX)
+    by_copy_engine = hasattr(got[4][0], HOST_COUNTS)
     assert by_copy_engine == (copy_mode == "engine" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
 
     # Cached dispatch: the handle reused, only x moves (fresh values).
@@ -209,24 +210,25 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
 
-class _PullCounter:
-    """Wraps a NormalCopyEngine, counting the copy-engine dispatches whose start_dispatch pulled the rows at once
-    (into the recv_x allocated before the count read: pulled[True]) and those it left to pull_rows."""
+class _OutputsCounter:
+    """Wraps a NormalLauncher, counting the fresh dispatches with counts on the host whose rows fit the outputs
+    allocated before the count read (moved at once: fit[True]) and those that asked for larger outputs."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.pulled = {True: 0, False: 0}
+        self.fit = {True: 0, False: 0}
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
-        if name != "start_dispatch":
+        if name != "dispatch":
             return method
 
         def counted(*args):
-            counts, by_copy_engine, pulled = method(*args)
-            if by_copy_engine:
-                self.pulled[pulled] += 1
-            return counts, by_copy_engine, pulled
+            result = method(*args)
+            num_worst_tokens, status = args[14], result[0]
+            if num_worst_tokens == 0 and status in (DONE, NEED_OUTPUTS):
+                self.fit[status == DONE] += 1
+            return result
         return counted
 
 
@@ -240,7 +242,7 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     engine = native._native.normal
-    engine.copy_engine = counter = _PullCounter(engine.copy_engine)
+    engine.launcher = counter = _OutputsCounter(engine.launcher)
     try:
         for seed, case in enumerate(CASES):
             _run_case(native, reference, case, rank, seed, device, copy_mode=copy_mode)
@@ -248,11 +250,10 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
         for seed, case in enumerate(CASES[:2], start=100):
             _run_case(native, reference, case, rank, seed, device, num_worst_tokens=case.worst_tokens() + 5,
                       copy_mode=copy_mode)
-        # The first dispatch has no recv_x ready, the large case's rows exceed the one ready, the others fit theirs.
-        if copy_mode == "engine":
-            assert counter.pulled[True] > 0 and counter.pulled[False] > 0, f"dispatches pulled at once: {counter.pulled}"
+        # The first dispatch has no outputs ready, the large case's rows exceed those ready, the others fit theirs.
+        assert counter.fit[True] > 0 and counter.fit[False] > 0, f"dispatches whose rows fit: {counter.fit}"
         # Pushed where a rank keeps out few tokens (the cases with many experts per rank), pulled elsewhere.
-        pushed = counter.inner.blocks_pushed()
+        pushed = engine.copy_engine.blocks_pushed()
         assert (pushed > 0) == (dispatch_rows == "push"), f"{pushed} blocks pushed with {DISPATCH_ROWS_ENV}={dispatch_rows!r}"
     finally:
         native.destroy()
@@ -380,38 +381,37 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
 
 
 class _FailingAllocation:
-    """Wraps a NormalCopyEngine: once, the first torch.empty after its method `after` (start_dispatch: recv_x's
-    allocation; pull_rows: the smaller outputs') raises MemoryError, as an allocator out of memory would."""
+    """Wraps a NormalLauncher: once, the first torch.empty after its dispatch asked for larger outputs (the counts
+    are read and the peers' exchange is under way) raises MemoryError, as an allocator out of memory would."""
 
-    def __init__(self, inner, after: str):
+    def __init__(self, inner):
         self.inner = inner
-        self.after = after
         self.armed = True
 
     def __getattr__(self, name):
         method = getattr(self.inner, name)
-        if name != self.after:
+        if name != "dispatch":
             return method
 
         def then_fail(*args):
             result = method(*args)
-            if self.armed:
+            if self.armed and result[0] == NEED_OUTPUTS:
                 self.armed = False
                 real_empty = torch.empty
 
                 def failing_empty(*args, **kwargs):
                     torch.empty = real_empty
-                    raise MemoryError(f"test: no memory for the dispatch's outputs after {name}")
+                    raise MemoryError("test: no memory for the dispatch's outputs")
 
                 torch.empty = failing_empty
             return result
         return then_fail
 
 
-def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> None:
-    """Rank 0 fails to allocate an output after the copy engine's `after` step: its dispatch raises, but it still
-    ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and combine on
-    every rank match the reference."""
+def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
+    """Rank 0 fails to allocate its outputs once its dispatch read the counts (the first dispatch has none ready):
+    its dispatch raises, but it still ends the exchange, so the other ranks' dispatch completes and is right; then
+    a fresh dispatch and combine on every rank match the reference."""
     device = rank_device(rank)
     torch.cuda.set_device(device)
     case = Case("failed_allocation_bf16_h2048_k4_e16", 2048, 4, 16, (300, 211))
@@ -424,13 +424,14 @@ def _failed_allocation_body(rank: int, num_ranks: int, group, after: str) -> Non
         torch.cuda.synchronize(device)
         engine = native._native.normal
         if rank == 0:
-            real_empty, real_engine = torch.empty, engine.copy_engine
-            engine.copy_engine = _FailingAllocation(real_engine, after)
+            real_empty, real_launcher = torch.empty, engine.launcher
+            engine.launcher = failing = _FailingAllocation(real_launcher)
             try:
-                with pytest.raises(MemoryError, match=f"after {after}"):
+                with pytest.raises(MemoryError, match="no memory for the dispatch's outputs"):
                     _dispatch(native, x, layout, topk_idx, topk_weights, case)
+                assert not failing.armed, "the dispatch had outputs ready: nothing was tested"
             finally:
-                torch.empty, engine.copy_engine = real_empty, real_engine
+                torch.empty, engine.launcher = real_empty, real_launcher
         else:
             got = _dispatch(native, x, layout, topk_idx, topk_weights, case)
             for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
@@ -512,8 +513,15 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
         # The notify exchange alone, as the dispatch would launch it (the same settings), then nothing.
         engine = native._native.normal
         num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank = layout
-        args, _ = engine._layout_and_notify(is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                                            case.num_sms // 2, case.expert_alignment, 0)
+        num_tokens, num_channels = case.num_tokens(rank), case.num_sms // 2
+        local_experts = case.num_experts // num_ranks
+        _, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix) = \
+            engine.handle_tensors(num_tokens, num_channels, local_experts)
+        args = engine._C.NormalLayoutNotifyArgs(
+            engine.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
+            num_tokens_per_expert.data_ptr(), num_channels, local_experts, case.expert_alignment, 0,
+            send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), rank_prefix_matrix.data_ptr(),
+            recv_channel_prefix_matrix.data_ptr(), rank_prefix_matrix.data_ptr() + 4 * num_ranks * num_ranks)
         args.pull_chunks = engine.copy_engine.pull_chunks(case.num_sms // 2)   # as if a gather followed
         engine._C.normal_layout_and_notify(args, torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)
@@ -614,9 +622,8 @@ def test_native_normal_stream_semantics():
     run_ranks(RANKS, _streams_body, backend="nccl")
 
 
-@pytest.mark.parametrize("after", ["start_dispatch", "pull_rows"])
-def test_native_normal_failed_allocation_ends_the_exchange(after):
-    run_ranks(RANKS, _failed_allocation_body, backend="nccl", after=after)
+def test_native_normal_failed_allocation_ends_the_exchange():
+    run_ranks(RANKS, _failed_allocation_body, backend="nccl")
 
 
 def test_native_normal_missing_peer_raises():

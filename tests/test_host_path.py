@@ -1,13 +1,15 @@
-"""The host path of the native low-latency operations: each crosses into the extension once and makes a fixed
-set of torch operations, counted here on the CPU.
+"""The host path of the native operations: each crosses into the extension once and makes a fixed set of torch
+operations, counted here on the CPU.
 
-A one-rank gloo Buffer gets a native low-latency engine whose extension is a recorder: it answers like the
-real one (no failure recorded) and notes every call made into it. A TorchDispatchMode counts the aten
+A one-rank gloo Buffer gets a native engine (low-latency or normal mode) whose extension is a recorder: it
+answers like the real one (no failure recorded; a normal dispatch receives every token) and notes every call
+made into it. A TorchDispatchMode counts the aten
 operations an operation runs. A change that adds a torch operation or a second extension call to these paths
 fails here, however fast the machine; the timings themselves are measured on GPUs (``uccl-ep bench``).
 """
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,10 +66,60 @@ class RecordingExtension:
         return fields
 
 
+class NormalRecordingExtension(RecordingExtension):
+    """Also stands in where the native normal mode uses the extension. Its launcher's dispatch receives all of a
+    one-rank dispatch's tokens and asks for larger outputs when they do not fit (NEED_OUTPUTS), as the real one."""
+
+    NORMAL_CONTROL_BYTES = 4096
+    NORMAL_SM_PUSH_PERCENT = NORMAL_SM_PULL_PERCENT = NORMAL_COMBINE_CHUNKS = 0
+    NORMAL_PULL_CHUNKS, NORMAL_MAX_CHUNKS, NORMAL_MAX_COMBINE_RANKS = 3, 63, 32
+    NormalOwnRows = SimpleNamespace(__members__={"auto": 0, "engine": 1, "sm": 2})
+    DONE, NEED_OUTPUTS = 0, 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        extension = self
+
+        class NormalLauncher:
+            def __init__(self, *args):
+                extension.calls["NormalLauncher"] += 1
+
+            def dispatch(self, *args):
+                extension.calls["NormalLauncher.dispatch"] += 1
+                num_tokens, capacity = args[8], args[22]
+                status = extension.DONE if num_tokens <= capacity else extension.NEED_OUTPUTS
+                return status, num_tokens, [num_tokens] * E, object(), ""
+
+            def finish_dispatch(self, *args):
+                extension.calls["NormalLauncher.finish_dispatch"] += 1
+
+            def cached_dispatch(self, *args):
+                extension.calls["NormalLauncher.cached_dispatch"] += 1
+                return extension.DONE
+
+            def combine(self, *args):
+                extension.calls["NormalLauncher.combine"] += 1
+                return extension.DONE
+
+        self.NormalLauncher = NormalLauncher
+
+    def NormalRegion(self, **fields):  # noqa: N802 - the extension's name
+        self.calls["NormalRegion"] += 1
+        return fields
+
+    def NormalCopyEngine(self, *args, **kwargs):  # noqa: N802 - the extension's name
+        self.calls["NormalCopyEngine"] += 1
+        return SimpleNamespace(release=lambda: None)
+
+    def dispatch_layout(self, *args):
+        self.calls["dispatch_layout"] += 1
+
+
 class PeerBuffer:
     def __init__(self, num_bytes: int) -> None:
         self.tensor = torch.zeros(num_bytes, dtype=torch.uint8)
         self.peer_bases = 0x3000
+        self.memory = SimpleNamespace(peer_base=lambda rank: 0x3000)
 
     def release(self) -> None:
         pass
@@ -97,7 +149,6 @@ def native_buffer(group, monkeypatch):
     from uccl_ep_plugin.engines.native import NativeEngine
     from uccl_ep_plugin.engines.native import low_latency as native_low_latency
 
-    monkeypatch.setattr(native_low_latency, "current_stream_handle", lambda device: 0)
     size = Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
     buffer = Buffer(group, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
     extension = RecordingExtension()
@@ -216,3 +267,107 @@ def test_operations_bypass_torch_function_modes(native_buffer):
     assert calls == {"LowLatencyLauncher.dispatch(phases=3)": 1}
     assert ops == {"empty": 6, "transpose": 1}
     assert combined.shape == (T, H)
+
+
+@pytest.fixture
+def normal_buffer(group, monkeypatch):
+    """A Buffer whose normal-mode operations run the native engine's Python over the recorder."""
+    from uccl_ep_plugin import Buffer
+    from uccl_ep_plugin.engines.native import NativeEngine
+    from uccl_ep_plugin.engines.native.normal import NativeNormal
+
+    size = 1 << 20
+    buffer = Buffer(group, num_nvl_bytes=size, explicitly_destroy=True)
+    extension = NormalRecordingExtension()
+    monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
+    engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its normal part, set up by hand
+    engine._C, engine.num_ranks, engine.device, engine.low_latency = extension, 1, torch.device("cpu"), None
+    engine.normal = NativeNormal(extension, PeerBuffer(size), 0, 1, torch.device("cpu"), 5.0)
+    engine.dispatch, engine.combine = engine.normal.dispatch, engine.normal.combine
+    buffer._native = engine
+    for operation in ("get_dispatch_layout", "dispatch", "combine"):
+        buffer.engine_by_operation[operation] = "native"
+        buffer.engine_reasons.pop(operation, None)
+    yield buffer, extension
+    buffer._native = None   # its engine owns nothing real
+    buffer.destroy()
+
+
+def _layout(buffer):
+    x, topk_idx, topk_weights, _ = _inputs()
+    per_rank = torch.tensor([T], dtype=torch.int32)
+    per_expert = torch.full((E,), T * K // E, dtype=torch.int32)
+    return x, topk_idx, topk_weights, dict(num_tokens_per_rank=per_rank, is_token_in_rank=torch.ones((T, 1), dtype=torch.bool),
+                                           num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+
+def test_get_dispatch_layout_is_one_extension_call(normal_buffer):
+    buffer, extension = normal_buffer
+    _, topk_idx, _, _ = _inputs()
+    result, ops, calls = _counted(extension, lambda: buffer.get_dispatch_layout(topk_idx, E))
+    assert calls == {"dispatch_layout": 1}
+    assert ops == {"empty": 3}   # num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+    assert result[1] is None and result[3].shape == (T, 1)
+
+
+# What a dispatch's handle takes: one int32 allocation, split into five, four views and rank_prefix_matrix's
+# slice and view.
+_HANDLE_OPS = {"empty": 1, "split_with_sizes": 1, "view": 5, "slice": 1}
+
+
+@pytest.mark.parametrize("use_fp8", [True, False], ids=["fp8", "bf16"])
+def test_normal_dispatch_is_one_extension_call(normal_buffer, use_fp8):
+    buffer, extension = normal_buffer
+    x, _, _, layout = _layout(buffer)
+    payload = (x.to(torch.float8_e4m3fn), torch.rand((T, H // 128))) if use_fp8 else x
+    result, ops, calls = _counted(extension, lambda: buffer.dispatch(payload, **layout))
+    assert calls == {"NormalLauncher.dispatch": 1}
+    # recv_x, its scales (fp8), recv_topk_idx, recv_topk_weights and recv_src_idx, allocated before the counts
+    # are known for more rows than last time, then cut to the rows received.
+    outputs = 5 if use_fp8 else 4
+    expected = Counter(_HANDLE_OPS) + Counter({"empty": outputs, "slice": outputs})
+    assert ops == dict(expected)
+    recv_x = result[0][0] if use_fp8 else result[0]
+    assert recv_x.shape == (T, H) and result[3] == [T] * E
+
+
+def test_normal_dispatch_asks_for_larger_outputs_once(normal_buffer):
+    """The first dispatch has no outputs ready (nothing received yet): the launcher asks for them, a second call."""
+    buffer, extension = normal_buffer
+    x, _, _, layout = _layout(buffer)
+    buffer.dispatch(x, **layout)
+    assert extension.calls["NormalLauncher.dispatch"] == extension.calls["NormalLauncher.finish_dispatch"] == 1
+    extension.calls.clear()
+    buffer.dispatch(x, **layout)
+    assert dict(extension.calls) == {"NormalLauncher.dispatch": 1}
+
+
+def test_cached_dispatch_and_combine_are_one_extension_call_each(normal_buffer):
+    buffer, extension = normal_buffer
+    x, _, _, layout = _layout(buffer)
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, **layout)
+    _, ops, calls = _counted(extension, lambda: buffer.dispatch(x, handle=handle))
+    assert calls == {"NormalLauncher.cached_dispatch": 1}
+    assert ops == {"empty": 1}   # recv_x
+    _, ops, calls = _counted(extension, lambda: buffer.combine(recv_x, handle, recv_weights))
+    assert calls == {"NormalLauncher.combine": 1}
+    assert ops == {"empty": 2}   # combined_x and combined_topk_weights
+    _, ops, calls = _counted(extension, lambda: buffer.combine(recv_x, handle))
+    assert calls == {"NormalLauncher.combine": 1}
+    assert ops == {"empty": 1}
+
+
+def test_normal_checked_signature_still_refuses_bad_input(normal_buffer):
+    buffer, _ = normal_buffer
+    x, _, _, layout = _layout(buffer)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        buffer.dispatch(x.float(), **layout)
+    with pytest.raises(ValueError, match="is_token_in_rank must have shape"):
+        buffer.dispatch(x, **{**layout, "is_token_in_rank": torch.ones((T + 1, 1), dtype=torch.bool)})
+    with pytest.raises(ValueError, match="x has 16 tokens but the handle was made for 8"):
+        buffer.dispatch(torch.cat([x, x]), handle=handle)
+    with pytest.raises(ValueError, match="x must have shape"):
+        buffer.combine(recv_x[1:], handle)
+    with pytest.raises(ValueError, match=r"bias\[0\] must have shape"):
+        buffer.combine(recv_x, handle, bias=recv_x[:, 1:].contiguous())

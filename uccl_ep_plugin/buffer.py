@@ -22,7 +22,7 @@ from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
-from .streams import CommStream, StreamScope
+from .streams import CommStream, StreamScope, current_stream_handle
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights,
@@ -398,6 +398,14 @@ class Buffer:
             raise ValueError(f"{name} was produced by a different Buffer; pass the handle returned by this Buffer")
 
     # ------------------------------------------------------------------ normal mode
+    def _plain_call(self, engine, previous_event, async_finish, allocate_on_comm_stream) -> bool:
+        """Whether a normal-mode call runs straight on the caller's stream: the native engine's, with no event to
+        wait for or to return and no traffic counters. The caller sees DeepEP's order (there the communication
+        stream waits for the caller's stream, and the caller's stream for it before the call returns) without
+        the two waits."""
+        return (engine is self._native and previous_event is None and async_finish is False and
+                allocate_on_comm_stream is False and self._traffic is None)
+
     @_without_torch_function
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -409,9 +417,15 @@ class Buffer:
         node, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
         """
         engine = self._engine_for("get_dispatch_layout")
-        check_num_experts(num_experts, self.group_size)
-        self._check_topk_idx(engine, topk_idx, num_experts)
-        check_same_device(self.device, topk_idx=topk_idx)
+        call = ("get_dispatch_layout", tensor_signature(topk_idx), num_experts)
+        if call not in self._checked_calls:
+            check_num_experts(num_experts, self.group_size)
+            self._check_topk_idx(engine, topk_idx, num_experts)
+            check_same_device(self.device, topk_idx=topk_idx)
+            self._checked(call, engine)
+        if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
+            return engine.get_dispatch_layout(topk_idx, num_experts, current_stream_handle(self.device)) + (
+                EventOverlap(),)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
                                                                                       scope.launch_stream)
@@ -440,43 +454,51 @@ class Buffer:
         many rows (padding has topk_idx -1) and an empty count list.
         """
         engine = self._engine_for("dispatch")
-        x_data, x_scales = self._check_dispatch_x(x)
-        num_tokens = x_data.size(0)
-        check_int("expert_alignment", expert_alignment, minimum=1)
-        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        call = ("dispatch", tensor_signature(x), handle is None, tensor_signature(num_tokens_per_rank),
+                tensor_signature(is_token_in_rank), tensor_signature(num_tokens_per_expert),
+                tensor_signature(topk_idx), tensor_signature(topk_weights), expert_alignment, num_worst_tokens)
+        if call not in self._checked_calls:
+            self._check_dispatch(engine, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                 topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+            self._checked(call, engine)
+        x_data, x_scales = x if type(x) is tuple else (x, None)
         config = self._check_config(config, self.get_dispatch_config)
         cached = None
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("topk_idx and topk_weights must be None for a cached dispatch (handle given)")
             cached = self._check_normal_handle(handle)
-            if cached[4].size(0) != num_tokens:
-                raise ValueError(f"x has {num_tokens} tokens but the handle was made for {cached[4].size(0)}")
+            if cached[4].size(0) != x_data.size(0):
+                raise ValueError(f"x has {x_data.size(0)} tokens but the handle was made for {cached[4].size(0)}")
             is_token_in_rank = cached[4]
-        else:
-            r = self.group_size
-            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-                raise ValueError("dispatch without handle needs num_tokens_per_rank, is_token_in_rank and "
-                                 "num_tokens_per_expert (from get_dispatch_layout)")
-            check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), shape=(r,))
-            check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), shape=(num_tokens, r))
-            check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), dim=1)
-            num_experts = check_num_experts(num_tokens_per_expert.numel(), r, name="num_tokens_per_expert's length")
-            if (topk_idx is None) != (topk_weights is None):
-                raise ValueError("topk_idx and topk_weights must be given together")
-            if topk_idx is not None:
-                self._check_topk_idx(engine, topk_idx, num_experts, num_tokens)
-                check_topk_weights(topk_weights, topk_idx)
-            elif num_worst_tokens > 0:
-                raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
-            check_same_device(self.device, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-                              num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
-        if cached is not None:
             engine = self._engine_serving(handle, engine)
         arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                          expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                          num_channels=config.num_channels, cached_handle=cached)
+        result = None
+        if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
+            if x_scales is not None and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
+                x_scales = x_scales.contiguous()
+            try:
+                result = engine.dispatch(x_data, x_scales, stream=current_stream_handle(self.device), **arguments)
+                event = EventOverlap()
+            except ExchangeTooLarge as error:
+                # Every rank raises alike, before any row moved: the reference engine serves this call.
+                self._warn_normal_fallback(error)
+                engine = self._reference
+        if result is None:
+            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, previous_event,
+                                                            async_finish, allocate_on_comm_stream)
+        recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
+        if cached is not None:
+            return recv_x, None, None, None, None, event
+        new_handle = NormalHandle(result.handle, self._owner_id)
+        new_handle.served_by = engine.name
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                new_handle, event)
+
+    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, previous_event, async_finish,
+                           allocate_on_comm_stream):
+        """A dispatch on the communication stream (DeepEP's stream discipline): ``(result, engine, event)``."""
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             arguments["stream"] = scope.launch_stream
             if x_scales is not None and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
@@ -490,17 +512,40 @@ class Buffer:
                 engine = self._reference
                 result = engine.dispatch(x_data, x_scales, **arguments)
             if self._traffic is not None:
-                self._traffic.add_dispatch(is_token_in_rank, result.handle[0])
+                self._traffic.add_dispatch(arguments["is_token_in_rank"], result.handle[0])
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights) + result.handle
-        event = scope.finish(outputs, inputs=(x_data, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                              is_token_in_rank, num_tokens_per_expert))
-        recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
-        if cached is not None:
-            return recv_x, None, None, None, None, event
-        new_handle = NormalHandle(result.handle, self._owner_id)
-        new_handle.served_by = engine.name
-        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                new_handle, event)
+        event = scope.finish(outputs, inputs=(x_data, x_scales, arguments["topk_idx"], arguments["topk_weights"],
+                                              arguments["num_tokens_per_rank"], arguments["is_token_in_rank"],
+                                              arguments["num_tokens_per_expert"]))
+        return result, engine, event
+
+    def _check_dispatch(self, engine, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                        topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> None:
+        x_data, _ = self._check_dispatch_x(x)
+        num_tokens = x_data.size(0)
+        check_int("expert_alignment", expert_alignment, minimum=1)
+        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("topk_idx and topk_weights must be None for a cached dispatch (handle given)")
+            return
+        r = self.group_size
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch without handle needs num_tokens_per_rank, is_token_in_rank and "
+                             "num_tokens_per_expert (from get_dispatch_layout)")
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), shape=(r,))
+        check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), shape=(num_tokens, r))
+        check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), dim=1)
+        num_experts = check_num_experts(num_tokens_per_expert.numel(), r, name="num_tokens_per_expert's length")
+        if (topk_idx is None) != (topk_weights is None):
+            raise ValueError("topk_idx and topk_weights must be given together")
+        if topk_idx is not None:
+            self._check_topk_idx(engine, topk_idx, num_experts, num_tokens)
+            check_topk_weights(topk_weights, topk_idx)
+        elif num_worst_tokens > 0:
+            raise ValueError("num_worst_tokens > 0 requires topk_idx and topk_weights")
+        check_same_device(self.device, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     @_without_torch_function
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
@@ -516,13 +561,22 @@ class Buffer:
         engine = self._engine_serving(handle, self._engine_for("combine"))
         parts = self._check_normal_handle(handle)
         num_rows, num_tokens = parts[3].size(0), parts[4].size(0)
-        check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))
-        check_hidden("x", x.size(1), x.element_size())
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
-        biases = self._check_bias(bias, num_tokens, x.size(1))
+        call = ("combine", tensor_signature(x), tensor_signature(topk_weights), tensor_signature(bias), num_rows,
+                num_tokens)
+        if call not in self._checked_calls:
+            check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))
+            check_hidden("x", x.size(1), x.element_size())
+            if topk_weights is not None:
+                check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
+            self._check_bias(bias, num_tokens, x.size(1))
+            check_same_device(self.device, x=x, topk_weights=topk_weights)
+            self._checked(call, engine)
+        biases = [] if bias is None else list(bias) if type(bias) is tuple else [bias]
         config = self._check_config(config, self.get_combine_config)
-        check_same_device(self.device, x=x, topk_weights=topk_weights)
+        if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
+            combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
+                                                               current_stream_handle(self.device))
+            return combined_x, combined_topk_weights, EventOverlap()
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels,
@@ -801,16 +855,15 @@ class Buffer:
             raise TypeError(f"config must be a uccl_ep_plugin.Config, got {type(config).__name__}")
         return config
 
-    def _check_bias(self, bias, num_tokens: int, hidden: int) -> List[torch.Tensor]:
+    def _check_bias(self, bias, num_tokens: int, hidden: int) -> None:
         if bias is None:
-            return []
+            return
         biases = list(bias) if isinstance(bias, tuple) else [bias]
         if len(biases) > 2:
             raise ValueError(f"bias must be a tensor or a tuple of at most 2 tensors, got {len(biases)}")
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, (torch.bfloat16,), shape=(num_tokens, hidden))
             check_same_device(self.device, **{f"bias[{i}]": b})
-        return biases
 
     def _made_here(self, handle, kind: type) -> bool:
         """Whether ``handle`` is one this Buffer's dispatch returned, as built (its items were checked then)."""

@@ -34,8 +34,8 @@ _current_raw_stream = _raw_stream_accessor()
 
 
 def current_stream_handle(device: torch.device) -> int:
-    """The handle (an integer) of the current CUDA stream of ``device``, which kernels launch on."""
-    return _current_raw_stream(device.index)
+    """The handle (an integer) of the current CUDA stream of ``device``, which kernels launch on (0 off CUDA)."""
+    return _current_raw_stream(device.index) if device.type == "cuda" else 0
 
 
 class CommStream:

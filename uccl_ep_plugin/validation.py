@@ -37,10 +37,13 @@ def check_tensor(name: str, tensor, dtypes: Iterable[torch.dtype], dim: Optional
 
 def tensor_signature(tensor):
     """What the checks read of a tensor argument (shape, dtype, device, contiguity), as a hashable value: a call
-    whose arguments have the signatures of a call that passed the checks passes them too. None stays None;
-    anything else gets a value equal to nothing, so such a call is always checked (and refused)."""
+    whose arguments have the signatures of a call that passed the checks passes them too. None stays None, a
+    tuple (e.g. fp8 data and scales) gets its items' signatures; anything else gets a value equal to nothing, so
+    such a call is always checked (and refused)."""
     if isinstance(tensor, torch.Tensor):
         return tensor.shape, tensor.dtype, tensor.device, tensor.is_contiguous()
+    if type(tensor) is tuple:
+        return tuple(map(tensor_signature, tensor))
     return None if tensor is None else object()
 
 

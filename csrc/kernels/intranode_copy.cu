@@ -702,7 +702,10 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   launch_normal_layout_and_notify(layout, to_host, stream);
   UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
   if (gather != nullptr) dispatch_send(*gather, chunks, push, stream);  // runs while the host waits
+  const auto wait_begin = std::chrono::steady_clock::now();
   const uint64_t notify_epoch = wait_for_notify(region, epoch_index);
+  last_count_wait_ns_ =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - wait_begin).count();
   NormalDispatchStart start;
   if (notify_epoch == kNormalNotifyFailed) {  // recorded on the device: the caller raises it
     start.counts.assign(prefix_size + notify.num_local_experts, 0);

@@ -113,6 +113,8 @@ class NormalCopyEngine {
   bool pushes_rows() const { return push_rows_ && stream_waits_; }
   // How many blocks of rows (one per peer and dispatch) its dispatches have pushed so far.
   int64_t blocks_pushed() const { return blocks_pushed_; }
+  // How long the last start_dispatch waited for the counts to reach the host (the peers' notify).
+  int64_t last_count_wait_ns() const { return last_count_wait_ns_; }
   // A whole dispatch (a cached one: its counts are known on the host already).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 gpuStream_t stream);
@@ -165,6 +167,7 @@ class NormalCopyEngine {
   int sm_push_percent_;
   NormalOwnRows own_rows_;
   bool push_rows_;
+  int64_t last_count_wait_ns_ = 0;
   bool stream_waits_ = false;  // the device supports them; else every pull waits for the whole block
   std::vector<std::uintptr_t> peer_bases_;
   // What pull_rows needs to pull chunk by chunk, from the last start_dispatch (cleared once used).

@@ -1,11 +1,12 @@
-// Python bindings of the NVLink normal-mode path: NormalRegion, the notify, dispatch and combine
-// launchers (csrc/kernels/intranode.h) and the copy-engine path (intranode_copy.h). Pointers and
-// streams are plain integers; 0 is null.
+// Python bindings of the NVLink normal-mode path: NormalRegion, the copy engines (intranode_copy.h)
+// and NormalLauncher (intranode_launcher.h), which makes each operation one call, plus the layout
+// facts tests check. Pointers and streams are plain integers; 0 is null.
 #if defined(UCCL_EP_WITH_CUDA)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -13,6 +14,8 @@
 #include "common/require.h"
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
+#include "kernels/intranode_launcher.h"
+#include "kernels/low_latency_state.h"
 #include "python/arguments.h"
 
 namespace py = pybind11;
@@ -28,8 +31,8 @@ uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t cont
                                ptr<uccl_ep::LowLatencyStatus>(status), data_bytes, timeout_ns, rank, num_ranks};
 }
 
-// A dispatch's send layout and notify arguments, built once per dispatch and handed to
-// normal_layout_and_notify or NormalCopyEngine.start_dispatch.
+// A dispatch's send layout and notify on their own, for normal_layout_and_notify: the first half of a
+// dispatch without its rows (a test's peer that never sends them).
 struct LayoutNotifyArgs {
   uccl_ep::NormalSendLayoutArgs layout;
   uccl_ep::NormalNotifyArgs notify;
@@ -64,57 +67,121 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     false}};  // push_rows: start_dispatch sets it
 }
 
-uccl_ep::NormalDispatchArgs dispatch_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int64_t x_row_bytes,
-                                          std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t topk_idx,
-                                          std::uintptr_t topk_weights, int32_t num_topk, int32_t num_local_experts,
-                                          std::uintptr_t send_pos, std::uintptr_t rank_prefix_matrix,
-                                          int32_t num_tokens, int32_t num_rows_out, std::uintptr_t recv_x,
-                                          std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx,
-                                          std::uintptr_t recv_topk_weights, std::uintptr_t recv_src_idx,
-                                          int32_t num_sms) {
-  return uccl_ep::NormalDispatchArgs{region,
-                                     ptr<const void>(x),
-                                     x_row_bytes,
-                                     ptr<const void>(x_scales),
-                                     scale_row_bytes,
-                                     ptr<const int64_t>(topk_idx),
-                                     ptr<const float>(topk_weights),
-                                     num_topk,
-                                     num_local_experts,
-                                     ptr<const int32_t>(send_pos),
-                                     ptr<const int32_t>(rank_prefix_matrix),
-                                     num_tokens,
-                                     num_rows_out,
-                                     ptr<void>(recv_x),
-                                     ptr<void>(recv_x_scales),
-                                     ptr<int64_t>(recv_topk_idx),
-                                     ptr<float>(recv_topk_weights),
-                                     ptr<int32_t>(recv_src_idx),
-                                     num_sms};
-}
+// The launcher's calls: positional arguments only (each is one call of a Buffer operation), pointers and
+// streams as integers, and the GIL released while the launcher works (a dispatch waits for its counts).
+struct NormalLauncherCalls {
+  static py::tuple dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
+                            std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t topk_idx,
+                            std::uintptr_t topk_weights, int32_t num_topk, std::uintptr_t is_token_in_rank,
+                            int32_t num_tokens, std::uintptr_t num_tokens_per_rank,
+                            std::uintptr_t num_tokens_per_expert, int32_t num_local_experts, int32_t num_channels,
+                            int32_t expert_alignment, int32_t num_worst_tokens, std::uintptr_t handle_ints,
+                            int64_t combine_row_bytes, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
+                            std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
+                            std::uintptr_t recv_src_idx, int64_t capacity_rows, std::uintptr_t stream) {
+    const uccl_ep::NormalDispatchRequest request{ptr<const void>(x),
+                                                 x_row_bytes,
+                                                 ptr<const void>(x_scales),
+                                                 scale_row_bytes,
+                                                 ptr<const int64_t>(topk_idx),
+                                                 ptr<const float>(topk_weights),
+                                                 num_topk,
+                                                 ptr<const bool>(is_token_in_rank),
+                                                 num_tokens,
+                                                 ptr<const int32_t>(num_tokens_per_rank),
+                                                 ptr<const int32_t>(num_tokens_per_expert),
+                                                 num_local_experts,
+                                                 num_channels,
+                                                 expert_alignment,
+                                                 num_worst_tokens,
+                                                 ptr<int32_t>(handle_ints),
+                                                 combine_row_bytes};
+    const uccl_ep::NormalDispatchOutputs outputs = dispatch_outputs(recv_x, recv_x_scales, recv_topk_idx,
+                                                                    recv_topk_weights, recv_src_idx, capacity_rows);
+    uccl_ep::NormalDispatchResult result;
+    {
+      py::gil_scoped_release no_gil;
+      result = self.dispatch(request, outputs, as_stream(stream));
+    }
+    py::object host_counts =
+        result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
+    return py::make_tuple(static_cast<int32_t>(result.status), result.rows, py::cast(result.expert_counts),
+                          host_counts, result.too_large);
+  }
 
-uccl_ep::NormalCombineArgs combine_args(const uccl_ep::NormalRegion& region, std::uintptr_t x, int32_t num_rows,
-                                        int32_t hidden, std::uintptr_t topk_weights, int32_t num_topk,
-                                        std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank,
-                                        std::uintptr_t send_pos, int32_t num_tokens, std::uintptr_t bias0,
-                                        std::uintptr_t bias1, std::uintptr_t combined_x,
-                                        std::uintptr_t combined_topk_weights, int32_t num_sms) {
-  return uccl_ep::NormalCombineArgs{region,
-                                    ptr<const void>(x),
-                                    num_rows,
-                                    hidden,
-                                    ptr<const float>(topk_weights),
-                                    num_topk,
-                                    ptr<const int32_t>(rank_prefix_matrix),
-                                    ptr<const bool>(is_token_in_rank),
-                                    ptr<const int32_t>(send_pos),
-                                    num_tokens,
-                                    ptr<const void>(bias0),
-                                    ptr<const void>(bias1),
-                                    ptr<void>(combined_x),
-                                    ptr<float>(combined_topk_weights),
-                                    num_sms};
-}
+  static void finish_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
+                              std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
+                              std::uintptr_t recv_src_idx, int64_t capacity_rows, std::uintptr_t stream) {
+    const uccl_ep::NormalDispatchOutputs outputs = dispatch_outputs(recv_x, recv_x_scales, recv_topk_idx,
+                                                                    recv_topk_weights, recv_src_idx, capacity_rows);
+    py::gil_scoped_release no_gil;
+    self.finish_dispatch(outputs, as_stream(stream));
+  }
+
+  static int32_t cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
+                                 std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t send_pos,
+                                 std::uintptr_t rank_prefix_matrix, int32_t num_tokens, int32_t num_rows_out,
+                                 std::uintptr_t recv_x, std::uintptr_t recv_x_scales, int32_t num_channels,
+                                 int64_t combine_row_bytes, const uccl_ep::NormalHostCounts* host_counts,
+                                 std::uintptr_t stream) {
+    const uccl_ep::NormalDispatchArgs args{self.region(),
+                                           ptr<const void>(x),
+                                           x_row_bytes,
+                                           ptr<const void>(x_scales),
+                                           scale_row_bytes,
+                                           nullptr,  // no top-k: a cached dispatch moves x (and its scales)
+                                           nullptr,
+                                           0,
+                                           0,
+                                           ptr<const int32_t>(send_pos),
+                                           ptr<const int32_t>(rank_prefix_matrix),
+                                           num_tokens,
+                                           num_rows_out,
+                                           ptr<void>(recv_x),
+                                           ptr<void>(recv_x_scales),
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,  // the handle keeps its recv_src_idx
+                                           2 * num_channels};
+    py::gil_scoped_release no_gil;
+    return static_cast<int32_t>(self.cached_dispatch(args, combine_row_bytes, host_counts, as_stream(stream)));
+  }
+
+  static int32_t combine(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t num_rows, int32_t hidden,
+                         std::uintptr_t topk_weights, int32_t num_topk, std::uintptr_t rank_prefix_matrix,
+                         std::uintptr_t is_token_in_rank, std::uintptr_t send_pos, int32_t num_tokens,
+                         std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
+                         std::uintptr_t combined_topk_weights, int32_t num_channels,
+                         const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream) {
+    const uccl_ep::NormalCombineArgs args{self.region(),
+                                          ptr<const void>(x),
+                                          num_rows,
+                                          hidden,
+                                          ptr<const float>(topk_weights),
+                                          num_topk,
+                                          ptr<const int32_t>(rank_prefix_matrix),
+                                          ptr<const bool>(is_token_in_rank),
+                                          ptr<const int32_t>(send_pos),
+                                          num_tokens,
+                                          ptr<const void>(bias0),
+                                          ptr<const void>(bias1),
+                                          ptr<void>(combined_x),
+                                          ptr<float>(combined_topk_weights),
+                                          2 * num_channels};
+    py::gil_scoped_release no_gil;
+    return static_cast<int32_t>(self.combine(args, host_counts, as_stream(stream)));
+  }
+
+ private:
+  static uccl_ep::NormalDispatchOutputs dispatch_outputs(std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
+                                                         std::uintptr_t recv_topk_idx,
+                                                         std::uintptr_t recv_topk_weights,
+                                                         std::uintptr_t recv_src_idx, int64_t capacity_rows) {
+    return uccl_ep::NormalDispatchOutputs{ptr<void>(recv_x),           ptr<void>(recv_x_scales),
+                                          ptr<int64_t>(recv_topk_idx), ptr<float>(recv_topk_weights),
+                                          ptr<int32_t>(recv_src_idx),  capacity_rows};
+  }
+};
 
 }  // namespace
 
@@ -232,48 +299,6 @@ void bind_normal(py::module_& m) {
       },
       py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
       "Enqueue a dispatch's send layout and notify exchange on `stream`.");
-  py::class_<uccl_ep::NormalDispatchArgs>(m, "NormalDispatchArgs", "One normal-mode dispatch (pointers as integers).")
-      .def(py::init(&dispatch_args), py::arg("region"), py::arg("x"), py::arg("x_row_bytes"), py::arg("x_scales"),
-           py::arg("scale_row_bytes"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_topk"),
-           py::arg("num_local_experts"), py::arg("send_pos"), py::arg("rank_prefix_matrix"), py::arg("num_tokens"),
-           py::arg("num_rows_out"), py::arg("recv_x"), py::arg("recv_x_scales"), py::arg("recv_topk_idx"),
-           py::arg("recv_topk_weights"), py::arg("recv_src_idx"), py::arg("num_sms"))
-      .def(
-          "with_outputs",
-          [](const uccl_ep::NormalDispatchArgs& args, int32_t num_rows_out, std::uintptr_t recv_x,
-             std::uintptr_t recv_x_scales, std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
-             std::uintptr_t recv_src_idx) {
-            uccl_ep::NormalDispatchArgs out = args;
-            out.num_rows_out = num_rows_out;
-            out.recv_x = ptr<void>(recv_x);
-            out.recv_x_scales = ptr<void>(recv_x_scales);
-            out.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
-            out.recv_topk_weights = ptr<float>(recv_topk_weights);
-            out.recv_src_idx = ptr<int32_t>(recv_src_idx);
-            return out;
-          },
-          "A copy with the receive side set (positional: num_rows_out, recv_x, recv_x_scales, recv_topk_idx, "
-          "recv_topk_weights, recv_src_idx), once the counts are known.");
-  py::class_<uccl_ep::NormalCombineArgs>(m, "NormalCombineArgs", "One normal-mode combine (pointers as integers).")
-      .def(py::init(&combine_args), py::arg("region"), py::arg("x"), py::arg("num_rows"), py::arg("hidden"),
-           py::arg("topk_weights"), py::arg("num_topk"), py::arg("rank_prefix_matrix"), py::arg("is_token_in_rank"),
-           py::arg("send_pos"), py::arg("num_tokens"), py::arg("bias0"), py::arg("bias1"), py::arg("combined_x"),
-           py::arg("combined_topk_weights"), py::arg("num_sms"));
-  m.def(
-      "normal_dispatch",
-      [](const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
-        uccl_ep::launch_normal_dispatch(args, as_stream(stream));
-      },
-      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-      "Enqueue the dispatch exchange on `stream`, SMs moving the rows.");
-  m.def(
-      "normal_combine",
-      [](const uccl_ep::NormalCombineArgs& args, std::uintptr_t stream) {
-        uccl_ep::launch_normal_combine(args, as_stream(stream));
-      },
-      py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-      "Enqueue the combine exchange on `stream`, SMs moving the rows.");
-
   py::enum_<uccl_ep::NormalStaging>(m, "NormalStaging")
       .value("DISPATCH", uccl_ep::NormalStaging::kDispatch)
       .value("COMBINE", uccl_ep::NormalStaging::kCombine);
@@ -303,58 +328,54 @@ void bind_normal(py::module_& m) {
            "Whether its gathered dispatches push rows where they can (push_rows and stream waits).")
       .def("blocks_pushed", &uccl_ep::NormalCopyEngine::blocks_pushed,
            "How many blocks of rows (one per peer and dispatch) its dispatches have pushed so far.")
-      .def(
-          "dispatch",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
-             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
-            self.dispatch(args, rank_prefix_matrix, as_stream(stream));
-          },
-          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "combine",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalCombineArgs& args,
-             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
-            self.combine(args, rank_prefix_matrix, as_stream(stream));
-          },
-          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "start_dispatch",
-          [](uccl_ep::NormalCopyEngine& self, const LayoutNotifyArgs& args, const uccl_ep::NormalDispatchArgs* gather,
-             int64_t combine_row_bytes, std::uintptr_t recv_x, int64_t recv_x_capacity_rows, std::uintptr_t stream) {
-            uccl_ep::NormalDispatchStart start =
-                self.start_dispatch(args.layout, args.notify, gather, combine_row_bytes,
-                                    uccl_ep::NormalPullTarget{ptr<void>(recv_x), recv_x_capacity_rows}, as_stream(stream));
-            return std::make_tuple(std::move(start.counts), start.by_copy_engine, start.pulled);
-          },
-          py::arg("args"), py::arg("gather"), py::arg("combine_row_bytes"), py::arg("recv_x"),
-          py::arg("recv_x_capacity_rows"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "Launch the layout and notify, read the counts; `gather` (NormalDispatchArgs or None) runs meanwhile. "
-          "With recv_x (0: none) of recv_x_capacity_rows rows that the received rows fit, the pulls into it are "
-          "queued at once. Returns (counts, by_copy_engine, pulled).")
-      .def(
-          "pull_rows",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args,
-             const std::vector<int32_t>& rank_prefix_matrix, std::uintptr_t stream) {
-            self.pull_rows(args, rank_prefix_matrix, as_stream(stream));
-          },
-          py::arg("args"), py::arg("rank_prefix_matrix"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "After start_dispatch chose the copy engines: queue the peers' rows into args.recv_x (the other "
-          "outputs may be unset yet).")
-      .def(
-          "receive_rest",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalDispatchArgs& args, std::uintptr_t stream) {
-            self.receive_rest(args, as_stream(stream));
-          },
-          py::arg("args"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "After pull_rows: the own rows and small fields into all of args's outputs, and the exchange's end.")
-      .def(
-          "abandon_receive",
-          [](uccl_ep::NormalCopyEngine& self, const uccl_ep::NormalRegion& region, std::uintptr_t stream) {
-            self.abandon_receive(region, as_stream(stream));
-          },
-          py::arg("region"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "Instead of receive_rest when the call failed after start_dispatch chose the copy engines: end the "
-          "exchange.")
+      .def("last_count_wait_ns", &uccl_ep::NormalCopyEngine::last_count_wait_ns,
+           "How long the last dispatch that read its counts waited for them on the host (nanoseconds).")
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<uccl_ep::NormalHostCounts, std::shared_ptr<uccl_ep::NormalHostCounts>>(
+      m, "NormalHostCounts", "A dispatch's rank_prefix_matrix as read on the host (kept with its handle).")
+      .def_property_readonly("rank_prefix_matrix",
+                             [](const uccl_ep::NormalHostCounts& self) { return self.rank_prefix_matrix; });
+  py::enum_<uccl_ep::NormalCallStatus>(m, "NormalCallStatus", "What a NormalLauncher call did.")
+      .value("DONE", uccl_ep::NormalCallStatus::kDone)
+      .value("FAILED", uccl_ep::NormalCallStatus::kFailed)
+      .value("TOO_LARGE", uccl_ep::NormalCallStatus::kTooLarge)
+      .value("NEED_OUTPUTS", uccl_ep::NormalCallStatus::kNeedOutputs);
+  py::class_<uccl_ep::NormalLauncher>(m, "NormalLauncher",
+                                      "Each normal-mode operation in one call (positional arguments only). A call "
+                                      "returns a NormalCallStatus value (an int): FAILED when a kernel recorded a "
+                                      "failure (raise it from the state), TOO_LARGE when the exchange does not fit "
+                                      "num_nvl_bytes (nothing moved rows; the same on every rank).")
+      .def(py::init([](const uccl_ep::NormalRegion& region, uccl_ep::NormalCopyEngine& copy_engine,
+                       const uccl_ep::LowLatencyState& state, int device, bool rows_by_copy_engine) {
+             return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device,
+                                                              rows_by_copy_engine);
+           }),
+           py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
+           py::arg("rows_by_copy_engine"), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+      .def("dispatch", &NormalLauncherCalls::dispatch,
+           "dispatch(x, x_row_bytes, x_scales, scale_row_bytes, topk_idx, topk_weights, num_topk, is_token_in_rank, "
+           "num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_local_experts, num_channels, "
+           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, recv_x, recv_x_scales, "
+           "recv_topk_idx, recv_topk_weights, recv_src_idx, capacity_rows, stream) -> (status, rows, "
+           "tokens per local expert (read on the host, else empty), NormalHostCounts or None, what does not fit). "
+           "A fresh dispatch: layout, notify, the count read, and the rows into the outputs when they hold them "
+           "(DONE), else NEED_OUTPUTS: finish_dispatch with outputs of `rows` rows, or abandon_dispatch.")
+      .def("finish_dispatch", &NormalLauncherCalls::finish_dispatch,
+           "finish_dispatch(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, capacity_rows, "
+           "stream): the rows of the dispatch that returned NEED_OUTPUTS.")
+      .def(
+          "abandon_dispatch",
+          [](uccl_ep::NormalLauncher& self, std::uintptr_t stream) { self.abandon_dispatch(as_stream(stream)); },
+          py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+          "Instead of finish_dispatch when the outputs cannot be made: ends the exchange for the peers.")
+      .def("cached_dispatch", &NormalLauncherCalls::cached_dispatch,
+           "cached_dispatch(x, x_row_bytes, x_scales, scale_row_bytes, send_pos, rank_prefix_matrix, num_tokens, "
+           "num_rows_out, recv_x, recv_x_scales, num_channels, combine_row_bytes, host_counts, stream) -> status: "
+           "a dispatch with a handle's layout (host_counts: the handle's NormalHostCounts or None).")
+      .def("combine", &NormalLauncherCalls::combine,
+           "combine(x, num_rows, hidden, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, send_pos, "
+           "num_tokens, bias0, bias1, combined_x, combined_topk_weights, num_channels, host_counts, stream) -> "
+           "status.");
 }
 #endif  // UCCL_EP_WITH_CUDA

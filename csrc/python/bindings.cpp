@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "build_info.h"
 #include "channel/stress.h"
@@ -99,10 +100,12 @@ T* as_pointer(std::uintptr_t address) {
 void dispatch_layout(std::uintptr_t topk_idx_ptr, int64_t num_tokens, int64_t num_topk,
                      int64_t num_ranks, int64_t num_experts, std::uintptr_t num_tokens_per_rank_ptr,
                      std::uintptr_t num_tokens_per_expert_ptr, std::uintptr_t is_token_in_rank_ptr,
-                     std::uintptr_t stream) {
+                     std::uintptr_t stream, int device) {
   // Argument errors surface as std::invalid_argument (ValueError) before any CUDA call,
   // launch errors as uccl_ep::GpuError (RuntimeError).
   py::gil_scoped_release no_gil;
+  std::optional<uccl_ep::CurrentDevice> on_device;
+  if (device >= 0) on_device.emplace(device);
   uccl_ep::launch_dispatch_layout(
       as_pointer<const int64_t>(topk_idx_ptr), num_tokens, num_topk, num_ranks, num_experts,
       as_pointer<int32_t>(num_tokens_per_rank_ptr), as_pointer<int32_t>(num_tokens_per_expert_ptr),
@@ -164,9 +167,9 @@ any GPU work, RuntimeError with the CUDA error text if a runtime call fails.)doc
   m.def("dispatch_layout", &dispatch_layout, py::arg("topk_idx_ptr"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_experts"),
         py::arg("num_tokens_per_rank_ptr"), py::arg("num_tokens_per_expert_ptr"),
-        py::arg("is_token_in_rank_ptr"), py::arg("stream"),
+        py::arg("is_token_in_rank_ptr"), py::arg("stream"), py::arg("device") = -1,
         R"doc(Enqueue the dispatch layout on `stream` (a cudaStream_t as int; 0 is the
-legacy default stream) of the current device: one or two kernels named
+legacy default stream) of `device` (-1: the current device): one or two kernels named
 dispatch_layout_*. Asynchronous; releases the GIL.
 
 topk_idx_ptr: int64 [num_tokens, num_topk] contiguous, entries in [-1, num_experts).

@@ -21,11 +21,14 @@ class Case:
                  check: Callable[[], bool], bytes_per_rank: Optional[float], engine: str,
                  prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
                  kernels: Tuple[str, ...] = (), capturable: bool = True,
-                 settle: Optional[Callable[[], None]] = None) -> None:
+                 settle: Optional[Callable[[], None]] = None, kernel_launch: int = 0,
+                 count_wait: Optional[Callable[[], float]] = None) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
         self.prepare, self.finish = prepare, finish
         self.kernels = kernels    # names of the native kernels that run() launches, for the kernel timing
+        self.kernel_launch = kernel_launch   # which of an iteration's launches of each is run()'s (0: the first)
+        self.count_wait = count_wait   # seconds the last run() waited on the host for the peers' counts, or None
         self.capturable = capturable
         self.settle = settle
 

@@ -8,6 +8,7 @@ COLUMNS = (("mode", "mode", "{}"), ("op", "op", "{}"), ("dtype", "dtype", "{}"),
            ("path", "path", "{}"), ("ranks", "EP", "{}"), ("tokens", "tokens", "{}"), ("hidden", "hidden", "{}"),
            ("topk", "topk", "{}"), ("experts", "experts", "{}"), ("median_us", "median us", "{:.1f}"),
            ("kernel_us", "kernel us", "{:.1f}"), ("host_us", "host us", "{:.1f}"),
+           ("host_back_to_back_us", "host b2b us", "{:.1f}"),
            ("gbps", "GB/s", "{:.2f}"), ("back_to_back_us", "b2b us", "{:.1f}"),
            ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("correct", "correct", "{}"))
 
@@ -16,6 +17,9 @@ def progress_line(index: int, total: int, result: Dict) -> str:
     status = "ok" if result["correct"] else "WRONG"
     bandwidth = f", {result['gbps']:.2f} GB/s" if result.get("gbps") is not None else ""
     details = [f"{name} {result[key]:.1f} us" for key, name in (("kernel_us", "kernels"), ("host_us", "host"),
+                                                                 ("host_beyond_count_wait_us",
+                                                                  "host beyond the count wait"),
+                                                                 ("host_back_to_back_us", "host back to back"),
                                                                  ("back_to_back_us", "back to back"))
                if result.get(key) is not None]
     kernel = f" ({', '.join(details)})" if details else ""

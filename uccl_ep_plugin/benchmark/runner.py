@@ -56,15 +56,15 @@ def _barrier(case: Case, group, device: torch.device) -> None:
     dist.barrier(group)
 
 
-def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], List[float]]:
-    """Per-iteration seconds of this rank, and on GPUs the host's seconds until each call returned (where
-    the GPU waits for the host, the gap between the two); every timed region starts together on all ranks."""
-    samples, host = [], []
+def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
+    """Per-iteration seconds of this rank (on GPUs, CUDA events around each call); every timed region starts
+    together on all ranks."""
+    samples = []
+    on_gpu = device.type == "cuda"
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
             case.prepare()
         _barrier(case, group, device)
-        on_gpu = device.type == "cuda"
         if on_gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
@@ -79,9 +79,46 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
             case.finish()
         if i >= options.warmup:
             samples.append(start.elapsed_time(end) / 1e3 if on_gpu else returned)
-            if on_gpu:
-                host.append(returned)
-    return samples, host
+    return samples
+
+
+def _host_seconds(case: Case, options: BenchOptions, group,
+                  device: torch.device) -> Tuple[List[float], List[float], List[float]]:
+    """The host's seconds until ``run()`` returns, eagerly, on GPUs (on CPU a call's whole time is its figure):
+    a lone call (the GPU idle and the ranks together before it), the same less its wait for the peers' counts
+    (where ``case.count_wait`` tells it), and calls issued back to back with no wait between (the host's cost
+    per call when it runs ahead; a dispatch that reads its counts still waits for them). Where the GPU waits
+    for the host, these are the gaps."""
+    if device.type != "cuda":
+        return [], [], []
+    lone, beyond_wait, back_to_back = [], [], []
+    for i in range(options.warmup + options.iters):
+        if case.prepare is not None:
+            case.prepare()
+        _barrier(case, group, device)
+        torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        case.run()
+        returned = time.perf_counter() - begin
+        if case.finish is not None:
+            case.finish()
+        if i >= options.warmup:
+            lone.append(returned)
+            if case.count_wait is not None:
+                beyond_wait.append(returned - case.count_wait())
+    _barrier(case, group, device)
+    for i in range(options.warmup + options.iters):
+        if case.prepare is not None:
+            case.prepare()
+        begin = time.perf_counter()
+        case.run()
+        returned = time.perf_counter() - begin
+        if case.finish is not None:
+            case.finish()
+        if i >= options.warmup:
+            back_to_back.append(returned)
+    _settle(case, device)
+    return lone, beyond_wait, back_to_back
 
 
 class _CapturedCase:
@@ -119,25 +156,25 @@ class _CapturedCase:
         return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
-def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str, List[float]]:
-    """Per-iteration seconds, how they were taken (CUDA-graph replays for the native engine's calls that
-    never sync the host, else eager calls with a barrier before each), and the eager calls' host seconds."""
+def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
+    """Per-iteration seconds, and how they were taken: CUDA-graph replays for the native engine's calls that
+    never sync the host, else eager calls with a barrier before each."""
     if device.type != "cuda" or case.engine != "native" or not case.capturable:
-        samples, host = _timed_eager(case, options, group, device)
-        return samples, "eager", host
+        return _timed_eager(case, options, group, device), "eager"
     _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
     _barrier(case, group, device)
     captured = _CapturedCase(case, device)
     _barrier(case, group, device)
     captured.replay(options.warmup)
     _barrier(case, group, device)
-    return captured.replay(options.iters), "cuda-graph", []
+    return captured.replay(options.iters), "cuda-graph"
 
 
 def _kernel_name(profiler_name: str) -> str:
-    """``low_latency_combine_recv`` from
-    ``void uccl_ep::kernels::low_latency_combine_recv<false>(uccl_ep::LowLatencyCombineArgs)``."""
-    return profiler_name.split("(")[0].split("<")[0].split("::")[-1].strip()
+    """``low_latency::combine`` from ``void uccl_ep::kernels::low_latency::combine<false>(uccl_ep::...)``,
+    ``normal_kernels::dispatch_send`` from ``void uccl_ep::normal_kernels::dispatch_send(...)``."""
+    name = profiler_name.split("(")[0].split("<")[0].split(" ")[-1]
+    return name.removeprefix("uccl_ep::").removeprefix("kernels::")
 
 
 _L2_FLUSH_BYTES = 256 * 10 ** 6   # DeepEP's flush: more than any GPU's L2
@@ -166,14 +203,21 @@ def _kernel_seconds(case: Case, options: BenchOptions, group,
         for _ in range(options.iters):
             _run_steps(case)
         _settle(case, device)
-    durations: Dict[str, List[float]] = {name: [] for name in case.kernels}
+    durations: Dict[str, List[Tuple[float, float]]] = {name: [] for name in case.kernels}
     for event in profiler.events():
         name = _kernel_name(event.name)
         if event.device_type.name == "CUDA" and name in durations:
-            durations[name].append(event.device_time_total)
+            durations[name].append((event.time_range.start, event.device_time_total))
     if not all(durations.values()):
         return None
-    return {name: statistics.median(values) / 1e6 for name, values in durations.items()}
+    seconds = {}
+    for name, launches in durations.items():
+        # Each iteration launches a kernel the same number of times (a hooked operation: its send, then its
+        # receive); run()'s is the case's kernel_launch-th.
+        in_order = [duration for _, duration in sorted(launches)]
+        per_iteration = max(1, len(in_order) // options.iters)
+        seconds[name] = statistics.median(in_order[case.kernel_launch::per_iteration]) / 1e6
+    return seconds
 
 
 # DeepEP's eager procedure times waiting, not kernels, when a rank's Python host falls behind: the kernels then
@@ -280,14 +324,19 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = copy_mode() == "sm"
-    dispatch_kernels = (("notify_dispatch_send", "notify_dispatch_receive", "dispatch_send", "dispatch_receive")
-                        if by_sm else ())
-    combine_kernels = ("combine_send", "combine_receive") if by_sm else ()
+    dispatch_kernels = tuple(f"normal_kernels::{name}" for name in ("notify_dispatch", "dispatch_send",
+                                                                     "dispatch_receive")) if by_sm else ()
+    combine_kernels = ("normal_kernels::combine_send", "normal_kernels::combine_receive") if by_sm else ()
+    # The native dispatch's wait for its peers' counts, to tell the host's own time from it.
+    native = buffer._native.normal if engine == "native" else None
+    count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
-             normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False),
+             normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
+             count_wait=count_wait),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
+             count_wait=count_wait),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False),
     ]
@@ -407,22 +456,23 @@ def low_latency_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: 
     def case(*args, **kwargs) -> Case:   # each settles through the Buffer: the GPU and the proxy's last writes
         return Case("low_latency", *args, settle=buffer.synchronize, **kwargs)
 
-    # Native kernel names: one kernel per call, or a send kernel and a receive kernel with a hook.
+    # Native kernel names: one kernel per operation, launched twice with a hook (send, then receive).
+    dispatch_kernel, combine_kernel = ("low_latency::dispatch",), ("low_latency::combine",)
     return [
         case("dispatch", "fp8", workload, run_dispatch, check_dispatch, dispatch_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch",)),
+             dispatch_engine, kernels=dispatch_kernel),
         case("dispatch-send", "fp8", workload, send_dispatch, check_dispatch, None, dispatch_engine,
-             finish=overlap.then(receive_dispatch), kernels=("low_latency_dispatch_send",)),
+             finish=overlap.then(receive_dispatch), kernels=dispatch_kernel),
         case("dispatch-recv", "fp8", workload, receive_dispatch, check_dispatch, None,
-             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=("low_latency_dispatch_recv",)),
+             dispatch_engine, prepare=overlap.after(send_dispatch), kernels=dispatch_kernel, kernel_launch=1),
         case("combine", "bf16", workload, run_combine, check, combine_bytes, combine_engine,
-             kernels=("low_latency_combine",)),
+             kernels=combine_kernel),
         case("combine-send", "bf16", workload, send_combine, check, None, combine_engine,
-             finish=overlap.then(receive_combine), kernels=("low_latency_combine_send",)),
+             finish=overlap.then(receive_combine), kernels=combine_kernel),
         case("combine-recv", "bf16", workload, receive_combine, check, None, combine_engine,
-             prepare=overlap.after(send_combine), kernels=("low_latency_combine_recv",)),
+             prepare=overlap.after(send_combine), kernels=combine_kernel, kernel_launch=1),
         case("dispatch+combine", "fp8", workload, run_both, check, dispatch_bytes + combine_bytes,
-             dispatch_engine, kernels=("low_latency_dispatch", "low_latency_combine")),
+             dispatch_engine, kernels=dispatch_kernel + combine_kernel),
     ]
 
 
@@ -434,14 +484,17 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
 
 
 def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
-    samples, timing, host = _timed(case, options, group, device)
-    host_s = statistics.median(host) if host else None
+    samples, timing = _timed(case, options, group, device)
+    host_lone, host_beyond_wait, host_back_to_back = _host_seconds(case, options, group, device)
+    host = ([statistics.median(values) if values else 0.0 for values in (host_lone, host_beyond_wait,
+                                                                         host_back_to_back)]
+            if host_lone else [0.0, 0.0, 0.0])
     kernels = _kernel_seconds(case, options, group, device)
     back_to_back = _back_to_back_seconds(case, options, group, device) if timing == "eager" else None
     correct = case.check()
     _settle(case, device)
     kernel_names = sorted(kernels) if kernels is not None else []
-    extra = ([case.bytes_per_rank or 0.0, float(correct), host_s or 0.0] + [kernels[name] for name in kernel_names] +
+    extra = ([case.bytes_per_rank or 0.0, float(correct)] + host + [kernels[name] for name in kernel_names] +
              (back_to_back or []))
     per_rank = _gather_floats(samples + extra, group, device)
 
@@ -452,9 +505,11 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     median_s = statistics.median(slowest(0, n))     # the slowest rank sets each step
     mean_bytes = float(per_rank[:, n].mean())
     all_correct = bool(per_rank[:, n + 1].min() > 0.5)
-    host_s = slowest(n + 2, 1)[0] if host_s is not None else None
-    kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 3, len(kernel_names)))))
-    back_to_back_s = (statistics.median(slowest(n + 3 + len(kernel_names), len(back_to_back)))
+    host_s, host_beyond_wait_s, host_back_to_back_s = slowest(n + 2, 3) if host_lone else (None, None, None)
+    if not host_beyond_wait:
+        host_beyond_wait_s = None
+    kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 5, len(kernel_names)))))
+    back_to_back_s = (statistics.median(slowest(n + 5 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
     workload = case.workload
     kernel_us, kernel_note = _trusted_kernel_us(kernel_us, median_s * 1e6, timing)
@@ -470,6 +525,8 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "kernel_us": sum(kernel_us.values()) if kernel_us else None,
               "kernel_us_each": kernel_us,
               "host_us": None if host_s is None else host_s * 1e6,
+              "host_beyond_count_wait_us": None if host_beyond_wait_s is None else host_beyond_wait_s * 1e6,
+              "host_back_to_back_us": None if host_back_to_back_s is None else host_back_to_back_s * 1e6,
               "back_to_back_us": None if back_to_back_s is None else back_to_back_s * 1e6,
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),

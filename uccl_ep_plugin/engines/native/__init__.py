@@ -78,6 +78,9 @@ class NativeEngine:
             if peer_buffer is None:
                 return dict.fromkeys(NORMAL_OPERATIONS, reason)
             self.normal = NativeNormal(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s)
+        # The operations themselves (the extension makes the Buffer's device current for its calls).
+        self.dispatch = self.normal.dispatch
+        self.combine = self.normal.combine
         return {}
 
     @property
@@ -96,14 +99,6 @@ class NativeEngine:
         proxy_path = None if self.low_latency is None else self.low_latency.proxy_path
         if proxy_path is not None:
             proxy_path.threads.drain(timeout_s)
-
-    def dispatch(self, x, x_scales, **kwargs):
-        with torch.cuda.device(self.device):
-            return self.normal.dispatch(x, x_scales, **kwargs)
-
-    def combine(self, x, handle, topk_weights, biases, num_channels: int, stream: int):
-        with torch.cuda.device(self.device):
-            return self.normal.combine(x, handle, topk_weights, biases, num_channels, stream)
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map every rank's low-latency buffer (collective). Returns ``{operation: reason}`` for the
@@ -130,18 +125,15 @@ class NativeEngine:
     def low_latency_buffer(self) -> Optional[torch.Tensor]:
         return None if self.low_latency is None else self.low_latency.peer_buffer.tensor
 
-
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
         num_tokens, num_topk = topk_idx.shape
         options = dict(device=self.device)
         num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, **options)
         num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, **options)
         is_token_in_rank = torch.empty((num_tokens, self.num_ranks), dtype=torch.bool, **options)
-        # The extension has its own CUDA runtime: make this Buffer's device current for it.
-        with torch.cuda.device(self.device):
-            self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
-                                    num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-                                    is_token_in_rank.data_ptr(), stream)
+        self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
+                                num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
+                                is_token_in_rank.data_ptr(), stream, self.device.index)
         per_rdma_rank = None
         if self.num_ranks > NVL_PEERS_PER_NODE:   # torch ops reading the kernel's output: on its stream
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):

@@ -11,19 +11,23 @@ Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` (default) lets t
 the NVLink traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a
 dispatch that read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and
 its combine go the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens),
-use SM copies (csrc/kernels/intranode.h). So that the copy engines start right after the count read, a
-dispatch allocates recv_x before it, for as many rows as the last dispatches received and a little more
-(_next_recv_capacity); when the rows fit, its recv_x is a view of that tensor's first rows.
+use SM copies (csrc/kernels/intranode.h).
+
+Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
+checks for recorded failures, decides the path and launches. So that the rows move right after the count
+read, a dispatch allocates its outputs before it, for as many rows as the last dispatches received and a
+little more (_next_recv_capacity); when the rows fit, its outputs are views of those tensors' first rows,
+else the launcher asks for outputs of the right size (a second call).
 """
 
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ...dispatch_config import MAX_TOPK
+from ...streams import current_stream_handle
 from ..reference.collectives import CommTimeoutError
-from ..reference.layout import rank_matrix
 from ..reference.normal import DispatchResult
 
 _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
@@ -45,11 +49,12 @@ SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"   # the combine: share of the row
 _CHUNK_DEFAULTS = {COMBINE_CHUNKS_ENV: "NORMAL_COMBINE_CHUNKS", PULL_CHUNKS_ENV: "NORMAL_PULL_CHUNKS"}
 _SHARE_DEFAULTS = {SM_PULL_ENV: "NORMAL_SM_PULL_PERCENT", SM_PUSH_ENV: "NORMAL_SM_PUSH_PERCENT"}
 # Kept on a handle's rank_prefix_matrix tensor, so they travel with the handle: the matrix read on the host
-# (the copy engines need it), whether a combine fits their staging, by (hidden, num_topk), and the dispatch's
-# send positions (its cached dispatches and combine reuse them).
-_HOST_PREFIX = "_uccl_ep_host_prefix"
-_COMBINE_FITS = "_uccl_ep_combine_fits"
+# (NormalHostCounts: the copy engines need it) and the dispatch's send positions (its cached dispatches and
+# combine reuse them).
+_HOST_COUNTS = "_uccl_ep_host_counts"
 _SEND_POS = "_uccl_ep_send_pos"
+# NormalLauncher's call statuses (NormalCallStatus).
+DONE, FAILED, TOO_LARGE, NEED_OUTPUTS = 0, 1, 2, 3
 
 
 def copy_mode(env: str = COPY_ENV) -> str:
@@ -94,10 +99,6 @@ def _next_recv_capacity(rows: int, capacity: int) -> int:
     larger, so one large dispatch does not keep it large for long. The copy engines pull into it at once when the
     rows fit, and the dispatch returns a view of its first rows."""
     return max(rows + rows // 16 + 64, capacity - capacity // 32)
-
-
-def _host_prefix(rank_prefix_matrix: torch.Tensor) -> Optional[List[int]]:
-    return getattr(rank_prefix_matrix, _HOST_PREFIX, None)
 
 
 class ExchangeTooLarge(Exception):
@@ -149,6 +150,9 @@ class NativeNormal:
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)],
             push_rows=copy_mode(DISPATCH_ROWS_ENV) == "push" and num_ranks <= extension.NORMAL_MAX_COMBINE_RANKS)
         self.rows_by_copy_engine = copy_mode() == "engine"
+        # Each operation is one call of it (csrc/kernels/intranode_launcher.h).
+        self.launcher = extension.NormalLauncher(self.region, self.copy_engine, self.state, device.index,
+                                                 self.rows_by_copy_engine)
         # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
         self._last_notify = (0, False, 0)
         self._recv_capacity = 0   # rows of the recv_x allocated before a dispatch's counts are known (0: none)
@@ -190,13 +194,8 @@ class NativeNormal:
         return (f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}, "
                 f"{sm_push_percent}% of the combine's rows stored by SMs")
 
-    def _check_fits(self, what: str, needed: int) -> None:
-        if needed > self.data_bytes:
-            raise ExchangeTooLarge(f"{what} needs {needed + self._C.NORMAL_CONTROL_BYTES} bytes of num_nvl_bytes "
-                                   f"(the whole exchange must fit, plus {self._C.NORMAL_CONTROL_BYTES} control "
-                                   f"bytes), this Buffer has num_nvl_bytes={self.num_nvl_bytes}")
-
     def destroy(self) -> None:
+        self.launcher = None
         if self.copy_engine is not None:
             self.copy_engine.release()
             self.copy_engine = None
@@ -207,182 +206,126 @@ class NativeNormal:
             self.peer_buffer.release()
             self.peer_buffer = None
 
-    def _send_positions(self, handle: Sequence[torch.Tensor], stream: int) -> torch.Tensor:
+    def _send_positions(self, handle: Sequence[torch.Tensor]) -> torch.Tensor:
         """send_pos [N, R] of a handle's dispatch: each token's position among the tokens sent to each rank, -1
-        where not sent. Kept by the dispatch that made the handle, else computed from its is_token_in_rank."""
+        where not sent. Kept by the dispatch that made the handle, else computed from its is_token_in_rank (a
+        handle rebuilt by the caller: one more call)."""
         send_pos = getattr(handle[0], _SEND_POS, None)
         if send_pos is not None:
             return send_pos
         is_token_in_rank = handle[4]
         num_tokens = is_token_in_rank.size(0)
         send_pos = torch.empty((num_tokens, self.num_ranks), dtype=torch.int32, device=self.device)
-        self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.data_ptr(), num_tokens=num_tokens,
-                                   num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
-                                   channel_prefix_matrix=0, send_head=0, stream=stream)
+        with torch.cuda.device(self.device):
+            self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.data_ptr(), num_tokens=num_tokens,
+                                       num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
+                                       channel_prefix_matrix=0, send_head=0, stream=current_stream_handle(self.device))
+        setattr(handle[0], _SEND_POS, send_pos)
         return send_pos
 
     # ------------------------------------------------------------------ operations
-    def _layout_and_notify(self, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
-                           num_tokens_per_expert: torch.Tensor, num_channels: int, expert_alignment: int,
-                           num_worst_tokens: int) -> Tuple[object, Tuple[torch.Tensor, ...]]:
-        """The NormalLayoutNotifyArgs that fill one int32 allocation: send_pos [N, R], channel_prefix_matrix
-        [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], and counts (rank_prefix_matrix flattened,
-        then the tokens each local expert receives, aligned)."""
-        num_tokens, num_ranks = is_token_in_rank.size(0), self.num_ranks
-        local_experts = num_tokens_per_expert.numel() // num_ranks
-        self._check_fits(f"dispatch's layout exchange ({num_channels} channels, {local_experts} local experts)",
-                         self._C.normal_notify_area_bytes(num_ranks, num_channels, local_experts))
+    def handle_tensors(self, num_tokens: int, num_channels: int,
+                       local_experts: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
+        """One int32 allocation for what a dispatch's layout and notify write (NormalDispatchRequest's
+        handle_ints), and its views: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
+        recv_channel_prefix_matrix [R, C], rank_prefix_matrix [R, R]."""
+        num_ranks = self.num_ranks
         sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
                  num_ranks * num_ranks + local_experts)
         block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
         send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
-        # The Buffer checked every input contiguous (is_token_in_rank included): a copy made here would run on the
-        # caller's stream, which a plain call no longer makes current, not where the kernels read it.
-        args = self._C.NormalLayoutNotifyArgs(
-            self.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
-            num_tokens_per_expert.data_ptr(), num_channels, local_experts, expert_alignment, num_worst_tokens,
-            send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
-            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
-        return args, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
-                      send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
-                      counts)
+        return block, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
+                       send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
+                       counts[:num_ranks * num_ranks].view(num_ranks, num_ranks))
 
-    def _check_rows_fit(self, most_received: int, most_sent: int, x_row_bytes: int, scale_row_bytes: int,
-                        hidden: int, num_topk: int) -> None:
-        """The SM path's dispatch, and a combine of the same rows, fit every rank's data area. The row counts
-        are the same on every rank (from the shared counts, or bounds from num_worst_tokens), so all raise
-        together."""
-        self._check_fits(f"dispatch of up to {most_received} rows to one rank",
-                         self._C.normal_dispatch_area_bytes(most_received, x_row_bytes, scale_row_bytes, num_topk))
-        self._check_fits(f"combine of up to {most_sent} rows back to one rank",
-                         self._C.normal_combine_area_bytes(most_sent, 2 * hidden, num_topk))
+    def _outputs(self, rows: int, hidden: int, x: torch.Tensor, x_scales: Optional[torch.Tensor],
+                 num_topk: int, src_idx: bool) -> Tuple[Optional[torch.Tensor], ...]:
+        """A dispatch's outputs for ``rows`` rows: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None
+        without top-k) and recv_src_idx (None when ``src_idx`` is False: the cached dispatch keeps its handle's)."""
+        device = self.device
+        recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=device)
+        recv_x_scales = (None if x_scales is None else
+                         torch.empty((rows, x_scales.size(1)), dtype=x_scales.dtype, device=device))
+        recv_topk_idx = recv_topk_weights = None
+        if num_topk:
+            recv_topk_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=device)
+            recv_topk_weights = torch.empty((rows, num_topk), dtype=torch.float32, device=device)
+        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device) if src_idx else None
+        return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx
 
-    def _copy_engine_serves(self, rank_prefix_matrix: torch.Tensor, hidden: int, num_topk: int,
-                            dispatch_row: Optional[Tuple[int, int]] = None) -> bool:
-        """Whether the copy engines carry a combine of this handle's rows (bf16 rows of ``hidden``), and with
-        ``dispatch_row = (x_row_bytes, scale_row_bytes)`` its cached dispatch too: every owner's staging fits.
-        Decided from values every rank shares, so every rank takes the same path. A handle has counts on the host
-        only when the copy engines carried its dispatch; the combine's answer is kept on it."""
-        host_prefix = _host_prefix(rank_prefix_matrix)
-        if host_prefix is None:
-            return False
-        combine_fits, key = getattr(rank_prefix_matrix, _COMBINE_FITS), (hidden, num_topk)
-        if key not in combine_fits:
-            combine_fits[key] = self._staging_fits(self._C.NormalStaging.COMBINE, host_prefix, 2 * hidden, 0, num_topk)
-        if not combine_fits[key]:
-            return False
-        return dispatch_row is None or self._staging_fits(self._C.NormalStaging.DISPATCH, host_prefix, *dispatch_row,
-                                                          num_topk)
-
-    def _staging_fits(self, kind, host_prefix: List[int], row_bytes: int, scale_row_bytes: int, num_topk: int) -> bool:
-        return self._C.normal_staging_most_bytes(kind, host_prefix, self.num_ranks, row_bytes, scale_row_bytes,
-                                                 num_topk) <= self.data_bytes
+    def _raise_unless_done(self, status: int, too_large: str = "") -> None:
+        if status == FAILED:
+            self.check()
+            raise RuntimeError(f"rank {self.rank}: a normal-mode kernel failed but recorded nothing; {_STALE}")
+        if status == TOO_LARGE:
+            raise ExchangeTooLarge(too_large)
 
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                  num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
                  stream: int) -> DispatchResult:
-        self.check()
         hidden = x.size(1)
         x_row_bytes = hidden * x.element_size()
         scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
-        num_topk = 0 if topk_idx is None else topk_idx.size(1)
-        num_recv_tokens_per_expert_list = []
-        local_experts = 0
-        host_prefix, by_copy_engine = None, False
         if cached_handle is not None:
-            rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, cached_src_idx, _, send_head = \
-                cached_handle
-            num_rows_out = cached_src_idx.size(0)
-            host_prefix = _host_prefix(rank_prefix_matrix)
-            by_copy_engine = self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk,
-                                                      (x_row_bytes, scale_row_bytes))
-            send_pos = self._send_positions(cached_handle, stream)
+            return self._cached_dispatch(x, x_scales, hidden, x_row_bytes, scale_row_bytes, num_channels,
+                                         cached_handle, stream)
+        num_tokens = x.size(0)
+        num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        local_experts = num_tokens_per_expert.size(0) // self.num_ranks
+        block, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix) = \
+            self.handle_tensors(num_tokens, num_channels, local_experts)
+        # Outputs before the counts are known: for as many rows as the last dispatches received, so that the
+        # launcher moves the rows as soon as it has read the counts, with no return to Python in between.
+        capacity = num_worst_tokens or self._recv_capacity
+        outputs = self._outputs(capacity, hidden, x, x_scales, num_topk, True)
+        self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0,
+                             self.sm_push_percent if num_worst_tokens == 0 else 0)
+        # Every input is contiguous (the Buffer checked): the kernels read them as they are.
+        status, rows, expert_counts, host_counts, too_large = self.launcher.dispatch(
+            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk,
+            is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
+            local_experts, num_channels, expert_alignment, num_worst_tokens, block.data_ptr(), 2 * hidden,
+            *map(_ptr, outputs), capacity, stream)
+        if status == NEED_OUTPUTS:
+            try:
+                outputs = self._outputs(rows, hidden, x, x_scales, num_topk, True)
+            except BaseException:
+                self.launcher.abandon_dispatch(stream)   # the peers wait for this rank's end of the exchange
+                raise
+            self.launcher.finish_dispatch(*map(_ptr, outputs), rows, stream)
         else:
-            local_experts = num_tokens_per_expert.numel() // self.num_ranks
-            if num_worst_tokens > 0:
-                # No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most
-                # num_ranks times that (no receiver took more from it).
-                self._check_rows_fit(num_worst_tokens, self.num_ranks * num_worst_tokens, x_row_bytes,
-                                     scale_row_bytes, hidden, num_topk)
-            layout_notify, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts) = \
-                self._layout_and_notify(is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, num_channels,
-                                        expert_alignment, num_worst_tokens)
-            rank_prefix_matrix = counts[:self.num_ranks ** 2].view(self.num_ranks, self.num_ranks)
-            setattr(rank_prefix_matrix, _SEND_POS, send_pos)
-            gathers = self.rows_by_copy_engine and num_worst_tokens == 0
-            self._last_notify = (num_channels, gathers, self.sm_push_percent if num_worst_tokens == 0 else 0)
-            if num_worst_tokens > 0:
-                self._C.normal_layout_and_notify(layout_notify, stream)
-                num_rows_out = num_worst_tokens
-        # The call's arguments with no outputs yet (positional: cheaper), set once the counts are known.
-        send_args = self._C.NormalDispatchArgs(
-            self.region, x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx),
-            _ptr(topk_weights), num_topk, local_experts, send_pos.data_ptr(), rank_prefix_matrix.data_ptr(),
-            x.size(0), 0, 0, 0, 0, 0, 0, 2 * num_channels)
-        early_recv_x, pulled = None, False
-        if cached_handle is None and num_worst_tokens == 0:
-            if self.rows_by_copy_engine and self._recv_capacity > 0:
-                # Room for as many rows as the last dispatches received: when they fit, start_dispatch queues the
-                # pulls right after it read the counts, with no return to Python in between.
-                early_recv_x = torch.empty((self._recv_capacity, hidden), dtype=x.dtype, device=self.device)
-            # The copy engines' gather needs only the counts on the device: it runs while the host reads them.
-            on_host, by_copy_engine, pulled = self.copy_engine.start_dispatch(
-                layout_notify, send_args if self.rows_by_copy_engine else None, 2 * hidden, _ptr(early_recv_x),
-                0 if early_recv_x is None else early_recv_x.size(0), stream)
-            self.check()
-            host_prefix = on_host[:self.num_ranks ** 2]
-            num_rows_out = host_prefix[(self.num_ranks - 1) * self.num_ranks + self.rank]
-            num_recv_tokens_per_expert_list = on_host[self.num_ranks ** 2:]
-            self._recv_capacity = _next_recv_capacity(num_rows_out, self._recv_capacity)
-            if by_copy_engine:
-                setattr(rank_prefix_matrix, _HOST_PREFIX, host_prefix)   # its cached calls and combine too
-                setattr(rank_prefix_matrix, _COMBINE_FITS, {(hidden, num_topk): True})   # start_dispatch checked it
-            else:
-                sent = rank_matrix(torch.tensor(host_prefix).view(self.num_ranks, self.num_ranks))
-                self._check_rows_fit(int(sent.sum(0).max()), int(sent.sum(1).max()), x_row_bytes,
-                                     scale_row_bytes, hidden, num_topk)
-
-        options = dict(device=self.device)
-        gathered = by_copy_engine and cached_handle is None   # this call ends the exchange start_dispatch began
-        try:
-            recv_x = early_recv_x[:num_rows_out] if pulled else torch.empty((num_rows_out, hidden), dtype=x.dtype,
-                                                                            **options)
-            if gathered and not pulled:   # the peers' rows need only recv_x: their copies start before the rest
-                self.copy_engine.pull_rows(send_args.with_outputs(num_rows_out, recv_x.data_ptr(), 0, 0, 0, 0),
-                                           host_prefix, stream)
-            recv_x_scales = (None if x_scales is None else
-                             torch.empty((num_rows_out, x_scales.size(1)), dtype=x_scales.dtype, **options))
-            recv_topk_idx = recv_topk_weights = None
-            if topk_idx is not None:
-                recv_topk_idx = torch.empty((num_rows_out, num_topk), dtype=topk_idx.dtype, **options)
-                recv_topk_weights = torch.empty((num_rows_out, num_topk), dtype=torch.float32, **options)
-            recv_src_idx = (cached_handle[3] if cached_handle is not None else
-                            torch.empty(num_rows_out, dtype=torch.int32, **options))
-            args = send_args.with_outputs(
-                num_rows_out, recv_x.data_ptr(), _ptr(recv_x_scales), _ptr(recv_topk_idx), _ptr(recv_topk_weights),
-                0 if cached_handle is not None else recv_src_idx.data_ptr())
-        except BaseException:
-            if gathered:   # the peers wait for this rank's end of the exchange
-                self.copy_engine.abandon_receive(self.region, stream)
-            raise
-        if not by_copy_engine:
-            self._C.normal_dispatch(args, stream)
-        elif gathered:
-            self.copy_engine.receive_rest(args, stream)
-        else:
-            self.copy_engine.dispatch(args, host_prefix, stream)
+            self._raise_unless_done(status, too_large)
+            if rows != capacity:
+                outputs = tuple(None if t is None else t[:rows] for t in outputs)
+        if num_worst_tokens == 0:
+            self._recv_capacity = _next_recv_capacity(rows, self._recv_capacity)
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+        setattr(rank_prefix_matrix, _SEND_POS, send_pos)   # its cached dispatches and combine reuse them
+        if host_counts is not None:
+            setattr(rank_prefix_matrix, _HOST_COUNTS, host_counts)
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
-        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-                              num_recv_tokens_per_expert_list, handle)
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
+
+    def _cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], hidden: int, x_row_bytes: int,
+                         scale_row_bytes: int, num_channels: int, handle: Sequence[torch.Tensor],
+                         stream: int) -> DispatchResult:
+        rank_prefix_matrix = handle[0]
+        rows = handle[3].size(0)
+        recv_x, recv_x_scales, _, _, _ = self._outputs(rows, hidden, x, x_scales, 0, False)
+        status = self.launcher.cached_dispatch(
+            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, self._send_positions(handle).data_ptr(),
+            rank_prefix_matrix.data_ptr(), x.size(0), rows, recv_x.data_ptr(), _ptr(recv_x_scales), num_channels,
+            2 * hidden, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+        self._raise_unless_done(status)
+        return DispatchResult(recv_x, recv_x_scales, None, None, [], tuple(handle))
 
     def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
                 biases: Sequence[torch.Tensor], num_channels: int,
                 stream: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        self.check()
-        rank_prefix_matrix, _, _, _, is_token_in_rank, _ = handle
+        rank_prefix_matrix, is_token_in_rank = handle[0], handle[4]
         num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
         combined_x = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
         combined_topk_weights = None
@@ -393,14 +336,10 @@ class NativeNormal:
                 raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
             combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         bias0, bias1 = (list(biases) + [None, None])[:2]
-        args = self._C.NormalCombineArgs(
-            region=self.region, x=x.data_ptr(), num_rows=x.size(0), hidden=hidden, topk_weights=_ptr(topk_weights),
-            num_topk=num_topk, rank_prefix_matrix=rank_prefix_matrix.data_ptr(),
-            is_token_in_rank=is_token_in_rank.data_ptr(), send_pos=self._send_positions(handle, stream).data_ptr(),
-            num_tokens=num_tokens, bias0=_ptr(bias0), bias1=_ptr(bias1), combined_x=combined_x.data_ptr(),
-            combined_topk_weights=_ptr(combined_topk_weights), num_sms=2 * num_channels)
-        if self._copy_engine_serves(rank_prefix_matrix, hidden, num_topk):
-            self.copy_engine.combine(args, _host_prefix(rank_prefix_matrix), stream)
-        else:
-            self._C.normal_combine(args, stream)
+        status = self.launcher.combine(
+            x.data_ptr(), x.size(0), hidden, _ptr(topk_weights), num_topk, rank_prefix_matrix.data_ptr(),
+            is_token_in_rank.data_ptr(), self._send_positions(handle).data_ptr(), num_tokens, _ptr(bias0),
+            _ptr(bias1), combined_x.data_ptr(), _ptr(combined_topk_weights), num_channels,
+            getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+        self._raise_unless_done(status)
         return combined_x, combined_topk_weights

@@ -1,0 +1,219 @@
+// Host code only: the orchestration of the normal-mode launchers (see intranode_launcher.h).
+#include "kernels/intranode_launcher.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "common/require.h"
+
+namespace uccl_ep {
+
+NormalLauncher::NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state,
+                               int device, bool rows_by_copy_engine)
+    : region_(region),
+      copy_engine_(copy_engine),
+      state_(state),
+      device_(device),
+      rows_by_copy_engine_(rows_by_copy_engine) {
+  require(copy_engine != nullptr && state != nullptr, "NormalLauncher needs a copy engine and a state");
+}
+
+std::string NormalLauncher::does_not_fit(const std::string& what, int64_t needed) const {
+  if (needed <= region_.data_bytes) return {};
+  return what + " needs " + std::to_string(needed + kNormalControlBytes) +
+         " bytes of num_nvl_bytes (the whole exchange must fit, plus " + std::to_string(kNormalControlBytes) +
+         " control bytes), this Buffer has num_nvl_bytes=" + std::to_string(region_.data_bytes + kNormalControlBytes);
+}
+
+std::string NormalLauncher::rows_do_not_fit(int64_t most_received, int64_t most_sent, const NormalDispatchArgs& args,
+                                            int64_t combine_row_bytes) const {
+  std::string why = does_not_fit(
+      "dispatch of up to " + std::to_string(most_received) + " rows to one rank",
+      normal_dispatch_area(most_received, args.x_row_bytes, args.scale_row_bytes, args.num_topk).total);
+  if (why.empty()) {
+    why = does_not_fit("combine of up to " + std::to_string(most_sent) + " rows back to one rank",
+                       normal_combine_area(most_sent, combine_row_bytes, args.num_topk).total);
+  }
+  return why;
+}
+
+bool NormalLauncher::copy_engine_fits(const NormalHostCounts* host_counts, NormalRowBytes combine,
+                                      const NormalRowBytes* dispatch) const {
+  if (host_counts == nullptr) return false;
+  const std::vector<int32_t>& prefix = host_counts->rank_prefix_matrix;
+  const int num_ranks = region_.num_ranks;
+  if (normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine) > region_.data_bytes) return false;
+  return dispatch == nullptr ||
+         normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, *dispatch) <= region_.data_bytes;
+}
+
+NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, const NormalDispatchOutputs& outputs,
+                                              gpuStream_t stream) {
+  NormalDispatchResult result;
+  if (failed()) {
+    result.status = NormalCallStatus::kFailed;
+    return result;
+  }
+  const int num_ranks = region_.num_ranks;
+  const int64_t rank_tokens = static_cast<int64_t>(q.num_tokens) * num_ranks;
+  const int64_t rank_channels = static_cast<int64_t>(num_ranks) * q.num_channels;
+  int32_t* send_pos = q.handle_ints;
+  int32_t* channel_prefix_matrix = send_pos + rank_tokens;
+  int32_t* send_head = channel_prefix_matrix + rank_channels;
+  int32_t* recv_channel_prefix_matrix = send_head + rank_tokens;
+  int32_t* counts = recv_channel_prefix_matrix + rank_channels;  // rank_prefix_matrix, then per local expert
+  const NormalDispatchArgs args{region_,       q.x,         q.x_row_bytes, q.x_scales, q.scale_row_bytes,
+                                q.topk_idx,    q.topk_weights, q.num_topk, q.num_local_experts, send_pos,
+                                counts,        q.num_tokens, 0,           nullptr,    nullptr,
+                                nullptr,       nullptr,     nullptr,       2 * q.num_channels};
+  result.too_large = does_not_fit("dispatch's layout exchange (" + std::to_string(q.num_channels) + " channels, " +
+                                      std::to_string(q.num_local_experts) + " local experts)",
+                                  normal_notify_area_bytes(num_ranks, q.num_channels, q.num_local_experts));
+  if (result.too_large.empty() && q.num_worst_tokens > 0) {
+    // No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most num_ranks
+    // times that (no receiver took more from it).
+    result.too_large = rows_do_not_fit(q.num_worst_tokens, static_cast<int64_t>(num_ranks) * q.num_worst_tokens,
+                                       args, q.combine_row_bytes);
+  }
+  if (!result.too_large.empty()) {
+    result.status = NormalCallStatus::kTooLarge;
+    return result;
+  }
+  const NormalSendLayoutArgs layout{q.is_token_in_rank,    q.num_tokens, num_ranks, q.num_channels,
+                                    send_pos,              channel_prefix_matrix, send_head};
+  const NormalNotifyArgs notify{region_,
+                                q.num_tokens_per_rank,
+                                channel_prefix_matrix,
+                                q.num_tokens_per_expert,
+                                q.num_channels,
+                                q.num_local_experts,
+                                q.expert_alignment,
+                                q.num_worst_tokens,
+                                0,  // pull_chunks: start_dispatch sets them when it gathers
+                                0,  // sm_push_percent: start_dispatch sets it
+                                counts,
+                                recv_channel_prefix_matrix,
+                                counts + static_cast<int64_t>(num_ranks) * num_ranks,
+                                nullptr,
+                                send_pos,
+                                q.num_tokens,
+                                false};  // push_rows: start_dispatch sets it
+  const CurrentDevice on_device(device_);
+  pending_ = Pending{args, {}, false, false};
+  if (q.num_worst_tokens > 0) {
+    launch_normal_layout_and_notify(layout, notify, stream);
+    pending_.args.num_rows_out = q.num_worst_tokens;
+    result.rows = q.num_worst_tokens;
+    require(outputs.capacity_rows >= result.rows, "the outputs must hold num_worst_tokens rows");
+    launch_rows(outputs, stream);
+    return result;
+  }
+  // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
+  NormalDispatchStart start = copy_engine_->start_dispatch(
+      layout, notify, rows_by_copy_engine_ ? &args : nullptr, q.combine_row_bytes,
+      NormalPullTarget{rows_by_copy_engine_ ? outputs.recv_x : nullptr, outputs.capacity_rows}, stream);
+  if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
+    result.status = NormalCallStatus::kFailed;
+    return result;
+  }
+  const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
+  std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
+  result.expert_counts.assign(start.counts.begin() + prefix_size, start.counts.end());
+  result.rows = prefix[prefix_size - num_ranks + region_.rank];
+  pending_.args.num_rows_out = static_cast<int32_t>(result.rows);
+  if (start.by_copy_engine) {
+    pending_.by_copy_engine = true;
+    pending_.pulled = start.pulled;
+    pending_.rank_prefix_matrix = prefix;
+    result.host_counts = std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix)});
+  } else {
+    int64_t most_received = 0, most_sent = 0;
+    for (int a = 0; a < num_ranks; ++a) {
+      int64_t received = 0, sent = 0;
+      for (int b = 0; b < num_ranks; ++b) {
+        received += normal_sent(prefix.data(), num_ranks, b, a);
+        sent += normal_sent(prefix.data(), num_ranks, a, b);
+      }
+      most_received = std::max(most_received, received);
+      most_sent = std::max(most_sent, sent);
+    }
+    result.too_large = rows_do_not_fit(most_received, most_sent, args, q.combine_row_bytes);
+    if (!result.too_large.empty()) {  // every rank alike, from the shared counts; no rows moved
+      result.status = NormalCallStatus::kTooLarge;
+      return result;
+    }
+  }
+  if (result.rows > outputs.capacity_rows) {
+    result.status = NormalCallStatus::kNeedOutputs;
+    return result;
+  }
+  launch_rows(outputs, stream);
+  return result;
+}
+
+void NormalLauncher::launch_rows(const NormalDispatchOutputs& outputs, gpuStream_t stream) {
+  NormalDispatchArgs args = pending_.args;
+  args.recv_x = outputs.recv_x;
+  args.recv_x_scales = outputs.recv_x_scales;
+  args.recv_topk_idx = outputs.recv_topk_idx;
+  args.recv_topk_weights = outputs.recv_topk_weights;
+  args.recv_src_idx = outputs.recv_src_idx;
+  if (!pending_.by_copy_engine) {
+    launch_normal_dispatch(args, stream);
+    return;
+  }
+  pending_.by_copy_engine = false;  // ended here, whatever happens
+  try {
+    if (!pending_.pulled) copy_engine_->pull_rows(args, pending_.rank_prefix_matrix, stream);
+    copy_engine_->receive_rest(args, stream);
+  } catch (...) {
+    copy_engine_->abandon_receive(region_, stream);  // the peers wait for this rank's end of the exchange
+    throw;
+  }
+}
+
+void NormalLauncher::finish_dispatch(const NormalDispatchOutputs& outputs, gpuStream_t stream) {
+  require(outputs.capacity_rows >= pending_.args.num_rows_out,
+          "finish_dispatch: the outputs must hold the " + std::to_string(pending_.args.num_rows_out) +
+              " rows the dispatch receives");
+  const CurrentDevice on_device(device_);
+  launch_rows(outputs, stream);
+}
+
+void NormalLauncher::abandon_dispatch(gpuStream_t stream) {
+  if (!pending_.by_copy_engine) return;
+  pending_.by_copy_engine = false;
+  const CurrentDevice on_device(device_);
+  copy_engine_->abandon_receive(region_, stream);
+}
+
+NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args, int64_t combine_row_bytes,
+                                                 const NormalHostCounts* host_counts, gpuStream_t stream) {
+  if (failed()) return NormalCallStatus::kFailed;
+  const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
+  const bool by_copy_engine =
+      copy_engine_fits(host_counts, NormalRowBytes{combine_row_bytes, 0, args.num_topk}, &dispatch_rows);
+  const CurrentDevice on_device(device_);
+  if (by_copy_engine) {
+    copy_engine_->dispatch(args, host_counts->rank_prefix_matrix, stream);
+  } else {
+    launch_normal_dispatch(args, stream);
+  }
+  return NormalCallStatus::kDone;
+}
+
+NormalCallStatus NormalLauncher::combine(const NormalCombineArgs& args, const NormalHostCounts* host_counts,
+                                         gpuStream_t stream) {
+  if (failed()) return NormalCallStatus::kFailed;
+  const bool by_copy_engine =
+      copy_engine_fits(host_counts, NormalRowBytes{2 * static_cast<int64_t>(args.hidden), 0, args.num_topk}, nullptr);
+  const CurrentDevice on_device(device_);
+  if (by_copy_engine) {
+    copy_engine_->combine(args, host_counts->rank_prefix_matrix, stream);
+  } else {
+    launch_normal_combine(args, stream);
+  }
+  return NormalCallStatus::kDone;
+}
+
+}  // namespace uccl_ep

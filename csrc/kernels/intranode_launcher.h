@@ -1,0 +1,125 @@
+// A normal-mode operation in one host call: the failure check, the checks that the exchange fits
+// num_nvl_bytes, the choice between copy engines and SMs, and the launches, so that a Buffer
+// operation crosses from Python into the extension once. The send layout and notify, the count
+// read and the row movement are those of intranode.h and intranode_copy.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/portability.h"
+#include "kernels/intranode.h"
+#include "kernels/intranode_copy.h"
+#include "kernels/low_latency_state.h"
+
+namespace uccl_ep {
+
+// A dispatch's [R, R] rank_prefix_matrix as read on the host, kept with its handle when the copy
+// engines carried the dispatch: its cached dispatches and its combine go that way too.
+struct NormalHostCounts {
+  std::vector<int32_t> rank_prefix_matrix;
+};
+
+// The receive side of a dispatch: room for capacity_rows rows in each output the call has (the
+// others null). A fresh dispatch gets them before its counts are known.
+struct NormalDispatchOutputs {
+  void* recv_x;
+  void* recv_x_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int32_t* recv_src_idx;
+  int64_t capacity_rows;
+};
+
+// A fresh dispatch (no handle). handle_ints: one int32 array holding send_pos [N, R],
+// channel_prefix_matrix [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], then the
+// counts: rank_prefix_matrix [R, R] and the tokens each local expert receives [El].
+struct NormalDispatchRequest {
+  const void* x;
+  int64_t x_row_bytes;
+  const void* x_scales;
+  int64_t scale_row_bytes;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  int32_t num_topk;
+  const bool* is_token_in_rank;
+  int32_t num_tokens;
+  const int32_t* num_tokens_per_rank;
+  const int32_t* num_tokens_per_expert;
+  int32_t num_local_experts;
+  int32_t num_channels;
+  int32_t expert_alignment;
+  int32_t num_worst_tokens;
+  int32_t* handle_ints;
+  int64_t combine_row_bytes;  // of the bf16 rows its combine returns (2 * hidden)
+};
+
+enum class NormalCallStatus : int32_t {
+  kDone = 0,         // everything is queued
+  kFailed = 1,       // a kernel recorded a failure (before the call, or the notify's): the caller raises it
+  kTooLarge = 2,     // the exchange does not fit num_nvl_bytes; no rows moved, every rank decides alike
+  kNeedOutputs = 3,  // the counts are read and the rows exceed the outputs: finish_dispatch with larger ones
+};
+
+struct NormalDispatchResult {
+  NormalCallStatus status = NormalCallStatus::kDone;
+  int64_t rows = 0;                                      // rows this rank receives (outputs' rows)
+  std::vector<int32_t> expert_counts;                    // tokens per local expert, when read on the host
+  std::shared_ptr<const NormalHostCounts> host_counts;  // set when the copy engines carried the dispatch
+  std::string too_large;                                 // kTooLarge: what does not fit
+};
+
+class NormalLauncher {
+ public:
+  // copy_engine reads every dispatch's counts and, with rows_by_copy_engine, carries the rows;
+  // state holds the failure record the kernels write. Both outlive the launcher.
+  NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state, int device,
+                 bool rows_by_copy_engine);
+
+  // Layout, notify and, when the counts are read on the host (num_worst_tokens == 0), the wait for
+  // them; then the rows into `outputs` when they fit (kDone), else kNeedOutputs.
+  NormalDispatchResult dispatch(const NormalDispatchRequest& request, const NormalDispatchOutputs& outputs,
+                                gpuStream_t stream);
+  // After kNeedOutputs: the same dispatch into outputs of at least its rows.
+  void finish_dispatch(const NormalDispatchOutputs& outputs, gpuStream_t stream);
+  // After kNeedOutputs, when the caller cannot finish: ends the exchange for the peers.
+  void abandon_dispatch(gpuStream_t stream);
+  // A dispatch with a handle's layout: host_counts from that handle, or null (SMs move the rows).
+  // args carries the outputs (recv_src_idx null: the handle keeps its own); combine_row_bytes as in
+  // NormalDispatchRequest.
+  NormalCallStatus cached_dispatch(const NormalDispatchArgs& args, int64_t combine_row_bytes,
+                                   const NormalHostCounts* host_counts, gpuStream_t stream);
+  NormalCallStatus combine(const NormalCombineArgs& args, const NormalHostCounts* host_counts, gpuStream_t stream);
+
+  const NormalRegion& region() const { return region_; }
+
+ private:
+  bool failed() const { return state_->status().code != 0; }
+  // An empty string when a dispatch of up to most_received rows to one rank, and a combine of up to
+  // most_sent rows back to one, fit every rank's data area; else what does not fit.
+  std::string rows_do_not_fit(int64_t most_received, int64_t most_sent, const NormalDispatchArgs& args,
+                              int64_t combine_row_bytes) const;
+  std::string does_not_fit(const std::string& what, int64_t needed) const;
+  // Whether the copy engines' staging holds this handle's rows: the combine's, and with dispatch the
+  // cached dispatch's too (the same answer on every rank: the counts are shared).
+  bool copy_engine_fits(const NormalHostCounts* host_counts, NormalRowBytes combine,
+                        const NormalRowBytes* dispatch) const;
+  void launch_rows(const NormalDispatchOutputs& outputs, gpuStream_t stream);
+
+  NormalRegion region_;
+  NormalCopyEngine* copy_engine_;
+  const LowLatencyState* state_;
+  int device_;
+  bool rows_by_copy_engine_;
+  // The dispatch whose rows are not launched yet (between dispatch and launch_rows).
+  struct Pending {
+    NormalDispatchArgs args;
+    std::vector<int32_t> rank_prefix_matrix;  // host copy, by copy engine only
+    bool by_copy_engine = false;
+    bool pulled = false;
+  } pending_{};
+};
+
+}  // namespace uccl_ep
