@@ -68,13 +68,14 @@ class RecordingExtension:
 
 class NormalRecordingExtension(RecordingExtension):
     """Also stands in where the native normal mode uses the extension. Its launcher's dispatch receives all of a
-    one-rank dispatch's tokens and asks for larger outputs when they do not fit (NEED_OUTPUTS), as the real one."""
+    one-rank dispatch's tokens: it calls the allocator back for them, as the real one does once it read the
+    counts."""
 
     NORMAL_CONTROL_BYTES = 4096
     NORMAL_SM_PUSH_PERCENT = NORMAL_SM_PULL_PERCENT = NORMAL_COMBINE_CHUNKS = 0
     NORMAL_PULL_CHUNKS, NORMAL_MAX_CHUNKS, NORMAL_MAX_COMBINE_RANKS = 3, 63, 32
     NormalOwnRows = SimpleNamespace(__members__={"auto": 0, "engine": 1, "sm": 2})
-    DONE, NEED_OUTPUTS = 0, 3
+    DONE = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,12 +87,9 @@ class NormalRecordingExtension(RecordingExtension):
 
             def dispatch(self, *args):
                 extension.calls["NormalLauncher.dispatch"] += 1
-                num_tokens, capacity = args[8], args[22]
-                status = extension.DONE if num_tokens <= capacity else extension.NEED_OUTPUTS
-                return status, num_tokens, [num_tokens] * E, object(), ""
-
-            def finish_dispatch(self, *args):
-                extension.calls["NormalLauncher.finish_dispatch"] += 1
+                num_tokens, allocate = args[8], args[17]
+                assert all(isinstance(address, int) for address in allocate(num_tokens))
+                return extension.DONE, num_tokens, [num_tokens] * E, object(), ""
 
             def cached_dispatch(self, *args):
                 extension.calls["NormalLauncher.cached_dispatch"] += 1
@@ -310,9 +308,8 @@ def test_get_dispatch_layout_is_one_extension_call(normal_buffer):
     assert result[1] is None and result[3].shape == (T, 1)
 
 
-# What a dispatch's handle takes: one int32 allocation, split into five, four views and rank_prefix_matrix's
-# slice and view.
-_HANDLE_OPS = {"empty": 1, "split_with_sizes": 1, "view": 5, "slice": 1}
+# What a dispatch's handle takes: one int32 allocation and a view of it for each of its five tables.
+_HANDLE_OPS = {"empty": 1, "as_strided": 5}
 
 
 @pytest.mark.parametrize("use_fp8", [True, False], ids=["fp8", "bf16"])
@@ -322,24 +319,13 @@ def test_normal_dispatch_is_one_extension_call(normal_buffer, use_fp8):
     payload = (x.to(torch.float8_e4m3fn), torch.rand((T, H // 128))) if use_fp8 else x
     result, ops, calls = _counted(extension, lambda: buffer.dispatch(payload, **layout))
     assert calls == {"NormalLauncher.dispatch": 1}
-    # recv_x, its scales (fp8), recv_topk_idx, recv_topk_weights and recv_src_idx, allocated before the counts
-    # are known for more rows than last time, then cut to the rows received.
+    # recv_x, its scales (fp8), recv_topk_idx, recv_topk_weights and recv_src_idx, allocated when the launcher
+    # calls back with the rows received.
     outputs = 5 if use_fp8 else 4
-    expected = Counter(_HANDLE_OPS) + Counter({"empty": outputs, "slice": outputs})
+    expected = Counter(_HANDLE_OPS) + Counter({"empty": outputs})
     assert ops == dict(expected)
     recv_x = result[0][0] if use_fp8 else result[0]
     assert recv_x.shape == (T, H) and result[3] == [T] * E
-
-
-def test_normal_dispatch_asks_for_larger_outputs_once(normal_buffer):
-    """The first dispatch has no outputs ready (nothing received yet): the launcher asks for them, a second call."""
-    buffer, extension = normal_buffer
-    x, _, _, layout = _layout(buffer)
-    buffer.dispatch(x, **layout)
-    assert extension.calls["NormalLauncher.dispatch"] == extension.calls["NormalLauncher.finish_dispatch"] == 1
-    extension.calls.clear()
-    buffer.dispatch(x, **layout)
-    assert dict(extension.calls) == {"NormalLauncher.dispatch": 1}
 
 
 def test_cached_dispatch_and_combine_are_one_extension_call_each(normal_buffer):

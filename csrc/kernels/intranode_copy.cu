@@ -660,7 +660,7 @@ uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t e
 
 NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                                      const NormalDispatchArgs* gather, int64_t combine_row_bytes,
-                                                     NormalPullTarget target, gpuStream_t stream) {
+                                                     gpuStream_t stream) {
   const NormalRegion& region = notify.region;
   const int num_ranks = region.num_ranks;
   const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
@@ -761,21 +761,6 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
       abandon_receive(region, stream);  // waits for the pushes queued so far, and ends the exchange
       throw;
     }
-  }
-  const int64_t rows = prefix[static_cast<int64_t>(num_ranks - 1) * num_ranks + region.rank];
-  // No rows: the caller's view of none of them has no address (torch gives null), so pull_rows takes it.
-  if (target.recv_x != nullptr && rows > 0 && rows <= target.capacity_rows) {
-    NormalDispatchArgs pull = *gather;
-    pull.recv_x = target.recv_x;
-    pull.num_rows_out = static_cast<int32_t>(rows);
-    try {
-      pull_rows(pull, prefix, stream);
-      queue_own_rows(pull, notify_done_);
-    } catch (...) {
-      abandon_receive(region, stream);  // the peers wait for this rank's end of the exchange
-      throw;
-    }
-    start.pulled = true;
   }
   return start;
 }

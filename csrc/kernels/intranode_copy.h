@@ -39,20 +39,10 @@ namespace uccl_ep {
 void load_normal_copy_kernels();
 
 // What start_dispatch brings back: the dispatch's counts on the host (rank_prefix_matrix
-// flattened, then the tokens each local expert receives), whether the copy engines carry its rows,
-// and whether it pulls them already (into the NormalPullTarget: pull_rows is done).
+// flattened, then the tokens each local expert receives) and whether the copy engines carry its rows.
 struct NormalDispatchStart {
   std::vector<int32_t> counts;
   bool by_copy_engine = false;
-  bool pulled = false;
-};
-
-// A recv_x the caller allocated before the counts were known, with room for capacity_rows rows (or
-// null): when the rank receives rows and they fit, start_dispatch queues the pulls into it as soon as
-// it has read the counts, with no return to the caller in between.
-struct NormalPullTarget {
-  void* recv_x = nullptr;
-  int64_t capacity_rows = 0;
 };
 
 // Also the normal mode's host side in general: start_dispatch serves the SM path too.
@@ -88,13 +78,11 @@ class NormalCopyEngine {
   // dispatch's arguments, outputs not set yet; or null) runs behind the notify, while the host waits.
   // by_copy_engine: `gather` was given and every owner's staging fits its rows and a combine of bf16
   // rows of `combine_row_bytes`; otherwise the gather's exchange is ended unread (every rank decides
-  // alike, from shared counts) and the rows go by SMs. pulled: by copy engine, and the rows fit
-  // `target`, so pull_rows is done (into target.recv_x, and this rank's own rows by copy engine where
-  // they go that way). Throws if the counts are not on the host 5 s after the region's timeout (by
-  // then the device's record names the peer).
+  // alike, from shared counts) and the rows go by SMs. Throws if the counts are not on the host 5 s
+  // after the region's timeout (by then the device's record names the peer).
   NormalDispatchStart start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                      const NormalDispatchArgs* gather, int64_t combine_row_bytes,
-                                     NormalPullTarget target, gpuStream_t stream);
+                                     gpuStream_t stream);
   // The second half after start_dispatch chose the copy engines, in two calls so that the pulls are
   // queued as soon as recv_x exists. pull_rows: every peer's rows for this rank into args.recv_x
   // (rank_prefix_matrix_host is the [R, R] matrix read on the host, args.num_rows_out the rows this

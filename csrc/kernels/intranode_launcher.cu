@@ -47,7 +47,7 @@ bool NormalLauncher::copy_engine_fits(const NormalHostCounts* host_counts, Norma
          normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, *dispatch) <= region_.data_bytes;
 }
 
-NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, const NormalDispatchOutputs& outputs,
+NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, const NormalOutputsAllocator& allocate,
                                               gpuStream_t stream) {
   NormalDispatchResult result;
   if (failed()) {
@@ -62,7 +62,7 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   int32_t* send_head = channel_prefix_matrix + rank_channels;
   int32_t* recv_channel_prefix_matrix = send_head + rank_tokens;
   int32_t* counts = recv_channel_prefix_matrix + rank_channels;  // rank_prefix_matrix, then per local expert
-  const NormalDispatchArgs args{region_,       q.x,         q.x_row_bytes, q.x_scales, q.scale_row_bytes,
+  NormalDispatchArgs args{region_,       q.x,         q.x_row_bytes, q.x_scales, q.scale_row_bytes,
                                 q.topk_idx,    q.topk_weights, q.num_topk, q.num_local_experts, send_pos,
                                 counts,        q.num_tokens, 0,           nullptr,    nullptr,
                                 nullptr,       nullptr,     nullptr,       2 * q.num_channels};
@@ -99,19 +99,16 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
                                 q.num_tokens,
                                 false};  // push_rows: start_dispatch sets it
   const CurrentDevice on_device(device_);
-  pending_ = Pending{args, {}, false, false};
   if (q.num_worst_tokens > 0) {
     launch_normal_layout_and_notify(layout, notify, stream);
-    pending_.args.num_rows_out = q.num_worst_tokens;
     result.rows = q.num_worst_tokens;
-    require(outputs.capacity_rows >= result.rows, "the outputs must hold num_worst_tokens rows");
-    launch_rows(outputs, stream);
+    args.num_rows_out = q.num_worst_tokens;
+    receive(args, allocate, false, {}, stream);
     return result;
   }
   // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
-  NormalDispatchStart start = copy_engine_->start_dispatch(
-      layout, notify, rows_by_copy_engine_ ? &args : nullptr, q.combine_row_bytes,
-      NormalPullTarget{rows_by_copy_engine_ ? outputs.recv_x : nullptr, outputs.capacity_rows}, stream);
+  const NormalDispatchStart start = copy_engine_->start_dispatch(
+      layout, notify, rows_by_copy_engine_ ? &args : nullptr, q.combine_row_bytes, stream);
   if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
     result.status = NormalCallStatus::kFailed;
     return result;
@@ -120,13 +117,8 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   result.expert_counts.assign(start.counts.begin() + prefix_size, start.counts.end());
   result.rows = prefix[prefix_size - num_ranks + region_.rank];
-  pending_.args.num_rows_out = static_cast<int32_t>(result.rows);
-  if (start.by_copy_engine) {
-    pending_.by_copy_engine = true;
-    pending_.pulled = start.pulled;
-    pending_.rank_prefix_matrix = prefix;
-    result.host_counts = std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix)});
-  } else {
+  args.num_rows_out = static_cast<int32_t>(result.rows);
+  if (!start.by_copy_engine) {
     int64_t most_received = 0, most_sent = 0;
     for (int a = 0; a < num_ranks; ++a) {
       int64_t received = 0, sent = 0;
@@ -143,48 +135,33 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
       return result;
     }
   }
-  if (result.rows > outputs.capacity_rows) {
-    result.status = NormalCallStatus::kNeedOutputs;
-    return result;
+  receive(args, allocate, start.by_copy_engine, prefix, stream);
+  if (start.by_copy_engine) {
+    result.host_counts = std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix)});
   }
-  launch_rows(outputs, stream);
   return result;
 }
 
-void NormalLauncher::launch_rows(const NormalDispatchOutputs& outputs, gpuStream_t stream) {
-  NormalDispatchArgs args = pending_.args;
-  args.recv_x = outputs.recv_x;
-  args.recv_x_scales = outputs.recv_x_scales;
-  args.recv_topk_idx = outputs.recv_topk_idx;
-  args.recv_topk_weights = outputs.recv_topk_weights;
-  args.recv_src_idx = outputs.recv_src_idx;
-  if (!pending_.by_copy_engine) {
-    launch_normal_dispatch(args, stream);
-    return;
-  }
-  pending_.by_copy_engine = false;  // ended here, whatever happens
+void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, bool by_copy_engine,
+                             const std::vector<int32_t>& rank_prefix_matrix, gpuStream_t stream) {
   try {
-    if (!pending_.pulled) copy_engine_->pull_rows(args, pending_.rank_prefix_matrix, stream);
-    copy_engine_->receive_rest(args, stream);
+    const NormalDispatchOutputs outputs = allocate(args.num_rows_out);
+    args.recv_x = outputs.recv_x;
+    args.recv_x_scales = outputs.recv_x_scales;
+    args.recv_topk_idx = outputs.recv_topk_idx;
+    args.recv_topk_weights = outputs.recv_topk_weights;
+    args.recv_src_idx = outputs.recv_src_idx;
+    if (!by_copy_engine) {
+      launch_normal_dispatch(args, stream);
+      return;
+    }
+    copy_engine_->pull_rows(args, rank_prefix_matrix, stream);
   } catch (...) {
-    copy_engine_->abandon_receive(region_, stream);  // the peers wait for this rank's end of the exchange
+    // The peers wait for this rank's end of a copy-engine exchange (an SM exchange times out there).
+    if (by_copy_engine) copy_engine_->abandon_receive(region_, stream);
     throw;
   }
-}
-
-void NormalLauncher::finish_dispatch(const NormalDispatchOutputs& outputs, gpuStream_t stream) {
-  require(outputs.capacity_rows >= pending_.args.num_rows_out,
-          "finish_dispatch: the outputs must hold the " + std::to_string(pending_.args.num_rows_out) +
-              " rows the dispatch receives");
-  const CurrentDevice on_device(device_);
-  launch_rows(outputs, stream);
-}
-
-void NormalLauncher::abandon_dispatch(gpuStream_t stream) {
-  if (!pending_.by_copy_engine) return;
-  pending_.by_copy_engine = false;
-  const CurrentDevice on_device(device_);
-  copy_engine_->abandon_receive(region_, stream);
+  copy_engine_->receive_rest(args, stream);  // ends the exchange whatever happens
 }
 
 NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args, int64_t combine_row_bytes,

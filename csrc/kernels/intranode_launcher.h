@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,16 +23,17 @@ struct NormalHostCounts {
   std::vector<int32_t> rank_prefix_matrix;
 };
 
-// The receive side of a dispatch: room for capacity_rows rows in each output the call has (the
-// others null). A fresh dispatch gets them before its counts are known.
+// The receive side of a dispatch: each output the call has, of its rows (the others null).
 struct NormalDispatchOutputs {
   void* recv_x;
   void* recv_x_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
   int32_t* recv_src_idx;
-  int64_t capacity_rows;
 };
+// Makes a dispatch's outputs once its rows are known (the caller's allocator, called on the host
+// thread of the dispatch); an exception it throws ends the exchange for the peers, then propagates.
+using NormalOutputsAllocator = std::function<NormalDispatchOutputs(int64_t rows)>;
 
 // A fresh dispatch (no handle). handle_ints: one int32 array holding send_pos [N, R],
 // channel_prefix_matrix [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], then the
@@ -57,15 +59,14 @@ struct NormalDispatchRequest {
 };
 
 enum class NormalCallStatus : int32_t {
-  kDone = 0,         // everything is queued
-  kFailed = 1,       // a kernel recorded a failure (before the call, or the notify's): the caller raises it
-  kTooLarge = 2,     // the exchange does not fit num_nvl_bytes; no rows moved, every rank decides alike
-  kNeedOutputs = 3,  // the counts are read and the rows exceed the outputs: finish_dispatch with larger ones
+  kDone = 0,      // everything is queued
+  kFailed = 1,    // a kernel recorded a failure (before the call, or the notify's): the caller raises it
+  kTooLarge = 2,  // the exchange does not fit num_nvl_bytes; no rows moved, every rank decides alike
 };
 
 struct NormalDispatchResult {
   NormalCallStatus status = NormalCallStatus::kDone;
-  int64_t rows = 0;                                      // rows this rank receives (outputs' rows)
+  int64_t rows = 0;                                      // rows this rank receives (the outputs' rows)
   std::vector<int32_t> expert_counts;                    // tokens per local expert, when read on the host
   std::shared_ptr<const NormalHostCounts> host_counts;  // set when the copy engines carried the dispatch
   std::string too_large;                                 // kTooLarge: what does not fit
@@ -79,13 +80,10 @@ class NormalLauncher {
                  bool rows_by_copy_engine);
 
   // Layout, notify and, when the counts are read on the host (num_worst_tokens == 0), the wait for
-  // them; then the rows into `outputs` when they fit (kDone), else kNeedOutputs.
-  NormalDispatchResult dispatch(const NormalDispatchRequest& request, const NormalDispatchOutputs& outputs,
+  // them; then the outputs from `allocate` (num_worst_tokens rows, or the rows received) and the rows
+  // into them. The copy engines' gather runs while the host waits and allocates.
+  NormalDispatchResult dispatch(const NormalDispatchRequest& request, const NormalOutputsAllocator& allocate,
                                 gpuStream_t stream);
-  // After kNeedOutputs: the same dispatch into outputs of at least its rows.
-  void finish_dispatch(const NormalDispatchOutputs& outputs, gpuStream_t stream);
-  // After kNeedOutputs, when the caller cannot finish: ends the exchange for the peers.
-  void abandon_dispatch(gpuStream_t stream);
   // A dispatch with a handle's layout: host_counts from that handle, or null (SMs move the rows).
   // args carries the outputs (recv_src_idx null: the handle keeps its own); combine_row_bytes as in
   // NormalDispatchRequest.
@@ -106,20 +104,16 @@ class NormalLauncher {
   // cached dispatch's too (the same answer on every rank: the counts are shared).
   bool copy_engine_fits(const NormalHostCounts* host_counts, NormalRowBytes combine,
                         const NormalRowBytes* dispatch) const;
-  void launch_rows(const NormalDispatchOutputs& outputs, gpuStream_t stream);
+  // The dispatch's rows (args without outputs yet) into outputs from `allocate`: by the copy engines
+  // after start_dispatch chose them (rank_prefix_matrix: its counts), else by SMs.
+  void receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, bool by_copy_engine,
+               const std::vector<int32_t>& rank_prefix_matrix, gpuStream_t stream);
 
   NormalRegion region_;
   NormalCopyEngine* copy_engine_;
   const LowLatencyState* state_;
   int device_;
   bool rows_by_copy_engine_;
-  // The dispatch whose rows are not launched yet (between dispatch and launch_rows).
-  struct Pending {
-    NormalDispatchArgs args;
-    std::vector<int32_t> rank_prefix_matrix;  // host copy, by copy engine only
-    bool by_copy_engine = false;
-    bool pulled = false;
-  } pending_{};
 };
 
 }  // namespace uccl_ep

@@ -76,9 +76,7 @@ struct NormalLauncherCalls {
                             int32_t num_tokens, std::uintptr_t num_tokens_per_rank,
                             std::uintptr_t num_tokens_per_expert, int32_t num_local_experts, int32_t num_channels,
                             int32_t expert_alignment, int32_t num_worst_tokens, std::uintptr_t handle_ints,
-                            int64_t combine_row_bytes, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
-                            std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
-                            std::uintptr_t recv_src_idx, int64_t capacity_rows, std::uintptr_t stream) {
+                            int64_t combine_row_bytes, const py::function& allocate, std::uintptr_t stream) {
     const uccl_ep::NormalDispatchRequest request{ptr<const void>(x),
                                                  x_row_bytes,
                                                  ptr<const void>(x_scales),
@@ -96,26 +94,25 @@ struct NormalLauncherCalls {
                                                  num_worst_tokens,
                                                  ptr<int32_t>(handle_ints),
                                                  combine_row_bytes};
-    const uccl_ep::NormalDispatchOutputs outputs = dispatch_outputs(recv_x, recv_x_scales, recv_topk_idx,
-                                                                    recv_topk_weights, recv_src_idx, capacity_rows);
+    // Python's allocator, called back with the GIL: (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+    // recv_src_idx) as addresses for `rows` rows.
+    const uccl_ep::NormalOutputsAllocator allocator = [&allocate](int64_t rows) {
+      py::gil_scoped_acquire gil;
+      const auto outputs = allocate(rows).cast<std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t,
+                                                          std::uintptr_t, std::uintptr_t>>();
+      return uccl_ep::NormalDispatchOutputs{ptr<void>(std::get<0>(outputs)), ptr<void>(std::get<1>(outputs)),
+                                            ptr<int64_t>(std::get<2>(outputs)), ptr<float>(std::get<3>(outputs)),
+                                            ptr<int32_t>(std::get<4>(outputs))};
+    };
     uccl_ep::NormalDispatchResult result;
     {
       py::gil_scoped_release no_gil;
-      result = self.dispatch(request, outputs, as_stream(stream));
+      result = self.dispatch(request, allocator, as_stream(stream));
     }
     py::object host_counts =
         result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
     return py::make_tuple(static_cast<int32_t>(result.status), result.rows, py::cast(result.expert_counts),
                           host_counts, result.too_large);
-  }
-
-  static void finish_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
-                              std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
-                              std::uintptr_t recv_src_idx, int64_t capacity_rows, std::uintptr_t stream) {
-    const uccl_ep::NormalDispatchOutputs outputs = dispatch_outputs(recv_x, recv_x_scales, recv_topk_idx,
-                                                                    recv_topk_weights, recv_src_idx, capacity_rows);
-    py::gil_scoped_release no_gil;
-    self.finish_dispatch(outputs, as_stream(stream));
   }
 
   static int32_t cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
@@ -172,15 +169,6 @@ struct NormalLauncherCalls {
     return static_cast<int32_t>(self.combine(args, host_counts, as_stream(stream)));
   }
 
- private:
-  static uccl_ep::NormalDispatchOutputs dispatch_outputs(std::uintptr_t recv_x, std::uintptr_t recv_x_scales,
-                                                         std::uintptr_t recv_topk_idx,
-                                                         std::uintptr_t recv_topk_weights,
-                                                         std::uintptr_t recv_src_idx, int64_t capacity_rows) {
-    return uccl_ep::NormalDispatchOutputs{ptr<void>(recv_x),           ptr<void>(recv_x_scales),
-                                          ptr<int64_t>(recv_topk_idx), ptr<float>(recv_topk_weights),
-                                          ptr<int32_t>(recv_src_idx),  capacity_rows};
-  }
 };
 
 }  // namespace
@@ -339,8 +327,7 @@ void bind_normal(py::module_& m) {
   py::enum_<uccl_ep::NormalCallStatus>(m, "NormalCallStatus", "What a NormalLauncher call did.")
       .value("DONE", uccl_ep::NormalCallStatus::kDone)
       .value("FAILED", uccl_ep::NormalCallStatus::kFailed)
-      .value("TOO_LARGE", uccl_ep::NormalCallStatus::kTooLarge)
-      .value("NEED_OUTPUTS", uccl_ep::NormalCallStatus::kNeedOutputs);
+      .value("TOO_LARGE", uccl_ep::NormalCallStatus::kTooLarge);
   py::class_<uccl_ep::NormalLauncher>(m, "NormalLauncher",
                                       "Each normal-mode operation in one call (positional arguments only). A call "
                                       "returns a NormalCallStatus value (an int): FAILED when a kernel recorded a "
@@ -356,19 +343,11 @@ void bind_normal(py::module_& m) {
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, x_row_bytes, x_scales, scale_row_bytes, topk_idx, topk_weights, num_topk, is_token_in_rank, "
            "num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_local_experts, num_channels, "
-           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, recv_x, recv_x_scales, "
-           "recv_topk_idx, recv_topk_weights, recv_src_idx, capacity_rows, stream) -> (status, rows, "
+           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, allocate, stream) -> (status, rows, "
            "tokens per local expert (read on the host, else empty), NormalHostCounts or None, what does not fit). "
-           "A fresh dispatch: layout, notify, the count read, and the rows into the outputs when they hold them "
-           "(DONE), else NEED_OUTPUTS: finish_dispatch with outputs of `rows` rows, or abandon_dispatch.")
-      .def("finish_dispatch", &NormalLauncherCalls::finish_dispatch,
-           "finish_dispatch(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, capacity_rows, "
-           "stream): the rows of the dispatch that returned NEED_OUTPUTS.")
-      .def(
-          "abandon_dispatch",
-          [](uccl_ep::NormalLauncher& self, std::uintptr_t stream) { self.abandon_dispatch(as_stream(stream)); },
-          py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "Instead of finish_dispatch when the outputs cannot be made: ends the exchange for the peers.")
+           "A fresh dispatch: layout, notify, the count read, then allocate(rows) -> the addresses of (recv_x, "
+           "recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) (0 for those not wanted), and the rows "
+           "into them.")
       .def("cached_dispatch", &NormalLauncherCalls::cached_dispatch,
            "cached_dispatch(x, x_row_bytes, x_scales, scale_row_bytes, send_pos, rank_prefix_matrix, num_tokens, "
            "num_rows_out, recv_x, recv_x_scales, num_channels, combine_row_bytes, host_counts, stream) -> status: "

@@ -14,14 +14,13 @@ its combine go the same way. ``sm``, and calls whose counts stay on the device (
 use SM copies (csrc/kernels/intranode.h).
 
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
-checks for recorded failures, decides the path and launches. So that the rows move right after the count
-read, a dispatch allocates its outputs before it, for as many rows as the last dispatches received and a
-little more (_next_recv_capacity); when the rows fit, its outputs are views of those tensors' first rows,
-else the launcher asks for outputs of the right size (a second call).
+checks for recorded failures, decides the path and launches. A dispatch's launcher calls back into Python
+once, to allocate the outputs as soon as it has read how many rows arrive; the copy engines' gather runs
+meanwhile, and the pulls are queued right after.
 """
 
 import os
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,7 +53,7 @@ _SHARE_DEFAULTS = {SM_PULL_ENV: "NORMAL_SM_PULL_PERCENT", SM_PUSH_ENV: "NORMAL_S
 _HOST_COUNTS = "_uccl_ep_host_counts"
 _SEND_POS = "_uccl_ep_send_pos"
 # NormalLauncher's call statuses (NormalCallStatus).
-DONE, FAILED, TOO_LARGE, NEED_OUTPUTS = 0, 1, 2, 3
+DONE, FAILED, TOO_LARGE = 0, 1, 2
 
 
 def copy_mode(env: str = COPY_ENV) -> str:
@@ -91,14 +90,6 @@ def chunk_setting(env: str, extension) -> int:
     rank must use the same pull chunks, the combine chunks may differ), else the extension's default (for the
     combine 0: by the combine's SMs)."""
     return _int_setting(env, getattr(extension, _CHUNK_DEFAULTS[env]), 1, extension.NORMAL_MAX_CHUNKS)
-
-
-def _next_recv_capacity(rows: int, capacity: int) -> int:
-    """The rows to allocate recv_x for before the next dispatch's counts are known, after a dispatch that received
-    ``rows`` with ``capacity``: these rows and 1/16 more (plus 64) to spare, or the last capacity less 1/32 when
-    larger, so one large dispatch does not keep it large for long. The copy engines pull into it at once when the
-    rows fit, and the dispatch returns a view of its first rows."""
-    return max(rows + rows // 16 + 64, capacity - capacity // 32)
 
 
 class ExchangeTooLarge(Exception):
@@ -155,7 +146,6 @@ class NativeNormal:
                                                  self.rows_by_copy_engine)
         # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
         self._last_notify = (0, False, 0)
-        self._recv_capacity = 0   # rows of the recv_x allocated before a dispatch's counts are known (0: none)
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -228,18 +218,20 @@ class NativeNormal:
                        local_experts: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
         """One int32 allocation for what a dispatch's layout and notify write (NormalDispatchRequest's
         handle_ints), and its views: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
-        recv_channel_prefix_matrix [R, C], rank_prefix_matrix [R, R]."""
-        num_ranks = self.num_ranks
-        sizes = (num_tokens * num_ranks, num_ranks * num_channels, num_tokens * num_ranks, num_ranks * num_channels,
-                 num_ranks * num_ranks + local_experts)
-        block = torch.empty(sum(sizes), dtype=torch.int32, device=self.device)
-        send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, counts = block.split(sizes)
-        return block, (send_pos.view(num_tokens, num_ranks), channel_prefix_matrix.view(num_ranks, num_channels),
-                       send_head.view(num_tokens, num_ranks), recv_channel_prefix_matrix.view(num_ranks, num_channels),
-                       counts[:num_ranks * num_ranks].view(num_ranks, num_ranks))
+        recv_channel_prefix_matrix [R, C], rank_prefix_matrix [R, R] (the tokens per local expert follow it)."""
+        r, c = self.num_ranks, num_channels
+        token_ints, channel_ints = num_tokens * r, r * c
+        block = torch.empty(2 * (token_ints + channel_ints) + r * r + local_experts, dtype=torch.int32,
+                            device=self.device)
+        views = []
+        offset = 0
+        for rows, columns in ((num_tokens, r), (r, c), (num_tokens, r), (r, c), (r, r)):
+            views.append(block.as_strided((rows, columns), (columns, 1), offset))
+            offset += rows * columns
+        return block, tuple(views)
 
     def _outputs(self, rows: int, hidden: int, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 num_topk: int, src_idx: bool) -> Tuple[Optional[torch.Tensor], ...]:
+                 num_topk: int, src_idx: bool) -> List[Optional[torch.Tensor]]:
         """A dispatch's outputs for ``rows`` rows: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None
         without top-k) and recv_src_idx (None when ``src_idx`` is False: the cached dispatch keeps its handle's)."""
         device = self.device
@@ -251,7 +243,7 @@ class NativeNormal:
             recv_topk_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=device)
             recv_topk_weights = torch.empty((rows, num_topk), dtype=torch.float32, device=device)
         recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device) if src_idx else None
-        return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx
+        return [recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx]
 
     def _raise_unless_done(self, status: int, too_large: str = "") -> None:
         if status == FAILED:
@@ -276,31 +268,22 @@ class NativeNormal:
         local_experts = num_tokens_per_expert.size(0) // self.num_ranks
         block, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix) = \
             self.handle_tensors(num_tokens, num_channels, local_experts)
-        # Outputs before the counts are known: for as many rows as the last dispatches received, so that the
-        # launcher moves the rows as soon as it has read the counts, with no return to Python in between.
-        capacity = num_worst_tokens or self._recv_capacity
-        outputs = self._outputs(capacity, hidden, x, x_scales, num_topk, True)
+        outputs = []
+
+        def allocate(rows: int) -> Tuple[int, ...]:
+            """Called by the launcher once the rows are known (the gather runs meanwhile)."""
+            outputs.extend(self._outputs(rows, hidden, x, x_scales, num_topk, True))
+            return tuple(map(_ptr, outputs))
+
         self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0,
                              self.sm_push_percent if num_worst_tokens == 0 else 0)
         # Every input is contiguous (the Buffer checked): the kernels read them as they are.
-        status, rows, expert_counts, host_counts, too_large = self.launcher.dispatch(
+        status, _, expert_counts, host_counts, too_large = self.launcher.dispatch(
             x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk,
             is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-            local_experts, num_channels, expert_alignment, num_worst_tokens, block.data_ptr(), 2 * hidden,
-            *map(_ptr, outputs), capacity, stream)
-        if status == NEED_OUTPUTS:
-            try:
-                outputs = self._outputs(rows, hidden, x, x_scales, num_topk, True)
-            except BaseException:
-                self.launcher.abandon_dispatch(stream)   # the peers wait for this rank's end of the exchange
-                raise
-            self.launcher.finish_dispatch(*map(_ptr, outputs), rows, stream)
-        else:
-            self._raise_unless_done(status, too_large)
-            if rows != capacity:
-                outputs = tuple(None if t is None else t[:rows] for t in outputs)
-        if num_worst_tokens == 0:
-            self._recv_capacity = _next_recv_capacity(rows, self._recv_capacity)
+            local_experts, num_channels, expert_alignment, num_worst_tokens, block.data_ptr(), 2 * hidden, allocate,
+            stream)
+        self._raise_unless_done(status, too_large)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
         setattr(rank_prefix_matrix, _SEND_POS, send_pos)   # its cached dispatches and combine reuse them
         if host_counts is not None:
