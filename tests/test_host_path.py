@@ -89,7 +89,7 @@ class NormalRecordingExtension(RecordingExtension):
                 extension.calls["NormalLauncher.dispatch"] += 1
                 num_tokens, allocate = args[8], args[17]
                 assert all(isinstance(address, int) for address in allocate(num_tokens))
-                return extension.DONE, num_tokens, [num_tokens] * E, object(), ""
+                return extension.DONE, [num_tokens] * E, object(), ""
 
             def cached_dispatch(self, *args):
                 extension.calls["NormalLauncher.cached_dispatch"] += 1

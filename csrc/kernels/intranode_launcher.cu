@@ -62,10 +62,11 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   int32_t* send_head = channel_prefix_matrix + rank_channels;
   int32_t* recv_channel_prefix_matrix = send_head + rank_tokens;
   int32_t* counts = recv_channel_prefix_matrix + rank_channels;  // rank_prefix_matrix, then per local expert
-  NormalDispatchArgs args{region_,       q.x,         q.x_row_bytes, q.x_scales, q.scale_row_bytes,
-                                q.topk_idx,    q.topk_weights, q.num_topk, q.num_local_experts, send_pos,
-                                counts,        q.num_tokens, 0,           nullptr,    nullptr,
-                                nullptr,       nullptr,     nullptr,       2 * q.num_channels};
+  // The outputs are set once the rows are known (receive).
+  NormalDispatchArgs args{region_,    q.x,        q.x_row_bytes,  q.x_scales, q.scale_row_bytes, q.topk_idx,
+                          q.topk_weights, q.num_topk, q.num_local_experts, send_pos, counts, q.num_tokens,
+                          0,          nullptr,    nullptr,        nullptr,    nullptr,           nullptr,
+                          2 * q.num_channels};
   result.too_large = does_not_fit("dispatch's layout exchange (" + std::to_string(q.num_channels) + " channels, " +
                                       std::to_string(q.num_local_experts) + " local experts)",
                                   normal_notify_area_bytes(num_ranks, q.num_channels, q.num_local_experts));
@@ -79,8 +80,8 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
     result.status = NormalCallStatus::kTooLarge;
     return result;
   }
-  const NormalSendLayoutArgs layout{q.is_token_in_rank,    q.num_tokens, num_ranks, q.num_channels,
-                                    send_pos,              channel_prefix_matrix, send_head};
+  const NormalSendLayoutArgs layout{q.is_token_in_rank, q.num_tokens, num_ranks, q.num_channels,
+                                    send_pos,          channel_prefix_matrix, send_head};
   const NormalNotifyArgs notify{region_,
                                 q.num_tokens_per_rank,
                                 channel_prefix_matrix,
@@ -101,7 +102,6 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   const CurrentDevice on_device(device_);
   if (q.num_worst_tokens > 0) {
     launch_normal_layout_and_notify(layout, notify, stream);
-    result.rows = q.num_worst_tokens;
     args.num_rows_out = q.num_worst_tokens;
     receive(args, allocate, false, {}, stream);
     return result;
@@ -116,8 +116,7 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
   std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   result.expert_counts.assign(start.counts.begin() + prefix_size, start.counts.end());
-  result.rows = prefix[prefix_size - num_ranks + region_.rank];
-  args.num_rows_out = static_cast<int32_t>(result.rows);
+  args.num_rows_out = prefix[prefix_size - num_ranks + region_.rank];
   if (!start.by_copy_engine) {
     int64_t most_received = 0, most_sent = 0;
     for (int a = 0; a < num_ranks; ++a) {

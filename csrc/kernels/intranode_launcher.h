@@ -66,7 +66,6 @@ enum class NormalCallStatus : int32_t {
 
 struct NormalDispatchResult {
   NormalCallStatus status = NormalCallStatus::kDone;
-  int64_t rows = 0;                                      // rows this rank receives (the outputs' rows)
   std::vector<int32_t> expert_counts;                    // tokens per local expert, when read on the host
   std::shared_ptr<const NormalHostCounts> host_counts;  // set when the copy engines carried the dispatch
   std::string too_large;                                 // kTooLarge: what does not fit

@@ -111,8 +111,8 @@ struct NormalLauncherCalls {
     }
     py::object host_counts =
         result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
-    return py::make_tuple(static_cast<int32_t>(result.status), result.rows, py::cast(result.expert_counts),
-                          host_counts, result.too_large);
+    return py::make_tuple(static_cast<int32_t>(result.status), py::cast(result.expert_counts), host_counts,
+                          result.too_large);
   }
 
   static int32_t cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
@@ -343,7 +343,7 @@ void bind_normal(py::module_& m) {
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, x_row_bytes, x_scales, scale_row_bytes, topk_idx, topk_weights, num_topk, is_token_in_rank, "
            "num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_local_experts, num_channels, "
-           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, allocate, stream) -> (status, rows, "
+           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, allocate, stream) -> (status, "
            "tokens per local expert (read on the host, else empty), NormalHostCounts or None, what does not fit). "
            "A fresh dispatch: layout, notify, the count read, then allocate(rows) -> the addresses of (recv_x, "
            "recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) (0 for those not wanted), and the rows "

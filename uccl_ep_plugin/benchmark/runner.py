@@ -91,34 +91,31 @@ def _host_seconds(case: Case, options: BenchOptions, group,
     for the host, these are the gaps."""
     if device.type != "cuda":
         return [], [], []
-    lone, beyond_wait, back_to_back = [], [], []
-    for i in range(options.warmup + options.iters):
+
+    def host_time_of_run(settle_first: bool) -> float:
         if case.prepare is not None:
             case.prepare()
-        _barrier(case, group, device)
-        torch.cuda.synchronize(device)
+        if settle_first:
+            _barrier(case, group, device)
+            torch.cuda.synchronize(device)
         begin = time.perf_counter()
         case.run()
         returned = time.perf_counter() - begin
         if case.finish is not None:
             case.finish()
+        return returned
+
+    lone, beyond_wait = [], []
+    for i in range(options.warmup + options.iters):
+        returned = host_time_of_run(settle_first=True)
         if i >= options.warmup:
             lone.append(returned)
             if case.count_wait is not None:
                 beyond_wait.append(returned - case.count_wait())
     _barrier(case, group, device)
-    for i in range(options.warmup + options.iters):
-        if case.prepare is not None:
-            case.prepare()
-        begin = time.perf_counter()
-        case.run()
-        returned = time.perf_counter() - begin
-        if case.finish is not None:
-            case.finish()
-        if i >= options.warmup:
-            back_to_back.append(returned)
+    back_to_back = [host_time_of_run(settle_first=False) for _ in range(options.warmup + options.iters)]
     _settle(case, device)
-    return lone, beyond_wait, back_to_back
+    return lone, beyond_wait, back_to_back[options.warmup:]
 
 
 class _CapturedCase:

@@ -25,7 +25,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ...dispatch_config import MAX_TOPK
-from ...streams import current_stream_handle
 from ..reference.collectives import CommTimeoutError
 from ..reference.normal import DispatchResult
 
@@ -196,7 +195,7 @@ class NativeNormal:
             self.peer_buffer.release()
             self.peer_buffer = None
 
-    def _send_positions(self, handle: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _send_positions(self, handle: Sequence[torch.Tensor], stream: int) -> torch.Tensor:
         """send_pos [N, R] of a handle's dispatch: each token's position among the tokens sent to each rank, -1
         where not sent. Kept by the dispatch that made the handle, else computed from its is_token_in_rank (a
         handle rebuilt by the caller: one more call)."""
@@ -209,7 +208,7 @@ class NativeNormal:
         with torch.cuda.device(self.device):
             self._C.normal_send_layout(is_token_in_rank=is_token_in_rank.data_ptr(), num_tokens=num_tokens,
                                        num_ranks=self.num_ranks, num_channels=1, send_pos=send_pos.data_ptr(),
-                                       channel_prefix_matrix=0, send_head=0, stream=current_stream_handle(self.device))
+                                       channel_prefix_matrix=0, send_head=0, stream=stream)
         setattr(handle[0], _SEND_POS, send_pos)
         return send_pos
 
@@ -278,7 +277,7 @@ class NativeNormal:
         self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0,
                              self.sm_push_percent if num_worst_tokens == 0 else 0)
         # Every input is contiguous (the Buffer checked): the kernels read them as they are.
-        status, _, expert_counts, host_counts, too_large = self.launcher.dispatch(
+        status, expert_counts, host_counts, too_large = self.launcher.dispatch(
             x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk,
             is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
             local_experts, num_channels, expert_alignment, num_worst_tokens, block.data_ptr(), 2 * hidden, allocate,
@@ -299,7 +298,7 @@ class NativeNormal:
         rows = handle[3].size(0)
         recv_x, recv_x_scales, _, _, _ = self._outputs(rows, hidden, x, x_scales, 0, False)
         status = self.launcher.cached_dispatch(
-            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, self._send_positions(handle).data_ptr(),
+            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, self._send_positions(handle, stream).data_ptr(),
             rank_prefix_matrix.data_ptr(), x.size(0), rows, recv_x.data_ptr(), _ptr(recv_x_scales), num_channels,
             2 * hidden, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
         self._raise_unless_done(status)
@@ -321,7 +320,7 @@ class NativeNormal:
         bias0, bias1 = (list(biases) + [None, None])[:2]
         status = self.launcher.combine(
             x.data_ptr(), x.size(0), hidden, _ptr(topk_weights), num_topk, rank_prefix_matrix.data_ptr(),
-            is_token_in_rank.data_ptr(), self._send_positions(handle).data_ptr(), num_tokens, _ptr(bias0),
+            is_token_in_rank.data_ptr(), self._send_positions(handle, stream).data_ptr(), num_tokens, _ptr(bias0),
             _ptr(bias1), combined_x.data_ptr(), _ptr(combined_topk_weights), num_channels,
             getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
         self._raise_unless_done(status)
