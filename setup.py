@@ -139,10 +139,25 @@ def _cuda_archs():
     return [DEFAULT_CUDA_ARCH], "default (no UCCL_EP_CUDA_ARCH, no GPU seen by nvidia-smi)"
 
 
+def _verbs_include():
+    """(the folder holding rdma-core's infiniband/verbs.h or None, why): UCCL_EP_VERBS_INCLUDE, else the system's.
+    UCCL_EP_WITHOUT_VERBS=1 leaves the verbs transport out."""
+    if os.environ.get("UCCL_EP_WITHOUT_VERBS", "").strip().lower() in TRUE_WORDS:
+        return None, "UCCL_EP_WITHOUT_VERBS is set"
+    given = os.environ.get("UCCL_EP_VERBS_INCLUDE", "").strip()
+    for folder in ([given] if given else ["/usr/include", "/usr/local/include"]):
+        if (Path(folder) / "infiniband" / "verbs.h").is_file():
+            return folder, f"rdma-core headers in {folder}"
+    where = f"UCCL_EP_VERBS_INCLUDE={given}" if given else "/usr/include or /usr/local/include"
+    return None, (f"no infiniband/verbs.h in {where} (install rdma-core's headers, e.g. Debian's libibverbs-dev, "
+                  "for the verbs transport)")
+
+
 class BuildConfig:
     """The mode chosen for this build and everything that follows from it."""
 
     def __init__(self):
+        self.verbs_include, self.verbs_reason = _verbs_include()
         self.cuda = False
         self.reason = ""
         self.nvcc = None
@@ -169,12 +184,14 @@ class BuildConfig:
         self.archs, self.arch_reason = _cuda_archs()
 
     def describe(self):
+        verbs = f"verbs transport: {'yes' if self.verbs_include else 'no'} ({self.verbs_reason})"
         if not self.cuda:
-            return [f"mode: CPU only ({self.reason}); building the C++ parts without CUDA"]
+            return [f"mode: CPU only ({self.reason}); building the C++ parts without CUDA", verbs]
         return [
             f"mode: CUDA ({self.reason})",
             f"CUDA archs: {','.join(self.archs)} ({self.arch_reason})",
             f"CUDA include: {self.cuda_include}; static cudart from: {self.cuda_lib}",
+            verbs,
         ]
 
 
@@ -193,6 +210,11 @@ def make_extension(config):
     include_dirs = [CSRC]
     library_dirs = []
     libraries = []
+    if config.verbs_include:
+        # libibverbs is opened at run time (dlopen), so the extension loads on hosts without it.
+        macros.append(("UCCL_EP_WITH_VERBS", "1"))
+        include_dirs.append(config.verbs_include)
+        libraries.append("dl")
     if config.cuda:
         macros += [("UCCL_EP_WITH_CUDA", "1"),
                    ("UCCL_EP_CUDA_ARCH_LIST", '"{}"'.format(",".join(config.archs)))]

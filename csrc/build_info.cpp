@@ -53,7 +53,10 @@ BuildInfo get_build_info() {
 #if defined(UCCL_EP_WITH_HIP)
   info.hip = true;
 #endif
-  info.verbs = false;
+#if defined(UCCL_EP_WITH_VERBS)
+  info.verbs = true;
+  info.features.push_back("verbs_transport");
+#endif
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   info.features.push_back("dispatch_layout");
   info.features.push_back("gpu_channel");

@@ -84,7 +84,9 @@ def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -
     """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure (in
     the order they happened: a rank's own error comes before the timeouts it causes in its peers), with the end of
     every later one."""
-    context = mp.get_context("spawn")
+    # spawn by default (CUDA cannot be forked); UCCL_EP_TEST_START_METHOD=fork spares each rank importing torch
+    # again, which takes half a minute in the software-emulated soft-RoCE guest (tests/soft_roce/guest.sh).
+    context = mp.get_context(os.environ.get("UCCL_EP_TEST_START_METHOD", "spawn"))
     errors = context.SimpleQueue()
     port = free_local_port()
     processes = [context.Process(target=_worker, args=(rank, num_ranks, port, backend, body, kwargs, errors))

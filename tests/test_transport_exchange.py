@@ -1,17 +1,18 @@
 """The transports in one exchange (tests/transport_exchange.py): writes with and without immediates, and signed
 64-bit atomic adds from both ranks, with and without reorder injection. Over GPU memory on 2 GPUs (cuda-copy;
-tcp staged through pinned host memory) and, in CI, over host memory between CPU processes (tcp-host)."""
+tcp staged through pinned host memory) and, in CI, over host memory between CPU processes (tcp-host; verbs over
+two soft-RoCE devices inside tests/soft_roce/guest.sh)."""
 
 import pytest
 
 from tests.multiprocess import run_ranks
 from tests.transport_exchange import GPU_KINDS, atomics_body, exchange_body, skip_without
 
-KINDS = [pytest.param(kind, marks=pytest.mark.gpu) for kind in GPU_KINDS] + ["tcp-host"]
+KINDS = [pytest.param(kind, marks=pytest.mark.gpu) for kind in GPU_KINDS] + ["tcp-host", "verbs"]
 
 
 def _run(body, kind, **kwargs):
-    gpus = 0 if kind == "tcp-host" else 2
+    gpus = 0 if kind in ("tcp-host", "verbs") else 2
     skip_without(kind, gpus=gpus)
     run_ranks(2, body, backend="nccl" if gpus else "gloo", kind=kind, **kwargs)
 

@@ -22,23 +22,38 @@ from uccl_ep_plugin import _C
 
 REORDER_ENV = "UCCL_EP_TRANSPORT_REORDER"
 POISON = 0x5A
+# Divides the sizes below: the soft-RoCE guest (a software-emulated CPU) runs the same exchange smaller.
+SCALE = int(os.environ.get("UCCL_EP_TEST_TRANSPORT_SCALE", "1"))
 STAGING = 1 << 20        # tcp's staging: a 256 KiB receive arena and 768 KiB to send from
-SEND_BYTES = 8 << 20     # the source area of every rank's region, at offset 0
-SLICE = 32 << 20         # the receive area each source owns in every rank's region
+SEND_BYTES = (8 << 20) // SCALE    # the source area of every rank's region, at offset 0
+SLICE = (32 << 20) // SCALE        # the receive area each source owns in every rank's region
 WRITES = 96              # writes per (source, destination), while they fit in the slice
 IMM_EVERY = 2            # writes i with i % IMM_EVERY == 0 carry the immediate i
 COUNTERS = 8             # int64 counters every rank adds to on every rank
 ADDS_PER_COUNTER = 150   # adds per (source, destination, counter)
 TIMEOUT_S = 60.0
 GPU_KINDS = ("cuda-copy", "tcp")
-FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "tcp-host": "tcp_transport"}
+FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "tcp-host": "tcp_transport",
+            "verbs": "verbs_transport"}
+VERBS_DEVICES_ENV = "UCCL_EP_TEST_VERBS_DEVICES"   # comma-separated: rank r uses entry r % count
+RDMA_DEVICES_DIR = "/sys/class/infiniband"
+
+
+def rdma_devices():
+    """The RDMA devices the verbs kind uses, from VERBS_DEVICES_ENV, else every device of this host."""
+    named = [d for d in os.environ.get(VERBS_DEVICES_ENV, "").split(",") if d]
+    if named:
+        return named
+    return sorted(os.listdir(RDMA_DEVICES_DIR)) if os.path.isdir(RDMA_DEVICES_DIR) else []
 
 
 def skip_without(kind, gpus):
     """Skip unless the extension has transport ``kind`` and ``gpus`` GPUs are visible (or any GPU, where ranks may
-    share one)."""
+    share one); the verbs kind needs an RDMA device (tests/soft_roce/guest.sh makes two)."""
     if FEATURES[kind] not in _C.build_info()["features"]:
         pytest.skip(f"the extension was built without {FEATURES[kind]}")
+    if kind == "verbs" and not rdma_devices():
+        pytest.skip("no RDMA device here (tests/soft_roce/guest.sh runs the tests with two soft-RoCE devices)")
     if not has_gpus_for(gpus):
         pytest.skip(f"needs {gpus} CUDA GPU(s)")
 
@@ -64,8 +79,8 @@ def _random_length(rng):
     if kind < 0.45:
         return rng.randint(1, 256)
     if kind < 0.8:
-        return rng.randint(257, 256 << 10)
-    return rng.randint(256 << 10, 3 << 20)
+        return rng.randint(257, (256 << 10) // SCALE)
+    return rng.randint((256 << 10) // SCALE, (3 << 20) // SCALE)
 
 
 def plan(src, dst):
@@ -187,6 +202,12 @@ class _Endpoint:
             self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8)
             self.transport = _C.TcpTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
                                              reorder_seed=reorder_seed, timeout_s=TIMEOUT_S)
+        elif kind == "verbs":
+            devices = rdma_devices()
+            self.region = torch.full((num_bytes,), POISON, dtype=torch.uint8)
+            self.transport = _C.VerbsTransport(rank, num_ranks, self.region.data_ptr(), self.region.numel(),
+                                               device=devices[rank % len(devices)], reorder_seed=reorder_seed,
+                                               timeout_s=TIMEOUT_S)
         elif kind == "cuda-copy":
             from uccl_ep_plugin.engines.native.peers import map_peer_buffer
 
@@ -207,6 +228,7 @@ class _Endpoint:
         addresses = [None] * num_ranks
         dist.all_gather_object(addresses, self.transport.listen_address(), group=group)
         self.transport.connect(addresses)
+        dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
 
     def finish(self):
         import torch.distributed as dist
@@ -286,7 +308,7 @@ def exchange_body(rank, num_ranks, group, kind, reorder_seed, env_seed):
             f"rank {rank}: the slice of rank {src} differs (missing, misplaced or stray bytes)"
     assert torch.equal(region[:SEND_BYTES], sources[rank]), f"rank {rank}: its source area changed"
     assert transport.poll_immediates() == [], f"rank {rank}: extra immediates"
-    if kind != "cuda-copy":
+    if kind in ("tcp", "tcp-host"):
         assert transport.rejected_requests() == 0
 
     # Order: FIFO per peer without reorder injection; with it, both the writes (completions of those

@@ -17,6 +17,9 @@
 #include <vector>
 
 #include "transport/tcp_transport.h"
+#if defined(UCCL_EP_WITH_VERBS)
+#include "transport/verbs_transport.h"
+#endif
 #if defined(UCCL_EP_WITH_CUDA)
 #include "nvlink/peer_memory.h"
 #include "transport/cuda_copy_transport.h"
@@ -158,6 +161,25 @@ class PyCudaCopyTransport : public PyTransport<uccl_ep::CudaCopyTransport> {
 };
 #endif
 
+#if defined(UCCL_EP_WITH_VERBS)
+class PyVerbsTransport : public PyTransport<uccl_ep::VerbsTransport> {
+ public:
+  PyVerbsTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, const std::string& device,
+                   int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s) {
+    uccl_ep::VerbsTransportOptions options;
+    options.device = device;
+    options.gid_index = gid_index;
+    options.service_level = service_level;
+    options.traffic_class = traffic_class;
+    options.reorder_seed = reorder_seed;
+    options.timeout_s = timeout_s;
+    const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
+    py::gil_scoped_release no_gil;
+    impl_ = std::make_unique<uccl_ep::VerbsTransport>(rank, num_ranks, region, options);
+  }
+};
+#endif
+
 // The methods every transport class has.
 template <typename W>
 void def_transport_api(py::class_<W>& cls) {
@@ -239,6 +261,31 @@ way a device one is. Blocking calls release the GIL.)doc");
       .def_property_readonly("region_is_host_memory",
                              [](PyTcpTransport& t) { return t.impl().region_is_host_memory(); });
   def_transport_api(tcp);
+
+#if defined(UCCL_EP_WITH_VERBS)
+  py::class_<PyVerbsTransport> verbs(m, "VerbsTransport", R"doc(
+The verbs transport: one RDMA reliable-connected queue pair per peer over libibverbs (loaded at run
+time), on one registered region of host memory per rank (region_ptr, region_bytes). device: "name"
+or "name:port" ("" : UCCL_IB_HCA, else the first device); gid_index -2: UCCL_IB_GID_INDEX, else -1:
+the first RoCE v2 IPv4 GID; service_level / traffic_class -1: UCCL_IB_SL / UCCL_IB_TC, else 0.
+Bootstrap: all-gather listen_address() (this rank's connection record) and call connect(addresses),
+then pass a barrier before posting. reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed> when -1)
+posts requests out of order. Blocking calls release the GIL.)doc");
+  verbs.def(py::init<int, int, int64_t, int64_t, const std::string&, int, int, int, int64_t, double>(), py::arg("rank"),
+            py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("device") = "",
+            py::arg("gid_index") = -2, py::arg("service_level") = -1, py::arg("traffic_class") = -1,
+            py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0)
+      .def_property_readonly("device_name", [](PyVerbsTransport& t) { return t.impl().device_name(); })
+      .def_property_readonly("port", [](PyVerbsTransport& t) { return t.impl().port(); })
+      .def_property_readonly("gid_index", [](PyVerbsTransport& t) { return t.impl().gid_index(); },
+                             "The GID table entry used (-1: none, InfiniBand LID routing).")
+      .def_property_readonly("native_atomics", [](PyVerbsTransport& t) { return t.impl().native_atomics(); },
+                             "Whether the device does RDMA atomics (atomic adds to peers need them).")
+      .def_property_readonly("region_is_host_memory", [](PyVerbsTransport& t) { return true; });
+  def_transport_api(verbs);
+  m.def("verbs_available", &uccl_ep::VerbsLibrary::available,
+        "Whether libibverbs.so.1 can be loaded here (the verbs transport needs it, and an RDMA device).");
+#endif
 
 #if defined(UCCL_EP_WITH_CUDA)
   py::class_<PyCudaCopyTransport> cuda_copy(m, "CudaCopyTransport", R"doc(

@@ -1,0 +1,43 @@
+// libibverbs, loaded at run time (dlopen of libibverbs.so.1) so that one build serves hosts with and
+// without RDMA. Built against the rdma-core headers; the data-path calls (ibv_post_send,
+// ibv_poll_cq, ibv_post_recv) are inline in those headers and go through the device's own function
+// table, so only the control-path functions below are looked up.
+#pragma once
+
+#if defined(UCCL_EP_WITH_VERBS)
+#include <infiniband/verbs.h>
+
+#include <string>
+
+namespace uccl_ep {
+
+struct VerbsLibrary {
+  decltype(&::ibv_get_device_list) get_device_list;
+  decltype(&::ibv_free_device_list) free_device_list;
+  decltype(&::ibv_get_device_name) get_device_name;
+  decltype(&::ibv_open_device) open_device;
+  decltype(&::ibv_close_device) close_device;
+  decltype(&::ibv_query_device) query_device;
+  decltype(&::ibv_query_port) query_port;
+  decltype(&::ibv_query_gid) query_gid;
+  decltype(&::_ibv_query_gid_table) query_gid_table;  // null before rdma-core 32 (GID types unknown then)
+  decltype(&::ibv_alloc_pd) alloc_pd;
+  decltype(&::ibv_dealloc_pd) dealloc_pd;
+  decltype(&::ibv_reg_mr) reg_mr;
+  decltype(&::ibv_dereg_mr) dereg_mr;
+  decltype(&::ibv_create_cq) create_cq;
+  decltype(&::ibv_destroy_cq) destroy_cq;
+  decltype(&::ibv_create_qp) create_qp;
+  decltype(&::ibv_modify_qp) modify_qp;
+  decltype(&::ibv_destroy_qp) destroy_qp;
+  decltype(&::ibv_wc_status_str) wc_status_str;
+
+  // The library, loaded once per process. Throws TransportError saying that libibverbs is missing
+  // (and what to install, or which transport to use instead) when it cannot be loaded.
+  static const VerbsLibrary& get();
+  // Whether libibverbs can be loaded here (no exception).
+  static bool available();
+};
+
+}  // namespace uccl_ep
+#endif  // UCCL_EP_WITH_VERBS

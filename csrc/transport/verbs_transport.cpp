@@ -1,0 +1,603 @@
+#if defined(UCCL_EP_WITH_VERBS)
+#include "transport/verbs_transport.h"
+
+#include <arpa/inet.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "common/settings.h"
+#include "transport/request_checks.h"
+
+namespace uccl_ep {
+
+namespace {
+
+constexpr const char* kRecordVersion = "verbs1";
+constexpr uint32_t kStartPsn = 0;
+constexpr int kSendQueueDepth = 512;  // per queue pair, capped by the device
+constexpr int kRecvQueueDepth = 256;  // receives posted per queue pair for immediates
+constexpr int kPollBatch = 64;
+
+std::string env_or_empty(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? std::string(value) : std::string();
+}
+
+// An int setting: the option when it is not `unset`, else the environment, else `fallback`.
+int int_setting(int option, int unset, const char* env, int fallback, int minimum) {
+  if (option != unset) return option;
+  const std::string text = env_or_empty(env);
+  if (text.empty()) return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || value < minimum) {
+    throw std::invalid_argument(std::string(env) + "=" + text + ": expected an integer >= " + std::to_string(minimum));
+  }
+  return static_cast<int>(value);
+}
+
+bool ipv4_mapped(const ibv_gid& gid) {
+  static const uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  return std::memcmp(gid.raw, prefix, sizeof(prefix)) == 0;
+}
+
+std::string gid_hex(const ibv_gid& gid) {
+  static const char* digits = "0123456789abcdef";
+  std::string text;
+  for (uint8_t byte : gid.raw) {
+    text += digits[byte >> 4];
+    text += digits[byte & 15];
+  }
+  return text;
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::string part;
+  std::istringstream stream(text);
+  while (std::getline(stream, part, separator)) parts.push_back(part);
+  return parts;
+}
+
+// What an error completion usually means, beyond its name.
+std::string advice(ibv_wc_status status) {
+  switch (status) {
+    case IBV_WC_RETRY_EXC_ERR:
+      return "; the peer stopped answering or the network drops packets (on Broadcom Thor-2, lower "
+             "UCCL_IB_MAX_INFLIGHT_BYTES)";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "; the peer's region does not allow this access or the range is outside it";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "; the peer posted no receive for an immediate in time";
+    default:
+      return "";
+  }
+}
+
+}  // namespace
+
+VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, const VerbsTransportOptions& options)
+    : ibv_(VerbsLibrary::get()),
+      rank_(rank),
+      num_ranks_(num_ranks),
+      region_(region),
+      writer_(region),
+      reorder_(ReorderConfig::resolve(options.reorder_seed)),
+      timeout_s_(options.timeout_s) {
+  if (num_ranks < 1) throw std::invalid_argument("num_ranks must be >= 1 (got " + std::to_string(num_ranks) + ")");
+  if (rank < 0 || rank >= num_ranks) {
+    throw std::invalid_argument("rank must be in [0, num_ranks=" + std::to_string(num_ranks) + ") (got " +
+                                std::to_string(rank) + ")");
+  }
+  if (region.base == nullptr || region.bytes == 0) throw std::invalid_argument("region must be non-empty");
+  if (!(options.timeout_s > 0)) throw std::invalid_argument("timeout_s must be > 0");
+  service_level_ = int_setting(options.service_level, -1, "UCCL_IB_SL", 0, 0);
+  traffic_class_ = int_setting(options.traffic_class, -1, "UCCL_IB_TC", 0, 0);
+  try {
+    open_device(options);
+    pick_gid(int_setting(options.gid_index, -2, "UCCL_IB_GID_INDEX", -1, -1));
+    create_queue_pairs();
+  } catch (...) {
+    release_resources();
+    throw;
+  }
+}
+
+VerbsTransport::~VerbsTransport() { close(); }
+
+std::string VerbsTransport::who() const {
+  return "verbs transport rank " + std::to_string(rank_) + " (" + device_name_ + " port " + std::to_string(port_) +
+         ")";
+}
+
+void VerbsTransport::open_device(const VerbsTransportOptions& options) {
+  std::string wanted = options.device.empty() ? env_or_empty("UCCL_IB_HCA") : options.device;
+  const size_t colon = wanted.find(':');
+  if (colon != std::string::npos) {
+    port_ = std::atoi(wanted.c_str() + colon + 1);
+    if (port_ < 1) throw std::invalid_argument("device " + wanted + ": the port after ':' must be >= 1");
+    wanted.resize(colon);
+  }
+  int count = 0;
+  ibv_device** devices = ibv_.get_device_list(&count);
+  if (devices == nullptr || count == 0) {
+    if (devices != nullptr) ibv_.free_device_list(devices);
+    throw TransportError("verbs transport rank " + std::to_string(rank_) +
+                         ": no RDMA device found (none in /sys/class/infiniband); choose UCCL_EP_PROXY_TRANSPORT=tcp "
+                         "on hosts without RDMA NICs");
+  }
+  ibv_device* chosen = nullptr;
+  std::string names;
+  for (int i = 0; i < count; ++i) {
+    const std::string name = ibv_.get_device_name(devices[i]);
+    names += (names.empty() ? "" : ", ") + name;
+    if (chosen == nullptr && (wanted.empty() || name == wanted)) chosen = devices[i];
+  }
+  if (chosen == nullptr) {
+    ibv_.free_device_list(devices);
+    throw TransportError("verbs transport rank " + std::to_string(rank_) + ": no RDMA device named '" + wanted +
+                         "' (UCCL_IB_HCA); this host has " + names);
+  }
+  device_name_ = ibv_.get_device_name(chosen);
+  context_ = ibv_.open_device(chosen);
+  ibv_.free_device_list(devices);
+  if (context_ == nullptr) throw TransportError(who() + ": ibv_open_device failed: " + std::strerror(errno));
+  ibv_device_attr device{};
+  if (ibv_.query_device(context_, &device) != 0) throw TransportError(who() + ": ibv_query_device failed");
+  if (port_ > device.phys_port_cnt) {
+    throw TransportError(who() + ": the device has " + std::to_string(device.phys_port_cnt) + " port(s)");
+  }
+  // As the header's inline ibv_query_port: the provider's extended entry point, else the exported one.
+  verbs_context* extended = verbs_get_ctx_op(context_, query_port);
+  const int queried =
+      extended != nullptr
+          ? extended->query_port(context_, static_cast<uint8_t>(port_), &port_attr_, sizeof(port_attr_))
+          : ibv_.query_port(context_, static_cast<uint8_t>(port_),
+                            reinterpret_cast<_compat_ibv_port_attr*>(&port_attr_));
+  if (queried != 0) {
+    throw TransportError(who() + ": ibv_query_port failed");
+  }
+  if (port_attr_.state != IBV_PORT_ACTIVE) {
+    throw TransportError(who() + ": the port is not active (state " + std::to_string(port_attr_.state) + ")");
+  }
+  native_atomics_ = device.atomic_cap != IBV_ATOMIC_NONE;
+  max_send_wr_ = std::min(kSendQueueDepth, device.max_qp_wr);
+  max_recv_wr_ = std::min(kRecvQueueDepth, device.max_qp_wr);
+  max_rd_atomic_ = std::max(1, std::min(device.max_qp_rd_atom, device.max_qp_init_rd_atom));
+  pd_ = ibv_.alloc_pd(context_);
+  if (pd_ == nullptr) throw TransportError(who() + ": ibv_alloc_pd failed");
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                     (native_atomics_ ? IBV_ACCESS_REMOTE_ATOMIC : 0);
+  mr_ = ibv_.reg_mr(pd_, region_.base, region_.bytes, access);
+  if (mr_ == nullptr) {
+    throw TransportError(who() + ": registering the region (" + std::to_string(region_.bytes) +
+                         " bytes of host memory) failed: " + std::strerror(errno) +
+                         " (check `ulimit -l`: the memory is pinned)");
+  }
+  scratch_mr_ = ibv_.reg_mr(pd_, &scratch_word_, sizeof(scratch_word_), IBV_ACCESS_LOCAL_WRITE);
+  if (scratch_mr_ == nullptr) throw TransportError(who() + ": registering the atomics' scratch word failed");
+}
+
+void VerbsTransport::pick_gid(int requested) {
+  if (port_attr_.link_layer == IBV_LINK_LAYER_INFINIBAND && requested < 0) return;  // LID routing, no GRH
+  if (requested >= 0) {
+    if (requested >= port_attr_.gid_tbl_len || ibv_.query_gid(context_, port_, requested, &gid_) != 0) {
+      throw TransportError(who() + ": GID index " + std::to_string(requested) + " (UCCL_IB_GID_INDEX) is not in the "
+                           "port's table of " + std::to_string(port_attr_.gid_tbl_len) + " entries");
+    }
+    static const ibv_gid zero{};
+    if (std::memcmp(gid_.raw, zero.raw, sizeof(zero.raw)) == 0) {
+      throw TransportError(who() + ": GID index " + std::to_string(requested) + " (UCCL_IB_GID_INDEX) is empty");
+    }
+    gid_index_ = requested;
+    return;
+  }
+  // The first RoCE v2 entry with an IPv4-mapped address (the one routable over IPv4 networks).
+  if (ibv_.query_gid_table != nullptr) {
+    std::vector<ibv_gid_entry> entries(static_cast<size_t>(port_attr_.gid_tbl_len));
+    const ssize_t n = ibv_.query_gid_table(context_, entries.data(), entries.size(), 0, sizeof(ibv_gid_entry));
+    for (ssize_t i = 0; i < n; ++i) {
+      const ibv_gid_entry& e = entries[static_cast<size_t>(i)];
+      if (static_cast<int>(e.port_num) == port_ && e.gid_type == IBV_GID_TYPE_ROCE_V2 && ipv4_mapped(e.gid)) {
+        gid_ = e.gid;
+        gid_index_ = static_cast<int>(e.gid_index);
+        return;
+      }
+    }
+  } else {
+    for (int i = 0; i < port_attr_.gid_tbl_len; ++i) {
+      ibv_gid gid{};
+      if (ibv_.query_gid(context_, port_, i, &gid) == 0 && ipv4_mapped(gid)) {
+        gid_ = gid;
+        gid_index_ = i;
+        return;
+      }
+    }
+  }
+  throw TransportError(who() + ": no RoCE v2 GID with an IPv4 address on this port (give the netdev an IPv4 "
+                       "address, or set UCCL_IB_GID_INDEX)");
+}
+
+void VerbsTransport::create_queue_pairs() {
+  // One queue pair per rank, this one's included: its atomic adds to itself go through the NIC too.
+  send_cq_ = ibv_.create_cq(context_, num_ranks_ * max_send_wr_, nullptr, nullptr, 0);
+  recv_cq_ = ibv_.create_cq(context_, num_ranks_ * max_recv_wr_, nullptr, nullptr, 0);
+  if (send_cq_ == nullptr || recv_cq_ == nullptr) throw TransportError(who() + ": ibv_create_cq failed");
+  peers_.resize(static_cast<size_t>(num_ranks_));
+  for (int p = 0; p < num_ranks_; ++p) {
+    Peer& peer = peers_[static_cast<size_t>(p)];
+    peer.reorder = ReorderWindow<Request>(reorder_, static_cast<uint32_t>(rank_), static_cast<uint32_t>(p));
+    ibv_qp_init_attr init{};
+    init.send_cq = send_cq_;
+    init.recv_cq = recv_cq_;
+    init.qp_type = IBV_QPT_RC;
+    init.cap.max_send_wr = static_cast<uint32_t>(max_send_wr_);
+    init.cap.max_recv_wr = static_cast<uint32_t>(max_recv_wr_);
+    init.cap.max_send_sge = 1;
+    init.cap.max_recv_sge = 1;
+    peer.qp = ibv_.create_qp(pd_, &init);
+    if (peer.qp == nullptr) throw TransportError(who() + ": ibv_create_qp for rank " + std::to_string(p) + " failed");
+    peer_of_qp_[peer.qp->qp_num] = p;
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_INIT;
+    attr.pkey_index = 0;
+    attr.port_num = static_cast<uint8_t>(port_);
+    attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                           (native_atomics_ ? IBV_ACCESS_REMOTE_ATOMIC : 0);
+    if (ibv_.modify_qp(peer.qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to INIT failed");
+    }
+    post_recvs(peer.qp, max_recv_wr_);
+  }
+}
+
+void VerbsTransport::post_recvs(ibv_qp* qp, int count) {
+  for (int i = 0; i < count; ++i) {
+    ibv_recv_wr wr{};  // no scatter entries: a write's immediate carries everything
+    ibv_recv_wr* bad = nullptr;
+    if (ibv_post_recv(qp, &wr, &bad) != 0) throw TransportError(who() + ": ibv_post_recv failed");
+  }
+}
+
+std::string VerbsTransport::listen_address() const {
+  std::ostringstream record;
+  record << kRecordVersion << '/' << port_attr_.lid << '/' << gid_hex(gid_) << '/'
+         << reinterpret_cast<uintptr_t>(region_.base) << '/' << region_.bytes << '/' << mr_->rkey << '/';
+  for (int p = 0; p < num_ranks_; ++p) record << (p ? "," : "") << peers_[static_cast<size_t>(p)].qp->qp_num;
+  return record.str();
+}
+
+void VerbsTransport::connect(const std::vector<std::string>& addresses) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw TransportError(who() + ": connect() after close()");
+  if (connected_) throw TransportError(who() + ": connect() twice");
+  if (static_cast<int>(addresses.size()) != num_ranks_) {
+    throw std::invalid_argument("addresses must have num_ranks=" + std::to_string(num_ranks_) + " entries (got " +
+                                std::to_string(addresses.size()) + ")");
+  }
+  for (int p = 0; p < num_ranks_; ++p) {  // this rank's own record connects its queue pair to itself
+    const std::vector<std::string> fields = split(addresses[static_cast<size_t>(p)], '/');
+    const std::vector<std::string> qpns = fields.size() == 7 ? split(fields[6], ',') : std::vector<std::string>{};
+    if (fields.size() != 7 || fields[0] != kRecordVersion || fields[2].size() != 32 ||
+        static_cast<int>(qpns.size()) != num_ranks_) {
+      throw std::invalid_argument("addresses[" + std::to_string(p) + "] is not a verbs connection record of " +
+                                  std::to_string(num_ranks_) + " ranks: '" + addresses[static_cast<size_t>(p)] + "'");
+    }
+    Peer& peer = peers_[static_cast<size_t>(p)];
+    ibv_gid remote_gid{};
+    for (int i = 0; i < 16; ++i) {
+      remote_gid.raw[i] = static_cast<uint8_t>(std::stoul(fields[2].substr(static_cast<size_t>(2 * i), 2), nullptr, 16));
+    }
+    peer.remote_base = std::stoull(fields[3]);
+    peer.remote_bytes = std::stoull(fields[4]);
+    peer.rkey = static_cast<uint32_t>(std::stoul(fields[5]));
+    const auto remote_qpn = static_cast<uint32_t>(std::stoul(qpns[static_cast<size_t>(rank_)]));
+
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_RTR;
+    attr.path_mtu = port_attr_.active_mtu;
+    attr.dest_qp_num = remote_qpn;
+    attr.rq_psn = kStartPsn;
+    attr.max_dest_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
+    attr.min_rnr_timer = 12;
+    attr.ah_attr.dlid = static_cast<uint16_t>(std::stoul(fields[1]));
+    attr.ah_attr.sl = static_cast<uint8_t>(service_level_);
+    attr.ah_attr.port_num = static_cast<uint8_t>(port_);
+    if (gid_index_ >= 0) {
+      attr.ah_attr.is_global = 1;
+      attr.ah_attr.grh.dgid = remote_gid;
+      attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
+      attr.ah_attr.grh.hop_limit = 64;
+      attr.ah_attr.grh.traffic_class = static_cast<uint8_t>(traffic_class_);
+    }
+    if (ibv_.modify_qp(peer.qp, &attr,
+                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
+      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTR failed (" +
+                           std::strerror(errno) + "; a wrong UCCL_IB_GID_INDEX, or no route to the peer's GID)");
+    }
+    attr = ibv_qp_attr{};
+    attr.qp_state = IBV_QPS_RTS;
+    attr.timeout = 14;
+    attr.retry_cnt = 7;
+    attr.rnr_retry = 7;  // wait for receives as long as it takes
+    attr.sq_psn = kStartPsn;
+    attr.max_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
+    if (ibv_.modify_qp(peer.qp, &attr,
+                       IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                           IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
+      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTS failed (" +
+                           std::strerror(errno) + ")");
+    }
+  }
+  connected_ = true;
+}
+
+void VerbsTransport::post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
+                                std::optional<uint32_t> imm, uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_usable(who(), closed_, connected_, peer, num_ranks_, "post_write");
+  throw_failure();
+  check_range("local_offset", local_offset, length, region_.bytes, "this rank's region");
+  const uint64_t remote_bytes = peer == rank_ ? region_.bytes : peers_[static_cast<size_t>(peer)].remote_bytes;
+  check_range("remote_offset", remote_offset, length, remote_bytes, "rank " + std::to_string(peer) + "'s region");
+  submit(Request{request_id, peer, false, local_offset, remote_offset, length, imm});
+}
+
+void VerbsTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_t value, uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_usable(who(), closed_, connected_, peer, num_ranks_, "post_atomic_add");
+  throw_failure();
+  if (remote_offset % 8 != 0) {
+    throw std::invalid_argument("remote_offset must be a multiple of 8 for an atomic add (got " +
+                                std::to_string(remote_offset) + ")");
+  }
+  const uint64_t remote_bytes = peer == rank_ ? region_.bytes : peers_[static_cast<size_t>(peer)].remote_bytes;
+  check_range("remote_offset", remote_offset, 8, remote_bytes, "rank " + std::to_string(peer) + "'s region");
+  if (!native_atomics_ && peer != rank_) {
+    throw TransportError(who() + ": the device does not do RDMA atomics (atomic_cap NONE); the ordering layer's "
+                         "immediate-encoded adds serve such devices");
+  }
+  submit(Request{request_id, peer, true, 0, remote_offset, static_cast<uint64_t>(value), std::nullopt});
+}
+
+void VerbsTransport::submit(Request request) {
+  ++outstanding_;
+  in_flight_[request.id] = {request.peer, std::chrono::steady_clock::now()};
+  peers_[static_cast<size_t>(request.peer)].reorder.push(std::move(request), std::chrono::steady_clock::now(),
+                                                          [this](Request r) { post_or_wait(std::move(r)); });
+}
+
+void VerbsTransport::apply_locally(const Request& r) {
+  if (r.atomic) {
+    writer_.add(r.remote_offset, static_cast<int64_t>(r.length));
+  } else {
+    auto* base = static_cast<uint8_t*>(region_.base);
+    std::memmove(base + r.remote_offset, base + r.local_offset, r.length);
+    if (r.imm) immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(rank_), *r.imm});
+  }
+  in_flight_.erase(r.id);
+  --outstanding_;
+  completed_.push_back(r.id);
+}
+
+void VerbsTransport::post_or_wait(Request r) {
+  // A write to itself is a copy. An atomic add to itself goes through the NIC when the peers' adds do: the
+  // NIC's atomics are atomic among themselves only, not with the CPU's.
+  if (r.peer == rank_ && !(r.atomic && native_atomics_)) {
+    apply_locally(r);
+    return;
+  }
+  Peer& peer = peers_[static_cast<size_t>(r.peer)];
+  if (peer.posted >= static_cast<uint32_t>(max_send_wr_) || !peer.waiting.empty()) {
+    peer.waiting.push_back(std::move(r));
+    return;
+  }
+  post_now(peer, r);
+}
+
+void VerbsTransport::post_now(Peer& peer, const Request& r) {
+  ibv_sge sge{};
+  ibv_send_wr wr{};
+  wr.wr_id = r.id;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.sg_list = &sge;
+  if (r.atomic) {
+    sge.addr = reinterpret_cast<uintptr_t>(&scratch_word_);
+    sge.length = 8;
+    sge.lkey = scratch_mr_->lkey;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+    wr.wr.atomic.remote_addr = peer.remote_base + r.remote_offset;
+    wr.wr.atomic.compare_add = r.length;
+    wr.wr.atomic.rkey = peer.rkey;
+  } else {
+    sge.addr = reinterpret_cast<uintptr_t>(region_.base) + r.local_offset;
+    sge.length = static_cast<uint32_t>(r.length);
+    sge.lkey = mr_->lkey;
+    wr.num_sge = r.length > 0 ? 1 : 0;
+    wr.opcode = r.imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    if (r.imm) wr.imm_data = htonl(*r.imm);
+    wr.wr.rdma.remote_addr = peer.remote_base + r.remote_offset;
+    wr.wr.rdma.rkey = peer.rkey;
+  }
+  ibv_send_wr* bad = nullptr;
+  const int rc = ibv_post_send(peer.qp, &wr, &bad);
+  if (rc != 0) {
+    fail(who() + ": ibv_post_send of request " + std::to_string(r.id) + " to rank " + std::to_string(r.peer) +
+         " failed: " + std::strerror(rc));
+    return;
+  }
+  ++peer.posted;
+}
+
+void VerbsTransport::progress() {
+  ibv_wc wcs[kPollBatch];
+  for (;;) {
+    const int n = ibv_poll_cq(send_cq_, kPollBatch, wcs);
+    if (n < 0) {
+      fail(who() + ": polling the send completion queue failed");
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const ibv_wc& wc = wcs[i];
+      const auto found = peer_of_qp_.find(wc.qp_num);
+      const int peer = found == peer_of_qp_.end() ? -1 : found->second;
+      if (peer >= 0) --peers_[static_cast<size_t>(peer)].posted;
+      in_flight_.erase(wc.wr_id);
+      --outstanding_;
+      if (wc.status != IBV_WC_SUCCESS) {
+        fail(who() + ": request " + std::to_string(wc.wr_id) + " to rank " + std::to_string(peer) + " failed: " +
+             ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")" + advice(wc.status));
+        continue;
+      }
+      completed_.push_back(wc.wr_id);
+    }
+    if (n < kPollBatch) break;
+  }
+  for (;;) {
+    const int n = ibv_poll_cq(recv_cq_, kPollBatch, wcs);
+    if (n < 0) {
+      fail(who() + ": polling the receive completion queue failed");
+      break;
+    }
+    for (int i = 0; i < n; ++i) {
+      const ibv_wc& wc = wcs[i];
+      const auto found = peer_of_qp_.find(wc.qp_num);
+      if (found == peer_of_qp_.end()) continue;
+      if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status != IBV_WC_WR_FLUSH_ERR) {
+          fail(who() + ": a receive from rank " + std::to_string(found->second) + " failed: " +
+               ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")");
+        }
+        continue;
+      }
+      if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+        immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(found->second), ntohl(wc.imm_data)});
+      }
+      if (failure_.empty()) post_recvs(peers_[static_cast<size_t>(found->second)].qp, 1);
+    }
+    if (n < kPollBatch) break;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  for (Peer& peer : peers_) {
+    if (peer.reorder.expired(now)) peer.reorder.flush([this](Request r) { post_or_wait(std::move(r)); });
+    while (!peer.waiting.empty() && peer.posted < static_cast<uint32_t>(max_send_wr_) && failure_.empty()) {
+      post_now(peer, peer.waiting.front());
+      peer.waiting.pop_front();
+    }
+  }
+}
+
+void VerbsTransport::fail(const std::string& message) {
+  if (failure_.empty()) failure_ = message;
+}
+
+void VerbsTransport::throw_failure() {
+  if (failure_.empty()) return;
+  if (!failure_reported_) {
+    failure_reported_ = true;
+    throw TransportError(failure_);
+  }
+  throw TransportError(who() + ": unusable after an earlier failure: " + failure_);
+}
+
+size_t VerbsTransport::poll_completions(uint64_t* out, size_t max) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_ || !connected_) return 0;
+  progress();
+  if (!failure_.empty() && !failure_reported_) throw_failure();
+  size_t n = 0;
+  while (n < max && !completed_.empty()) {
+    out[n++] = completed_.front();
+    completed_.pop_front();
+  }
+  return n;
+}
+
+size_t VerbsTransport::poll_immediates(ImmediateEvent* out, size_t max) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_ || !connected_) return 0;
+  progress();
+  size_t n = 0;
+  while (n < max && !immediates_.empty()) {
+    out[n++] = immediates_.front();
+    immediates_.pop_front();
+  }
+  return n;
+}
+
+void VerbsTransport::quiet() {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                             std::chrono::duration<double>(timeout_s_));
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) throw TransportError(who() + ": quiet() after close()");
+      for (Peer& peer : peers_) peer.reorder.flush([this](Request r) { post_or_wait(std::move(r)); });
+      progress();
+      if (!failure_.empty()) throw_failure();
+      if (outstanding_ == 0) return;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        throw TransportError(who() + ": quiet() timed out after " + std::to_string(timeout_s_) + " s with " +
+                             std::to_string(outstanding_) + " request(s) outstanding; " + oldest_outstanding_locked());
+      }
+    }
+    std::this_thread::yield();
+  }
+}
+
+uint64_t VerbsTransport::outstanding() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return outstanding_;
+}
+
+std::string VerbsTransport::oldest_outstanding() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return oldest_outstanding_locked();
+}
+
+std::string VerbsTransport::oldest_outstanding_locked() const {
+  const std::pair<const uint64_t, std::pair<int, std::chrono::steady_clock::time_point>>* oldest = nullptr;
+  for (const auto& entry : in_flight_) {
+    if (oldest == nullptr || entry.second.second < oldest->second.second) oldest = &entry;
+  }
+  if (oldest == nullptr) return {};
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->second.second).count();
+  return "request " + std::to_string(oldest->first) + " to rank " + std::to_string(oldest->second.first) +
+         " unacknowledged for " + std::to_string(waited) + " s";
+}
+
+void VerbsTransport::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return;
+  closed_ = true;
+  release_resources();
+}
+
+void VerbsTransport::release_resources() {
+  for (Peer& peer : peers_) {
+    if (peer.qp != nullptr) (void)ibv_.destroy_qp(peer.qp);
+    peer.qp = nullptr;
+  }
+  if (send_cq_ != nullptr) (void)ibv_.destroy_cq(send_cq_);
+  if (recv_cq_ != nullptr) (void)ibv_.destroy_cq(recv_cq_);
+  send_cq_ = recv_cq_ = nullptr;
+  if (scratch_mr_ != nullptr) (void)ibv_.dereg_mr(scratch_mr_);
+  if (mr_ != nullptr) (void)ibv_.dereg_mr(mr_);
+  scratch_mr_ = mr_ = nullptr;
+  if (pd_ != nullptr) (void)ibv_.dealloc_pd(pd_);
+  pd_ = nullptr;
+  if (context_ != nullptr) (void)ibv_.close_device(context_);
+  context_ = nullptr;
+}
+
+}  // namespace uccl_ep
+#endif  // UCCL_EP_WITH_VERBS

@@ -1,0 +1,170 @@
+// The `verbs` transport (DESIGN §6): RDMA over libibverbs (loaded at run time, verbs_library.h), one
+// reliable-connected (RC) queue pair per peer, for ConnectX (mlx5), Broadcom (bnxt_re), Pollara (ionic)
+// and soft-RoCE (rxe). The region is host memory, registered once.
+//
+//   post_write        RDMA WRITE, or WRITE_WITH_IMM: the peer's poll_immediates() reports the immediate
+//                     once the bytes are in its region (its receive completion follows the data).
+//   post_atomic_add   ATOMIC_FETCH_AND_ADD where the device reports atomics (its old value lands in a
+//                     scratch word and is dropped); a device without them refuses atomic adds to peers.
+//   completion        the RC acknowledgement: the peer's NIC has placed the data (or done the atomic).
+//   to itself         a write is a memcpy; an atomic add goes through a queue pair connected to itself
+//                     (a NIC's atomics are atomic with each other, not with the CPU's), or is a host
+//                     atomic on a device without atomics. Either completes like any other request.
+//
+// Bootstrapping is the caller's, as for tcp: listen_address() is this rank's connection record (its
+// GID, LID, one QP number per peer, the region's address, size and key, as text), every rank
+// all-gathers them over its own process group and calls connect(); after connect() every rank must
+// pass a barrier before it posts, so that no request reaches a queue pair not yet ready to receive.
+//
+// Settings (the constructor's options, else the environment): UCCL_IB_HCA (device name, optionally
+// ":port"; default the first device), UCCL_IB_GID_INDEX (-1 or unset: the first RoCE v2 IPv4 GID, or
+// none on InfiniBand), UCCL_IB_SL, UCCL_IB_TC. Every error completion is a TransportError naming this
+// rank, the peer, the request and the status in words; the transport then refuses new requests.
+#pragma once
+
+#if defined(UCCL_EP_WITH_VERBS)
+#include <infiniband/verbs.h>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/reorder.h"
+#include "transport/transport.h"
+#include "transport/verbs_library.h"
+
+namespace uccl_ep {
+
+struct VerbsTransportOptions {
+  std::string device;        // "" : UCCL_IB_HCA, else the first device; "name" or "name:port"
+  int gid_index = -2;        // -2: UCCL_IB_GID_INDEX, else auto; -1: auto; >= 0: that entry
+  int service_level = -1;    // -1: UCCL_IB_SL, else 0
+  int traffic_class = -1;    // -1: UCCL_IB_TC, else 0
+  int64_t reorder_seed = -1;  // >= 0: reorder with this seed; -1: UCCL_EP_TRANSPORT_REORDER
+  double timeout_s = 30.0;   // quiet()
+};
+
+class VerbsTransport final : public Transport {
+ public:
+  // Opens the device, picks the GID, registers the region and creates the queue pairs. Throws
+  // TransportError naming what is missing (libibverbs, the device, the port, a GID, the region's
+  // registration) and std::invalid_argument for a bad option.
+  VerbsTransport(int rank, int num_ranks, MemoryRegion region, const VerbsTransportOptions& options = {});
+  ~VerbsTransport() override;
+
+  VerbsTransport(const VerbsTransport&) = delete;
+  VerbsTransport& operator=(const VerbsTransport&) = delete;
+
+  // This rank's connection record (text), for the peers' connect().
+  std::string listen_address() const;
+  // Brings every queue pair to ready-to-send with the peers' records (addresses[rank] is ours).
+  void connect(const std::vector<std::string>& addresses);
+  bool connected() const { return connected_; }
+
+  const char* name() const override { return "verbs"; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
+  MemoryRegion region() const override { return region_; }
+  bool region_is_host_memory() const override { return true; }
+  RegionWriter& region_writer() override { return writer_; }
+
+  void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
+                  std::optional<uint32_t> imm, uint64_t request_id) override;
+  void post_atomic_add(int peer, uint64_t remote_offset, int64_t value, uint64_t request_id) override;
+  size_t poll_completions(uint64_t* out, size_t max) override;
+  size_t poll_immediates(ImmediateEvent* out, size_t max) override;
+  void quiet() override;
+  void close() override;
+  uint64_t outstanding() const override;
+  std::string oldest_outstanding() const override;
+
+  const ReorderConfig& reorder_config() const { return reorder_; }
+  // What was chosen: the device's name, its port, the GID index (-1: none, InfiniBand) and whether
+  // the device does atomics.
+  const std::string& device_name() const { return device_name_; }
+  int port() const { return port_; }
+  int gid_index() const { return gid_index_; }
+  bool native_atomics() const { return native_atomics_; }
+
+ private:
+  struct Request {
+    uint64_t id;
+    int peer;
+    bool atomic;
+    uint64_t local_offset;
+    uint64_t remote_offset;
+    uint64_t length;  // or the atomic's value
+    std::optional<uint32_t> imm;
+  };
+  struct Peer {
+    ibv_qp* qp = nullptr;
+    uint64_t remote_base = 0;
+    uint64_t remote_bytes = 0;
+    uint32_t rkey = 0;
+    uint32_t posted = 0;              // work requests on the send queue
+    std::deque<Request> waiting;      // not posted yet: the send queue was full
+    ReorderWindow<Request> reorder;
+  };
+
+  std::string who() const;
+  void open_device(const VerbsTransportOptions& options);
+  void pick_gid(int requested);
+  void create_queue_pairs();
+  void post_recvs(ibv_qp* qp, int count);
+  void submit(Request request);           // through the reorder window
+  void post_or_wait(Request request);      // onto the send queue, or into `waiting`
+  void post_now(Peer& peer, const Request& request);
+  void apply_locally(const Request& request);
+  void progress();                         // polls both CQs, posts what waited; lock held
+  void fail(const std::string& message);   // first failure: reported once, later posts refused
+  void throw_failure();
+  std::string oldest_outstanding_locked() const;
+  void release_resources();
+
+  const VerbsLibrary& ibv_;
+  int rank_;
+  int num_ranks_;
+  MemoryRegion region_;
+  HostRegionWriter writer_;
+  ReorderConfig reorder_;
+  double timeout_s_;
+  int service_level_ = 0;
+  int traffic_class_ = 0;
+
+  std::string device_name_;
+  int port_ = 1;
+  int gid_index_ = -1;
+  bool native_atomics_ = false;
+  ibv_context* context_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_mr* mr_ = nullptr;
+  ibv_mr* scratch_mr_ = nullptr;          // the atomics' old values
+  uint64_t scratch_word_ = 0;
+  ibv_cq* send_cq_ = nullptr;
+  ibv_cq* recv_cq_ = nullptr;
+  ibv_port_attr port_attr_{};
+  ibv_gid gid_{};
+  int max_send_wr_ = 0;
+  int max_recv_wr_ = 0;
+  int max_rd_atomic_ = 1;
+  std::vector<Peer> peers_;
+  std::unordered_map<uint32_t, int> peer_of_qp_;
+
+  mutable std::mutex mutex_;
+  bool connected_ = false;
+  bool closed_ = false;
+  std::string failure_;            // the first failure
+  bool failure_reported_ = false;
+  std::deque<uint64_t> completed_;
+  std::deque<ImmediateEvent> immediates_;
+  std::unordered_map<uint64_t, std::pair<int, std::chrono::steady_clock::time_point>> in_flight_;  // id -> peer, since
+  uint64_t outstanding_ = 0;       // posted by the caller, not completed
+};
+
+}  // namespace uccl_ep
+#endif  // UCCL_EP_WITH_VERBS
