@@ -65,3 +65,83 @@ def test_wrong_gid_index_is_refused():
 def test_four_ranks_exchange_with_reordering():
     skip_without("verbs", gpus=0)
     run_ranks(4, exchange_body, kind="verbs", reorder_seed=2024, env_seed=None)
+
+
+def _connected(rank, num_ranks, group, region, **kwargs):
+    """This rank's verbs transport over ``region``, connected to every rank's and past a barrier."""
+    import torch.distributed as dist
+
+    devices = rdma_devices()
+    transport = _C.VerbsTransport(rank, num_ranks, region.data_ptr(), region.numel(),
+                                  device=devices[rank % len(devices)], **kwargs)
+    addresses = [None] * num_ranks
+    dist.all_gather_object(addresses, transport.listen_address(), group=group)
+    transport.connect(addresses)
+    dist.barrier(group=group)
+    return transport
+
+
+def _peer_gone_body(rank, num_ranks, group):
+    import os
+    import time
+
+    region = torch.full((1 << 20,), POISON, dtype=torch.uint8)
+    transport = _connected(rank, num_ranks, group, region, timeout_s=5.0)
+    if rank == 1:
+        os._exit(0)   # gone without a word: the kernel tears its queue pairs down
+    time.sleep(1.0)
+    for i in range(32):
+        transport.write(1, 0, i * 4096, 4096, imm=i)
+    start = time.monotonic()
+    # The NIC's retries run out (the error completion in words), or else quiet()'s timeout names the peer.
+    with pytest.raises(RuntimeError, match=r"rank 0 .*(to rank 1 failed: .*retry|timed out .* to rank 1)"):
+        transport.quiet()
+    assert time.monotonic() - start < 15, "the error took longer than the retries or the 5 s timeout"
+    transport.close()
+
+
+def test_a_peer_that_disappears_ends_in_an_error_not_a_hang():
+    skip_without("verbs", gpus=0)
+    run_ranks(2, _peer_gone_body)
+
+
+def _capped_body(rank, num_ranks, group):
+    import torch.distributed as dist
+
+    from tests.immediates import collect_immediates
+
+    chunk, chunks, cap_bytes, cap_requests = 16 << 10, 24, 40 << 10, 3
+    region = torch.full((2 * chunk * chunks,), POISON, dtype=torch.uint8)
+    region[:chunk * chunks] = torch.randint(0, 256, (chunk * chunks,), dtype=torch.uint8,
+                                            generator=torch.Generator().manual_seed(rank))
+    transport = _connected(rank, num_ranks, group, region, max_inflight_bytes=cap_bytes,
+                           max_inflight_requests=cap_requests)
+    peer = 1 - rank
+    # First many 1 KiB writes (the request cap binds: 3 in flight), then 16 KiB ones (the byte cap binds: two fit
+    # under 40 KiB, a third waits).
+    small = 1 << 10
+    for i in range(chunks):
+        transport.write(peer, i * small, chunk * chunks + i * small, small)
+    transport.quiet()
+    assert transport.peak_inflight_requests == cap_requests and transport.peak_inflight_bytes == 3 * small
+    for i in range(chunks):
+        transport.write(peer, i * chunk, chunk * chunks + i * chunk, chunk, imm=i)
+
+    def landed(src, i):
+        got = region[chunk * chunks + i * chunk: chunk * chunks + (i + 1) * chunk]
+        assert torch.equal(got, expected[i * chunk:(i + 1) * chunk]), f"rank {rank}: write {i} not there yet"
+
+    expected = torch.randint(0, 256, (chunk * chunks,), dtype=torch.uint8, generator=torch.Generator().manual_seed(peer))
+    collect_immediates(transport, rank, {(peer, i) for i in range(chunks)}, 60.0, landed)
+    transport.quiet()
+    assert transport.peak_inflight_bytes == 2 * chunk, transport.peak_inflight_bytes
+    assert transport.peak_inflight_requests == cap_requests, transport.peak_inflight_requests
+    dist.barrier(group=group)
+    assert torch.equal(region[chunk * chunks:], expected), f"rank {rank}: the capped writes landed wrong"
+    dist.barrier(group=group)
+    transport.close()
+
+
+def test_in_flight_caps_hold_and_the_data_still_lands():
+    skip_without("verbs", gpus=0)
+    run_ranks(2, _capped_body)

@@ -165,8 +165,11 @@ class PyCudaCopyTransport : public PyTransport<uccl_ep::CudaCopyTransport> {
 class PyVerbsTransport : public PyTransport<uccl_ep::VerbsTransport> {
  public:
   PyVerbsTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, const std::string& device,
-                   int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s) {
+                   int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s,
+                   int64_t max_inflight_bytes, int64_t max_inflight_requests) {
     uccl_ep::VerbsTransportOptions options;
+    options.max_inflight_bytes = max_inflight_bytes;
+    options.max_inflight_requests = max_inflight_requests;
     options.device = device;
     options.gid_index = gid_index;
     options.service_level = service_level;
@@ -268,13 +271,21 @@ The verbs transport: one RDMA reliable-connected queue pair per peer over libibv
 time), on one registered region of host memory per rank (region_ptr, region_bytes). device: "name"
 or "name:port" ("" : UCCL_IB_HCA, else the first device); gid_index -2: UCCL_IB_GID_INDEX, else -1:
 the first RoCE v2 IPv4 GID; service_level / traffic_class -1: UCCL_IB_SL / UCCL_IB_TC, else 0.
+max_inflight_bytes (-1: UCCL_IB_MAX_INFLIGHT_BYTES, else none; 0: none) and max_inflight_requests (0:
+none) cap what the NIC has in flight over all peers.
 Bootstrap: all-gather listen_address() (this rank's connection record) and call connect(addresses),
 then pass a barrier before posting. reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed> when -1)
 posts requests out of order. Blocking calls release the GIL.)doc");
-  verbs.def(py::init<int, int, int64_t, int64_t, const std::string&, int, int, int, int64_t, double>(), py::arg("rank"),
-            py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("device") = "",
-            py::arg("gid_index") = -2, py::arg("service_level") = -1, py::arg("traffic_class") = -1,
-            py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0)
+  verbs.def(py::init<int, int, int64_t, int64_t, const std::string&, int, int, int, int64_t, double, int64_t,
+                     int64_t>(),
+            py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"),
+            py::arg("device") = "", py::arg("gid_index") = -2, py::arg("service_level") = -1,
+            py::arg("traffic_class") = -1, py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0,
+            py::arg("max_inflight_bytes") = -1, py::arg("max_inflight_requests") = 0)
+      .def_property_readonly("peak_inflight_bytes", [](PyVerbsTransport& t) { return t.impl().peak_inflight_bytes(); },
+                             "The most bytes the NIC had in flight at once so far.")
+      .def_property_readonly("peak_inflight_requests",
+                             [](PyVerbsTransport& t) { return t.impl().peak_inflight_requests(); })
       .def_property_readonly("device_name", [](PyVerbsTransport& t) { return t.impl().device_name(); })
       .def_property_readonly("port", [](PyVerbsTransport& t) { return t.impl().port(); })
       .def_property_readonly("gid_index", [](PyVerbsTransport& t) { return t.impl().gid_index(); },

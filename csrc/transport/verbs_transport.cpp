@@ -98,6 +98,15 @@ VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, con
   if (!(options.timeout_s > 0)) throw std::invalid_argument("timeout_s must be > 0");
   service_level_ = int_setting(options.service_level, -1, "UCCL_IB_SL", 0, 0);
   traffic_class_ = int_setting(options.traffic_class, -1, "UCCL_IB_TC", 0, 0);
+  if (options.max_inflight_bytes < -1) throw std::invalid_argument("max_inflight_bytes must be >= -1");
+  if (options.max_inflight_requests < 0) throw std::invalid_argument("max_inflight_requests must be >= 0");
+  max_inflight_bytes_ = static_cast<uint64_t>(
+      options.max_inflight_bytes >= 0
+          ? options.max_inflight_bytes
+          : (env_or_empty("UCCL_IB_MAX_INFLIGHT_BYTES").empty()
+                 ? 0
+                 : parse_setting_unsigned("UCCL_IB_MAX_INFLIGHT_BYTES", env_or_empty("UCCL_IB_MAX_INFLIGHT_BYTES"), 1)));
+  max_inflight_requests_ = static_cast<uint64_t>(options.max_inflight_requests);
   try {
     open_device(options);
     pick_gid(int_setting(options.gid_index, -2, "UCCL_IB_GID_INDEX", -1, -1));
@@ -368,7 +377,7 @@ void VerbsTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_t v
 
 void VerbsTransport::submit(Request request) {
   ++outstanding_;
-  in_flight_[request.id] = {request.peer, std::chrono::steady_clock::now()};
+  in_flight_[request.id] = InFlight{request.peer, bytes_of(request), std::chrono::steady_clock::now()};
   peers_[static_cast<size_t>(request.peer)].reorder.push(std::move(request), std::chrono::steady_clock::now(),
                                                           [this](Request r) { post_or_wait(std::move(r)); });
 }
@@ -394,11 +403,17 @@ void VerbsTransport::post_or_wait(Request r) {
     return;
   }
   Peer& peer = peers_[static_cast<size_t>(r.peer)];
-  if (peer.posted >= static_cast<uint32_t>(max_send_wr_) || !peer.waiting.empty()) {
+  if (!peer.waiting.empty() || !fits_in_flight(peer, r)) {
     peer.waiting.push_back(std::move(r));
     return;
   }
   post_now(peer, r);
+}
+
+bool VerbsTransport::fits_in_flight(const Peer& peer, const Request& r) const {
+  if (peer.posted >= static_cast<uint32_t>(max_send_wr_)) return false;
+  if (max_inflight_requests_ != 0 && nic_requests_ >= max_inflight_requests_) return false;
+  return max_inflight_bytes_ == 0 || nic_bytes_ == 0 || nic_bytes_ + bytes_of(r) <= max_inflight_bytes_;
 }
 
 void VerbsTransport::post_now(Peer& peer, const Request& r) {
@@ -434,6 +449,10 @@ void VerbsTransport::post_now(Peer& peer, const Request& r) {
     return;
   }
   ++peer.posted;
+  nic_bytes_ += bytes_of(r);
+  ++nic_requests_;
+  peak_bytes_ = std::max(peak_bytes_, nic_bytes_);
+  peak_requests_ = std::max(peak_requests_, nic_requests_);
 }
 
 void VerbsTransport::progress() {
@@ -449,7 +468,12 @@ void VerbsTransport::progress() {
       const auto found = peer_of_qp_.find(wc.qp_num);
       const int peer = found == peer_of_qp_.end() ? -1 : found->second;
       if (peer >= 0) --peers_[static_cast<size_t>(peer)].posted;
-      in_flight_.erase(wc.wr_id);
+      const auto request = in_flight_.find(wc.wr_id);
+      if (request != in_flight_.end()) {
+        nic_bytes_ -= request->second.bytes;
+        in_flight_.erase(request);
+      }
+      --nic_requests_;
       --outstanding_;
       if (wc.status != IBV_WC_SUCCESS) {
         fail(who() + ": request " + std::to_string(wc.wr_id) + " to rank " + std::to_string(peer) + " failed: " +
@@ -487,7 +511,7 @@ void VerbsTransport::progress() {
   const auto now = std::chrono::steady_clock::now();
   for (Peer& peer : peers_) {
     if (peer.reorder.expired(now)) peer.reorder.flush([this](Request r) { post_or_wait(std::move(r)); });
-    while (!peer.waiting.empty() && peer.posted < static_cast<uint32_t>(max_send_wr_) && failure_.empty()) {
+    while (!peer.waiting.empty() && fits_in_flight(peer, peer.waiting.front()) && failure_.empty()) {
       post_now(peer, peer.waiting.front());
       peer.waiting.pop_front();
     }
@@ -564,15 +588,24 @@ std::string VerbsTransport::oldest_outstanding() const {
 }
 
 std::string VerbsTransport::oldest_outstanding_locked() const {
-  const std::pair<const uint64_t, std::pair<int, std::chrono::steady_clock::time_point>>* oldest = nullptr;
+  const std::pair<const uint64_t, InFlight>* oldest = nullptr;
   for (const auto& entry : in_flight_) {
-    if (oldest == nullptr || entry.second.second < oldest->second.second) oldest = &entry;
+    if (oldest == nullptr || entry.second.since < oldest->second.since) oldest = &entry;
   }
   if (oldest == nullptr) return {};
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->second.second).count();
-  return "request " + std::to_string(oldest->first) + " to rank " + std::to_string(oldest->second.first) +
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->second.since).count();
+  return "request " + std::to_string(oldest->first) + " to rank " + std::to_string(oldest->second.peer) +
          " unacknowledged for " + std::to_string(waited) + " s";
+}
+
+uint64_t VerbsTransport::peak_inflight_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_bytes_;
+}
+
+uint64_t VerbsTransport::peak_inflight_requests() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_requests_;
 }
 
 void VerbsTransport::close() {

@@ -47,6 +47,12 @@ struct VerbsTransportOptions {
   int traffic_class = -1;    // -1: UCCL_IB_TC, else 0
   int64_t reorder_seed = -1;  // >= 0: reorder with this seed; -1: UCCL_EP_TRANSPORT_REORDER
   double timeout_s = 30.0;   // quiet()
+  // Caps on what this NIC has in flight, over all peers (requests wait in order until they fit; one
+  // larger than the byte cap goes alone): bytes (-1: UCCL_IB_MAX_INFLIGHT_BYTES, else none; 0: none)
+  // and requests (0: none beyond the queue pairs' depth; the caller picks the platform config's
+  // UCCL_IB_MAX_INFLIGHT_NORMAL or _LOW_LATENCY).
+  int64_t max_inflight_bytes = -1;
+  int64_t max_inflight_requests = 0;
 };
 
 class VerbsTransport final : public Transport {
@@ -90,6 +96,9 @@ class VerbsTransport final : public Transport {
   int port() const { return port_; }
   int gid_index() const { return gid_index_; }
   bool native_atomics() const { return native_atomics_; }
+  // The most bytes and requests this NIC had in flight at once so far (the caps' effect).
+  uint64_t peak_inflight_bytes() const;
+  uint64_t peak_inflight_requests() const;
 
  private:
   struct Request {
@@ -119,6 +128,8 @@ class VerbsTransport final : public Transport {
   void submit(Request request);           // through the reorder window
   void post_or_wait(Request request);      // onto the send queue, or into `waiting`
   void post_now(Peer& peer, const Request& request);
+  bool fits_in_flight(const Peer& peer, const Request& request) const;
+  static uint64_t bytes_of(const Request& request) { return request.atomic ? 8 : request.length; }
   void apply_locally(const Request& request);
   void progress();                         // polls both CQs, posts what waited; lock held
   void fail(const std::string& message);   // first failure: reported once, later posts refused
@@ -162,8 +173,19 @@ class VerbsTransport final : public Transport {
   bool failure_reported_ = false;
   std::deque<uint64_t> completed_;
   std::deque<ImmediateEvent> immediates_;
-  std::unordered_map<uint64_t, std::pair<int, std::chrono::steady_clock::time_point>> in_flight_;  // id -> peer, since
+  struct InFlight {
+    int peer;
+    uint64_t bytes;
+    std::chrono::steady_clock::time_point since;  // posted by the caller
+  };
+  std::unordered_map<uint64_t, InFlight> in_flight_;  // by request id
   uint64_t outstanding_ = 0;       // posted by the caller, not completed
+  uint64_t max_inflight_bytes_ = 0;     // 0: no cap
+  uint64_t max_inflight_requests_ = 0;  // 0: no cap
+  uint64_t nic_bytes_ = 0;              // on the NIC's send queues now
+  uint64_t nic_requests_ = 0;
+  uint64_t peak_bytes_ = 0;
+  uint64_t peak_requests_ = 0;
 };
 
 }  // namespace uccl_ep
