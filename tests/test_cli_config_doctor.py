@@ -11,7 +11,7 @@ from uccl_ep_plugin.cli import config_cmd, doctor
 from uccl_ep_plugin.platform_config import CONFIG_ENV_VAR, SCHEMA, resolve_config
 from uccl_ep_plugin.platform_config import loader as loader_module
 
-DOCTOR_KEYS = {"python", "torch", "gpus", "peer_access", "rdma", "peer_memory", "dmabuf",
+DOCTOR_KEYS = {"python", "torch", "gpus", "peer_access", "rdma", "verbs", "peer_memory", "dmabuf",
                "build", "engine", "config"}
 
 

@@ -145,3 +145,27 @@ def _capped_body(rank, num_ranks, group):
 def test_in_flight_caps_hold_and_the_data_still_lands():
     skip_without("verbs", gpus=0)
     run_ranks(2, _capped_body)
+
+
+def test_doctor_lists_the_devices_gids_and_atomics():
+    """`uccl-ep doctor --json` reports each RDMA device through libibverbs: its port's state and link layer, its
+    RoCE v2 IPv4 GID (the one the transport uses) and its atomics."""
+    import json
+    import subprocess
+    import sys
+
+    skip_without("verbs", gpus=0)
+    out = subprocess.run([sys.executable, "-m", "uccl_ep_plugin.cli.main", "doctor", "--json"], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    devices = {device["name"]: device for device in json.loads(out)["verbs"]["devices"]}
+    for name in rdma_devices():
+        device = devices[name]
+        assert device["error"] == "" and device["atomics"] in ("hca", "global")
+        port = device["ports"][0]
+        assert port["state"] == "active" and port["link_layer"] == "Ethernet"
+        chosen = [g for g in port["gids"] if g["index"] == port["gid_index"]]
+        assert chosen and chosen[0]["type"] == "RoCE v2" and chosen[0]["address"].startswith("10.0.0.")
+        region = torch.zeros(4096, dtype=torch.uint8)
+        transport = _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=name)
+        assert transport.gid_index == port["gid_index"]
+        transport.close()

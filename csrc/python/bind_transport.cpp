@@ -18,6 +18,7 @@
 
 #include "transport/tcp_transport.h"
 #if defined(UCCL_EP_WITH_VERBS)
+#include "transport/verbs_devices.h"
 #include "transport/verbs_transport.h"
 #endif
 #if defined(UCCL_EP_WITH_CUDA)
@@ -296,6 +297,33 @@ posts requests out of order. Blocking calls release the GIL.)doc");
   def_transport_api(verbs);
   m.def("verbs_available", &uccl_ep::VerbsLibrary::available,
         "Whether libibverbs.so.1 can be loaded here (the verbs transport needs it, and an RDMA device).");
+  m.def(
+      "verbs_devices",
+      [] {
+        static const char* gid_types[] = {"IB", "RoCE v1", "RoCE v2"};
+        py::list devices;
+        for (const uccl_ep::VerbsDeviceInfo& device : uccl_ep::list_verbs_devices()) {
+          py::list ports;
+          for (const uccl_ep::VerbsPortInfo& port : device.ports) {
+            py::list gids;
+            for (const uccl_ep::VerbsGid& gid : port.gids) {
+              gids.append(py::dict(py::arg("index") = gid.index,
+                                   py::arg("type") = gid.type >= 0 && gid.type <= 2 ? gid_types[gid.type] : "unknown",
+                                   py::arg("address") = uccl_ep::verbs_gid_text(gid.gid)));
+            }
+            ports.append(py::dict(py::arg("port") = port.port, py::arg("state") = port.state,
+                                  py::arg("link_layer") = port.link_layer, py::arg("lid") = port.lid,
+                                  py::arg("gids") = gids, py::arg("gid_index") = port.chosen_gid));
+          }
+          devices.append(py::dict(py::arg("name") = device.name, py::arg("atomics") = device.atomics,
+                                  py::arg("ports") = ports, py::arg("error") = device.error));
+        }
+        return devices;
+      },
+      "This host's RDMA devices through libibverbs: name, atomics ('none', 'hca', 'global'), error (''), and per "
+      "port its state, link layer, LID, non-empty GID entries (index, type, address) and gid_index, the entry the "
+      "verbs transport uses by default (the first RoCE v2 IPv4 one; -1: none, or InfiniBand). RuntimeError "
+      "without libibverbs.");
 #endif
 
 #if defined(UCCL_EP_WITH_CUDA)

@@ -39,5 +39,14 @@ struct VerbsLibrary {
   static bool available();
 };
 
+// ibv_query_port as the header's inline does it: the provider's extended entry point, else the
+// exported compat one.
+inline int verbs_query_port(const VerbsLibrary& ibv, ibv_context* context, int port, ibv_port_attr* attr) {
+  verbs_context* extended = verbs_get_ctx_op(context, query_port);
+  if (extended != nullptr) return extended->query_port(context, static_cast<uint8_t>(port), attr, sizeof(*attr));
+  *attr = ibv_port_attr{};
+  return ibv.query_port(context, static_cast<uint8_t>(port), reinterpret_cast<_compat_ibv_port_attr*>(attr));
+}
+
 }  // namespace uccl_ep
 #endif  // UCCL_EP_WITH_VERBS

@@ -12,6 +12,7 @@
 
 #include "common/settings.h"
 #include "transport/request_checks.h"
+#include "transport/verbs_devices.h"
 
 namespace uccl_ep {
 
@@ -39,11 +40,6 @@ int int_setting(int option, int unset, const char* env, int fallback, int minimu
     throw std::invalid_argument(std::string(env) + "=" + text + ": expected an integer >= " + std::to_string(minimum));
   }
   return static_cast<int>(value);
-}
-
-bool ipv4_mapped(const ibv_gid& gid) {
-  static const uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
-  return std::memcmp(gid.raw, prefix, sizeof(prefix)) == 0;
 }
 
 std::string gid_hex(const ibv_gid& gid) {
@@ -161,14 +157,7 @@ void VerbsTransport::open_device(const VerbsTransportOptions& options) {
   if (port_ > device.phys_port_cnt) {
     throw TransportError(who() + ": the device has " + std::to_string(device.phys_port_cnt) + " port(s)");
   }
-  // As the header's inline ibv_query_port: the provider's extended entry point, else the exported one.
-  verbs_context* extended = verbs_get_ctx_op(context_, query_port);
-  const int queried =
-      extended != nullptr
-          ? extended->query_port(context_, static_cast<uint8_t>(port_), &port_attr_, sizeof(port_attr_))
-          : ibv_.query_port(context_, static_cast<uint8_t>(port_),
-                            reinterpret_cast<_compat_ibv_port_attr*>(&port_attr_));
-  if (queried != 0) {
+  if (verbs_query_port(ibv_, context_, port_, &port_attr_) != 0) {
     throw TransportError(who() + ": ibv_query_port failed");
   }
   if (port_attr_.state != IBV_PORT_ACTIVE) {
@@ -207,29 +196,15 @@ void VerbsTransport::pick_gid(int requested) {
     return;
   }
   // The first RoCE v2 entry with an IPv4-mapped address (the one routable over IPv4 networks).
-  if (ibv_.query_gid_table != nullptr) {
-    std::vector<ibv_gid_entry> entries(static_cast<size_t>(port_attr_.gid_tbl_len));
-    const ssize_t n = ibv_.query_gid_table(context_, entries.data(), entries.size(), 0, sizeof(ibv_gid_entry));
-    for (ssize_t i = 0; i < n; ++i) {
-      const ibv_gid_entry& e = entries[static_cast<size_t>(i)];
-      if (static_cast<int>(e.port_num) == port_ && e.gid_type == IBV_GID_TYPE_ROCE_V2 && ipv4_mapped(e.gid)) {
-        gid_ = e.gid;
-        gid_index_ = static_cast<int>(e.gid_index);
-        return;
-      }
-    }
-  } else {
-    for (int i = 0; i < port_attr_.gid_tbl_len; ++i) {
-      ibv_gid gid{};
-      if (ibv_.query_gid(context_, port_, i, &gid) == 0 && ipv4_mapped(gid)) {
-        gid_ = gid;
-        gid_index_ = i;
-        return;
-      }
-    }
+  const std::vector<VerbsGid> table = verbs_gid_table(ibv_, context_, port_, port_attr_.gid_tbl_len);
+  gid_index_ = verbs_roce_v2_ipv4_gid(table);
+  for (const VerbsGid& entry : table) {
+    if (entry.index == gid_index_) gid_ = entry.gid;
   }
-  throw TransportError(who() + ": no RoCE v2 GID with an IPv4 address on this port (give the netdev an IPv4 "
-                       "address, or set UCCL_IB_GID_INDEX)");
+  if (gid_index_ < 0) {
+    throw TransportError(who() + ": no RoCE v2 GID with an IPv4 address on this port (give the netdev an IPv4 "
+                         "address, or set UCCL_IB_GID_INDEX)");
+  }
 }
 
 void VerbsTransport::create_queue_pairs() {

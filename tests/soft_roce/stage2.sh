@@ -2,7 +2,6 @@
 # In the guest, on this machine's own file system: two soft-RoCE devices over a veth pair, then the
 # command; its output and exit status go to the share, and the guest powers off.
 share=/run/uccl-ep-share
-mount -t tmpfs tmpfs /tmp
 mkdir -p /dev/shm && mount -t tmpfs tmpfs /dev/shm
 exec > "$share/output" 2>&1
 # Both ends of the pair live in this one namespace: without policy routing the kernel would send the

@@ -164,6 +164,24 @@ def probe_rdma(root: str = "/") -> Dict[str, Any]:
         return {"devices": [], "platform": None, "error": _error_text(exc)}
 
 
+def probe_verbs() -> Dict[str, Any]:
+    """The RDMA devices as libibverbs sees them (the verbs transport's view): per device its atomics and per port
+    its state, link layer, GID entries and the GID index the transport would use. A note where the build has no
+    verbs transport or libibverbs cannot be loaded."""
+    try:
+        from uccl_ep_plugin import _C
+    except ImportError as exc:
+        return {"devices": [], "note": "the extension is not importable (%s)" % _error_text(exc)}
+    if not hasattr(_C, "verbs_devices"):
+        return {"devices": [], "note": "this build has no verbs transport (rdma-core's headers were missing)"}
+    if not _C.verbs_available():
+        return {"devices": [], "note": "libibverbs.so.1 cannot be loaded (install rdma-core's libibverbs)"}
+    try:
+        return {"devices": _C.verbs_devices()}
+    except Exception as exc:
+        return {"devices": [], "error": _error_text(exc)}
+
+
 def probe_peer_memory(root: str = "/") -> Dict[str, Any]:
     """Which GPU peer-memory kernel modules are loaded (``/sys/module/<name>``)."""
     modules: Dict[str, Any] = {}
@@ -228,6 +246,7 @@ def collect(root: str = "/", environ: Optional[Mapping[str, str]] = None,
         "gpus": probe_gpus(torch_module),
         "peer_access": probe_peer_access(torch_module),
         "rdma": probe_rdma(root),
+        "verbs": probe_verbs() if root == "/" else {"devices": [], "note": "not probed under another root"},
         "peer_memory": probe_peer_memory(root),
         "dmabuf": probe_dmabuf(),
         "build": probe_build(),
@@ -302,6 +321,22 @@ def render(report: Dict[str, Any]) -> str:
                           % (dev["name"], dev["platform"] or "unknown",
                              dev["driver"] or "unknown"))
     rdma_lines.append("detected platform: %s" % (rdma["platform"] or "none"))
+    verbs = report["verbs"]
+    for key in ("note", "error"):
+        if verbs.get(key):
+            rdma_lines.append("libibverbs: %s" % verbs[key])
+    for dev in verbs["devices"]:
+        if dev["error"]:
+            rdma_lines.append("%s: %s" % (dev["name"], dev["error"]))
+        for port in dev["ports"]:
+            roce_v2 = [g for g in port["gids"] if g["type"] == "RoCE v2"]
+            chosen = ("GID index %d (%s)" % (port["gid_index"], next(g["address"] for g in port["gids"]
+                                                                     if g["index"] == port["gid_index"]))
+                      if port["gid_index"] >= 0 else "no RoCE v2 IPv4 GID" if port["link_layer"] == "Ethernet"
+                      else "LID %d" % port["lid"])
+            rdma_lines.append("%s port %d: %s, %s, %d GID entries (%d RoCE v2), the verbs transport uses %s; "
+                              "atomics: %s" % (dev["name"], port["port"], port["state"], port["link_layer"],
+                                               len(port["gids"]), len(roce_v2), chosen, dev["atomics"]))
     sections.append(_section("RDMA NICs", rdma_lines))
 
     pm = report["peer_memory"]
