@@ -169,3 +169,16 @@ def test_doctor_lists_the_devices_gids_and_atomics():
         transport = _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=name)
         assert transport.gid_index == port["gid_index"]
         transport.close()
+
+
+def test_transport_bench_has_checked_verbs_rows(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    skip_without("verbs", gpus=0)
+    out = tmp_path / "transport.json"
+    subprocess.run([sys.executable, "-m", "uccl_ep_plugin.cli.main", "bench", "--mode", "transport", "--iters", "10",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True)
+    rows = [row for row in json.loads(out.read_text()) if row["transport"] == "verbs"]
+    assert len(rows) == 6 and all(row["correct"] for row in rows), rows

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from ..benchmark import channel
+from ..benchmark import channel, transport
 from ..benchmark.report import print_summary, progress_line, write_json
 from ..benchmark.runner import BenchOptions, num_cases, run_rank
 from ..benchmark.workloads import Workload
@@ -27,8 +27,10 @@ def register(subparsers) -> None:
                         help="number of local ranks (default: the GPU count, or 2 on CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="cuda: one rank per GPU over NCCL; cpu: processes over gloo (default: cuda if present)")
-    parser.add_argument("--mode", choices=("all", "normal", "low_latency", "channel"), default="all",
-                        help="channel: the GPU->CPU command FIFOs alone on the current GPU (not part of all)")
+    parser.add_argument("--mode", choices=("all", "normal", "low_latency", "channel", "transport"), default="all",
+                        help="channel: the GPU->CPU command FIFOs alone on the current GPU; transport: latency and "
+                             "bandwidth of writes, immediates and atomics per transport (tcp; verbs with an RDMA "
+                             "device), host memory; neither is part of all")
     parser.add_argument("--tokens", type=int, default=4096, help="normal mode: tokens per rank")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
@@ -68,6 +70,8 @@ def _device_name(device: str, num_ranks: int) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.mode == "channel":
         return channel.run_from_cli(args.device, args.json, _commit())
+    if args.mode == "transport":
+        return transport.run_from_cli(args.json, _commit(), args.iters)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
