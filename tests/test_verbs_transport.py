@@ -39,6 +39,8 @@ def test_bad_arguments_name_the_argument():
     assert transport.device_name == rdma_devices()[0] and transport.port == 1 and transport.gid_index >= 0
     assert_requests_checked(transport, 4096)
     transport.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        transport.listen_address()
 
 
 @pytest.mark.parametrize("reorder_seed", [-1, 5], ids=["in-order", "reorder"])

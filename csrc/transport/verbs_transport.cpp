@@ -249,6 +249,8 @@ void VerbsTransport::post_recvs(ibv_qp* qp, int count) {
 }
 
 std::string VerbsTransport::listen_address() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw TransportError(who() + ": listen_address() after close()");
   std::ostringstream record;
   record << kRecordVersion << '/' << port_attr_.lid << '/' << gid_hex(gid_) << '/'
          << reinterpret_cast<uintptr_t>(region_.base) << '/' << region_.bytes << '/' << mr_->rkey << '/';
