@@ -51,8 +51,8 @@ _SHARE_DEFAULTS = {SM_PULL_ENV: "NORMAL_SM_PULL_PERCENT", SM_PUSH_ENV: "NORMAL_S
 # combine reuse them).
 _HOST_COUNTS = "_uccl_ep_host_counts"
 _SEND_POS = "_uccl_ep_send_pos"
-# NormalLauncher's call statuses (NormalCallStatus).
-DONE, FAILED, TOO_LARGE = 0, 1, 2
+# NormalLauncher's call statuses besides DONE (0): NormalCallStatus.
+FAILED, TOO_LARGE = 1, 2
 
 
 def copy_mode(env: str = COPY_ENV) -> str:
