@@ -27,14 +27,17 @@ std::string NormalLauncher::does_not_fit(const std::string& what, int64_t needed
 
 std::string NormalLauncher::rows_do_not_fit(int64_t most_received, int64_t most_sent, const NormalDispatchArgs& args,
                                             int64_t combine_row_bytes) const {
-  std::string why = does_not_fit(
-      "dispatch of up to " + std::to_string(most_received) + " rows to one rank",
-      normal_dispatch_area(most_received, args.x_row_bytes, args.scale_row_bytes, args.num_topk).total);
-  if (why.empty()) {
-    why = does_not_fit("combine of up to " + std::to_string(most_sent) + " rows back to one rank",
-                       normal_combine_area(most_sent, combine_row_bytes, args.num_topk).total);
+  // The messages are built only for what does not fit: this runs on every dispatch.
+  const int64_t dispatch_bytes =
+      normal_dispatch_area(most_received, args.x_row_bytes, args.scale_row_bytes, args.num_topk).total;
+  if (dispatch_bytes > region_.data_bytes) {
+    return does_not_fit("dispatch of up to " + std::to_string(most_received) + " rows to one rank", dispatch_bytes);
   }
-  return why;
+  const int64_t combine_bytes = normal_combine_area(most_sent, combine_row_bytes, args.num_topk).total;
+  if (combine_bytes > region_.data_bytes) {
+    return does_not_fit("combine of up to " + std::to_string(most_sent) + " rows back to one rank", combine_bytes);
+  }
+  return {};
 }
 
 bool NormalLauncher::copy_engine_fits(const NormalHostCounts* host_counts, NormalRowBytes combine,
@@ -67,9 +70,12 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
                           q.topk_weights, q.num_topk, q.num_local_experts, send_pos, counts, q.num_tokens,
                           0,          nullptr,    nullptr,        nullptr,    nullptr,           nullptr,
                           2 * q.num_channels};
-  result.too_large = does_not_fit("dispatch's layout exchange (" + std::to_string(q.num_channels) + " channels, " +
-                                      std::to_string(q.num_local_experts) + " local experts)",
-                                  normal_notify_area_bytes(num_ranks, q.num_channels, q.num_local_experts));
+  const int64_t notify_bytes = normal_notify_area_bytes(num_ranks, q.num_channels, q.num_local_experts);
+  if (notify_bytes > region_.data_bytes) {
+    result.too_large = does_not_fit("dispatch's layout exchange (" + std::to_string(q.num_channels) + " channels, " +
+                                        std::to_string(q.num_local_experts) + " local experts)",
+                                    notify_bytes);
+  }
   if (result.too_large.empty() && q.num_worst_tokens > 0) {
     // No counts on the host: a rank receives at most num_worst_tokens rows, so it sent at most num_ranks
     // times that (no receiver took more from it).
