@@ -19,6 +19,7 @@ import torch
 from tests.immediates import collect_immediates
 from tests.multiprocess import has_gpus_for, rank_device
 from uccl_ep_plugin import _C
+from uccl_ep_plugin.platform_config.detect import detect_rdma_devices
 
 REORDER_ENV = "UCCL_EP_TRANSPORT_REORDER"
 POISON = 0x5A
@@ -36,15 +37,12 @@ GPU_KINDS = ("cuda-copy", "tcp")
 FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "tcp-host": "tcp_transport",
             "verbs": "verbs_transport"}
 VERBS_DEVICES_ENV = "UCCL_EP_TEST_VERBS_DEVICES"   # comma-separated: rank r uses entry r % count
-RDMA_DEVICES_DIR = "/sys/class/infiniband"
 
 
 def rdma_devices():
     """The RDMA devices the verbs kind uses, from VERBS_DEVICES_ENV, else every device of this host."""
     named = [d for d in os.environ.get(VERBS_DEVICES_ENV, "").split(",") if d]
-    if named:
-        return named
-    return sorted(os.listdir(RDMA_DEVICES_DIR)) if os.path.isdir(RDMA_DEVICES_DIR) else []
+    return named or [name for name, _ in detect_rdma_devices()]
 
 
 def skip_without(kind, gpus):

@@ -3,7 +3,7 @@
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -56,10 +56,18 @@ def _barrier(case: Case, group, device: torch.device) -> None:
     dist.barrier(group)
 
 
-def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
-    """Per-iteration seconds of this rank (on GPUs, CUDA events around each call); every timed region starts
-    together on all ranks."""
-    samples = []
+@dataclass
+class _EagerTimes:
+    """Eager calls, each alone (the GPU idle and the ranks together before it): per-iteration seconds (on GPUs,
+    CUDA events around the call; on CPU the call's whole time), and on GPUs the host's seconds until the call
+    returned, and the same less its wait for the peers' counts (where ``case.count_wait`` tells it)."""
+    samples: List[float]
+    host: List[float]
+    host_beyond_wait: List[float]
+
+
+def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> _EagerTimes:
+    times = _EagerTimes([], [], [])
     on_gpu = device.type == "cuda"
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
@@ -71,51 +79,39 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
             start.record()
         begin = time.perf_counter()
         case.run()
-        returned = time.perf_counter() - begin   # on CPU the call's whole time
+        returned = time.perf_counter() - begin
         if on_gpu:
             end.record()
             end.synchronize()
         if case.finish is not None:
             case.finish()
-        if i >= options.warmup:
-            samples.append(start.elapsed_time(end) / 1e3 if on_gpu else returned)
-    return samples
+        if i < options.warmup:
+            continue
+        times.samples.append(start.elapsed_time(end) / 1e3 if on_gpu else returned)
+        if on_gpu:
+            times.host.append(returned)
+            if case.count_wait is not None:
+                times.host_beyond_wait.append(returned - case.count_wait())
+    return times
 
 
-def _host_seconds(case: Case, options: BenchOptions, group,
-                  device: torch.device) -> Tuple[List[float], List[float], List[float]]:
-    """The host's seconds until ``run()`` returns, eagerly, on GPUs (on CPU a call's whole time is its figure):
-    a lone call (the GPU idle and the ranks together before it), the same less its wait for the peers' counts
-    (where ``case.count_wait`` tells it), and calls issued back to back with no wait between (the host's cost
-    per call when it runs ahead; a dispatch that reads its counts still waits for them). Where the GPU waits
-    for the host, these are the gaps."""
+def _host_back_to_back(case: Case, options: BenchOptions, group, device: torch.device) -> List[float]:
+    """On GPUs, the host's seconds until ``run()`` returns when calls are issued back to back with no wait between
+    (the host's cost per call when it runs ahead; a dispatch that reads its counts still waits for them)."""
     if device.type != "cuda":
-        return [], [], []
-
-    def host_time_of_run(settle_first: bool) -> float:
+        return []
+    _barrier(case, group, device)
+    seconds = []
+    for _ in range(options.warmup + options.iters):
         if case.prepare is not None:
             case.prepare()
-        if settle_first:
-            _barrier(case, group, device)
-            torch.cuda.synchronize(device)
         begin = time.perf_counter()
         case.run()
-        returned = time.perf_counter() - begin
+        seconds.append(time.perf_counter() - begin)
         if case.finish is not None:
             case.finish()
-        return returned
-
-    lone, beyond_wait = [], []
-    for i in range(options.warmup + options.iters):
-        returned = host_time_of_run(settle_first=True)
-        if i >= options.warmup:
-            lone.append(returned)
-            if case.count_wait is not None:
-                beyond_wait.append(returned - case.count_wait())
-    _barrier(case, group, device)
-    back_to_back = [host_time_of_run(settle_first=False) for _ in range(options.warmup + options.iters)]
     _settle(case, device)
-    return lone, beyond_wait, back_to_back[options.warmup:]
+    return seconds[options.warmup:]
 
 
 class _CapturedCase:
@@ -153,18 +149,20 @@ class _CapturedCase:
         return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
-def _timed(case: Case, options: BenchOptions, group, device: torch.device) -> Tuple[List[float], str]:
-    """Per-iteration seconds, and how they were taken: CUDA-graph replays for the native engine's calls that
-    never sync the host, else eager calls with a barrier before each."""
+def _timed(case: Case, options: BenchOptions, group,
+           device: torch.device) -> Tuple[List[float], str, _EagerTimes]:
+    """Per-iteration seconds, how they were taken (CUDA-graph replays for the native engine's calls that never
+    sync the host, else eager calls with a barrier before each), and the eager calls' times (for a replayed case,
+    those of the eager pass that warms it up: kernels loaded, buffers in use)."""
+    eager = _timed_eager(case, options, group, device)
     if device.type != "cuda" or case.engine != "native" or not case.capturable:
-        return _timed_eager(case, options, group, device), "eager"
-    _timed_eager(case, replace(options, iters=0), group, device)   # warm up: kernels loaded, buffers in use
+        return eager.samples, "eager", eager
     _barrier(case, group, device)
     captured = _CapturedCase(case, device)
     _barrier(case, group, device)
     captured.replay(options.warmup)
     _barrier(case, group, device)
-    return captured.replay(options.iters), "cuda-graph"
+    return captured.replay(options.iters), "cuda-graph", eager
 
 
 def _kernel_name(profiler_name: str) -> str:
@@ -481,8 +479,9 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
 
 
 def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
-    samples, timing = _timed(case, options, group, device)
-    host_lone, host_beyond_wait, host_back_to_back = _host_seconds(case, options, group, device)
+    samples, timing, eager = _timed(case, options, group, device)
+    host_lone, host_beyond_wait = eager.host, eager.host_beyond_wait
+    host_back_to_back = _host_back_to_back(case, options, group, device)
     host = ([statistics.median(values) if values else 0.0 for values in (host_lone, host_beyond_wait,
                                                                          host_back_to_back)]
             if host_lone else [0.0, 0.0, 0.0])

@@ -13,7 +13,6 @@ Every row is checked: the bytes that landed, each immediate once, the counter's 
 NIC) the figures only show that the harness works.
 """
 
-import os
 import statistics
 import sys
 import threading
@@ -22,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..platform_config.detect import detect_rdma_devices
 from .report import table, write_json
 
 LATENCY_SIZES = (8, 4096, 65536)
@@ -56,8 +56,7 @@ def available_transports() -> List[Tuple[str, Optional[str]]]:
 
 
 def _rdma_devices() -> List[str]:
-    path = "/sys/class/infiniband"
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return [name for name, _ in detect_rdma_devices()]
 
 
 class _Pair:
