@@ -354,60 +354,32 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
-class _FailingAllocation:
-    """Wraps a NormalLauncher: in its next dispatch, the first torch.empty (the outputs' allocation, called back
-    once the counts are read and the peers' exchange is under way) raises MemoryError, as an allocator out of
-    memory would."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.armed = True
-
-    def __getattr__(self, name):
-        method = getattr(self.inner, name)
-        if name != "dispatch":
-            return method
-
-        def failing(*args):
-            real_empty = torch.empty
-
-            def failing_empty(*args, **kwargs):
-                torch.empty = real_empty
-                self.armed = False
-                raise MemoryError("test: no memory for the dispatch's outputs")
-
-            torch.empty = failing_empty
-            try:
-                return method(*args)
-            finally:
-                torch.empty = real_empty
-        return failing
-
-
 def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
-    """Rank 0 fails to allocate its outputs once its dispatch read the counts: its dispatch raises, but it still
-    ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and combine on
-    every rank match the reference."""
+    """Rank 0 runs out of device memory for its outputs once its dispatch read the counts (torch's allocator is
+    capped just above what it holds: the handle's small block still fits, the rows' do not): its dispatch raises,
+    but it still ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and
+    combine on every rank match the reference."""
     device = rank_device(rank)
     torch.cuda.set_device(device)
-    case = Case("failed_allocation_bf16_h2048_k4_e16", 2048, 4, 16, (300, 211))
-    native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    # Rows of tens of MB: no block the allocator keeps cached can hold them under the cap.
+    case = Case("failed_allocation_bf16_h7168_k4_e16", 7168, 4, 16, (3000, 2500))
+    with environment(TIMEOUT_ENV, "20"):   # a broken exchange fails fast instead of hanging the peers
+        native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
     reference = _make_buffer(group, "reference", 0)
     try:
         x, topk_idx, topk_weights, _ = _inputs(case, rank, 23, device)
         layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
         want = _dispatch(reference, x, layout, topk_idx, topk_weights, case)
         torch.cuda.synchronize(device)
-        engine = native._native.normal
         if rank == 0:
-            real_empty, real_launcher = torch.empty, engine.launcher
-            engine.launcher = failing = _FailingAllocation(real_launcher)
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (3 << 20)) / total, device)
             try:
-                with pytest.raises(MemoryError, match="no memory for the dispatch's outputs"):
+                with pytest.raises(RuntimeError, match="could not allocate an output tensor"):
                     _dispatch(native, x, layout, topk_idx, topk_weights, case)
-                assert not failing.armed, "the dispatch allocated nothing: nothing was tested"
             finally:
-                torch.empty, engine.launcher = real_empty, real_launcher
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
         else:
             got = _dispatch(native, x, layout, topk_idx, topk_weights, case)
             for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
@@ -491,13 +463,16 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
         num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank = layout
         num_tokens, num_channels = case.num_tokens(rank), case.num_sms // 2
         local_experts = case.num_experts // num_ranks
-        _, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix) = \
-            engine.handle_tensors(num_tokens, num_channels, local_experts)
+        def ints(*shape):
+            return torch.empty(shape, dtype=torch.int32, device=device)
+        send_pos, send_head = ints(num_tokens, num_ranks), ints(num_tokens, num_ranks)
+        channel_prefix_matrix, recv_channel_prefix_matrix = ints(num_ranks, num_channels), ints(num_ranks, num_channels)
+        counts = ints(num_ranks * num_ranks + local_experts)   # rank_prefix_matrix, then the tokens per local expert
         args = engine._C.NormalLayoutNotifyArgs(
             engine.region, is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr(), num_channels, local_experts, case.expert_alignment, 0,
-            send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), rank_prefix_matrix.data_ptr(),
-            recv_channel_prefix_matrix.data_ptr(), rank_prefix_matrix.data_ptr() + 4 * num_ranks * num_ranks)
+            send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
+            recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
         args.pull_chunks = engine.copy_engine.pull_chunks(case.num_sms // 2)   # as if a gather followed
         engine._C.normal_layout_and_notify(args, torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)

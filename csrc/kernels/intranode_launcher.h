@@ -91,6 +91,7 @@ class NormalLauncher {
   NormalCallStatus combine(const NormalCombineArgs& args, const NormalHostCounts* host_counts, gpuStream_t stream);
 
   const NormalRegion& region() const { return region_; }
+  int device() const { return device_; }
 
  private:
   bool failed() const { return state_->status().code != 0; }

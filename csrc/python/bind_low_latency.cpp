@@ -5,18 +5,22 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <variant>
 
 #include "kernels/low_latency.h"
 #include "kernels/low_latency_state.h"
 #include "nvlink/peer_memory.h"
 #include "python/arguments.h"
+#include "python/torch_tensors.h"
 
 namespace py = pybind11;
 
 namespace {
 
 using uccl_ep::bindings::as_stream;
+using uccl_ep::bindings::NewTensors;
 using uccl_ep::bindings::ptr;
+using uccl_ep::bindings::TensorDevice;
 
 uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t counters_offset,
                                       int64_t release_offset, int64_t recv_offset, std::uintptr_t control,
@@ -53,51 +57,106 @@ uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_
                                    outbox_release_pos};
 }
 
+// A send launched without its receive (a hook's operation): what the receive launch needs, on the
+// stream the send used (as DeepEP's hooks).
+struct LowLatencyReceive {
+  std::variant<uccl_ep::LowLatencyDispatchArgs, uccl_ep::LowLatencyCombineArgs> args;
+  uccl_ep::gpuStream_t stream;
+};
+
 // One half of the low-latency region with what every launch on it needs besides the call's own
 // arguments: the device to make current, and the state whose recorded failure stops a launch.
-// A low-latency operation (or hook) is one call of dispatch or combine: it returns the failure
-// code recorded before it (LowLatencyError; nothing launched) or 0 once the kernel is queued.
+// A low-latency operation is one call of dispatch or combine, which allocates its outputs with
+// torch (torch_tensors.h) and launches; a hook is one call of receive. Each returns first the
+// failure code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
 struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
   const uccl_ep::LowLatencyState* state;
 
-  int32_t dispatch(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens, int32_t num_max_tokens,
-                   int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8, bool round_scale,
-                   bool use_ue8m0, std::uintptr_t recv_x, std::uintptr_t recv_scales, std::uintptr_t recv_count,
-                   std::uintptr_t src_info, std::uintptr_t layout_range, std::uintptr_t positions,
-                   std::uintptr_t cumulative_recv_stats, std::uintptr_t wait_cost_stats, int32_t num_sms,
-                   std::uintptr_t stream) const {
+  // -> (code, [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions],
+  //     LowLatencyReceive when phases has no receive, else None)
+  py::tuple dispatch(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens,
+                     int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
+                     bool round_scale, bool use_ue8m0, std::uintptr_t cumulative_recv_stats,
+                     std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
     const int32_t failure = state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) return failure;
+    if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+    const int64_t local_experts = num_experts / region.num_ranks;
+    const int64_t slots = static_cast<int64_t>(region.num_ranks) * num_max_tokens;
+    using uccl_ep::bindings::TensorDtype;
+    NewTensors outputs(TensorDevice::kCuda, device);
+    void* recv_x = outputs.add({local_experts, slots, hidden}, use_fp8 ? TensorDtype::kFloat8E4M3 : TensorDtype::kBfloat16);
+    void* recv_scales = nullptr;
+    if (use_fp8) {  // column-major in the last two dimensions, as DeepEP's
+      const int64_t scales = hidden / (use_ue8m0 ? 512 : 128);
+      recv_scales = outputs.add({local_experts, slots, scales}, use_ue8m0 ? TensorDtype::kInt32 : TensorDtype::kFloat32,
+                                {scales * slots, 1, slots});
+    } else {
+      outputs.add_none();
+    }
+    void* recv_count = outputs.add({local_experts}, TensorDtype::kInt32);
+    void* src_info = outputs.add({local_experts, slots}, TensorDtype::kInt32);
+    void* layout_range = outputs.add({local_experts, region.num_ranks}, TensorDtype::kInt64);
+    void* positions = outputs.add({2, num_tokens, num_topk}, TensorDtype::kInt32);
     const uccl_ep::LowLatencyDispatchArgs args{
         region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
         num_max_tokens,  hidden,                    num_topk,                     num_experts,
-        use_fp8,         round_scale,               use_ue8m0,                    ptr<void>(recv_x),
-        ptr<void>(recv_scales), ptr<int32_t>(recv_count), ptr<int32_t>(src_info), ptr<int64_t>(layout_range),
-        ptr<int32_t>(positions), ptr<int32_t>(cumulative_recv_stats), ptr<int64_t>(wait_cost_stats), phases, num_sms};
-    py::gil_scoped_release no_gil;
-    const uccl_ep::CurrentDevice on_device(device);
-    uccl_ep::launch_low_latency_dispatch(args, as_stream(stream));
-    return uccl_ep::kLowLatencyOk;
+        use_fp8,         round_scale,               use_ue8m0,                    recv_x,
+        recv_scales,     static_cast<int32_t*>(recv_count), static_cast<int32_t*>(src_info),
+        static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), ptr<int32_t>(cumulative_recv_stats),
+        ptr<int64_t>(wait_cost_stats), phases, num_sms};
+    launch(args, as_stream(stream));
+    return py::make_tuple(0, outputs.release(), pending(args, phases, stream));
   }
 
-  int32_t combine(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, std::uintptr_t topk_weights, std::uintptr_t src_info,
-                  std::uintptr_t layout_range, std::uintptr_t positions, int32_t num_tokens, int32_t num_max_tokens,
-                  int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt, std::uintptr_t out,
-                  std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
+  // out 0: allocate it. -> (code, out or None, LowLatencyReceive or None), as dispatch.
+  py::tuple combine(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, std::uintptr_t topk_weights,
+                    std::uintptr_t src_info, std::uintptr_t layout_range, std::uintptr_t positions, int32_t num_tokens,
+                    int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt,
+                    std::uintptr_t out, std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
     const int32_t failure = state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) return failure;
+    if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+    NewTensors outputs(TensorDevice::kCuda, device);
+    void* combined = out != 0 ? ptr<void>(out)
+                              : outputs.add({num_tokens, hidden}, uccl_ep::bindings::TensorDtype::kBfloat16);
     const uccl_ep::LowLatencyCombineArgs args{
         region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
         ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), ptr<const int32_t>(positions), num_tokens,
         num_max_tokens,
         hidden,         num_topk,               num_experts,                  use_logfmt,
-        ptr<void>(out), ptr<int64_t>(wait_cost_stats), phases,              num_sms};
+        combined,       ptr<int64_t>(wait_cost_stats), phases,              num_sms};
+    launch(args, as_stream(stream));
+    return py::make_tuple(0, out != 0 ? py::object(py::none()) : py::object(outputs.release()[0]),
+                          pending(args, phases, stream));
+  }
+
+  // A hook's receive.
+  int32_t receive(const LowLatencyReceive& send) const {
+    const int32_t failure = state->status().code;
+    if (failure != uccl_ep::kLowLatencyOk) return failure;
+    std::visit([&](auto args) {
+      args.phases = uccl_ep::kLowLatencyRecv;
+      launch(args, send.stream);
+    }, send.args);
+    return uccl_ep::kLowLatencyOk;
+  }
+
+ private:
+  void launch(const uccl_ep::LowLatencyDispatchArgs& args, uccl_ep::gpuStream_t stream) const {
     py::gil_scoped_release no_gil;
     const uccl_ep::CurrentDevice on_device(device);
-    uccl_ep::launch_low_latency_combine(args, as_stream(stream));
-    return uccl_ep::kLowLatencyOk;
+    uccl_ep::launch_low_latency_dispatch(args, stream);
+  }
+  void launch(const uccl_ep::LowLatencyCombineArgs& args, uccl_ep::gpuStream_t stream) const {
+    py::gil_scoped_release no_gil;
+    const uccl_ep::CurrentDevice on_device(device);
+    uccl_ep::launch_low_latency_combine(args, stream);
+  }
+  template <typename Args>
+  static py::object pending(const Args& args, int32_t phases, std::uintptr_t stream) {
+    if (phases & uccl_ep::kLowLatencyRecv) return py::none();
+    return py::cast(LowLatencyReceive{args, as_stream(stream)});
   }
 };
 
@@ -153,6 +212,7 @@ void bind_low_latency(py::module_& m) {
   m.def("low_latency_flags_per_source", &uccl_ep::low_latency_flags_per_source, py::arg("local_experts"));
   m.def("low_latency_index_per_source", &uccl_ep::low_latency_index_per_source, py::arg("local_experts"),
         py::arg("num_max_tokens"));
+  py::class_<LowLatencyReceive>(m, "LowLatencyReceive", "A low-latency send's receive, for its hook.");
   py::class_<LowLatencyLauncher>(m, "LowLatencyLauncher",
                                  "Launches the low-latency kernels on one half of the region (positional "
                                  "arguments only: each operation is one call).")
@@ -161,13 +221,17 @@ void bind_low_latency(py::module_& m) {
            }),
            py::arg("region"), py::arg("device"), py::arg("state"), py::keep_alive<1, 4>())
       .def("dispatch", &LowLatencyLauncher::dispatch,
-           "dispatch(phases, x, topk_idx, num_tokens, num_max_tokens, hidden, num_topk, num_experts, use_fp8, round_scale, "
-           "use_ue8m0, recv_x, recv_scales, recv_count, src_info, layout_range, positions, cumulative_recv_stats, "
-           "wait_cost_stats, num_sms, stream) -> the failure code recorded before (nothing launched), else "
-           "0 with the dispatch kernel (send, receive or both) queued on `stream`.")
+           "dispatch(phases, x, topk_idx, num_tokens, num_max_tokens, hidden, num_topk, num_experts, use_fp8, "
+           "round_scale, use_ue8m0, cumulative_recv_stats, wait_cost_stats, num_sms, stream) -> (code, outputs, "
+           "receive): code is the failure recorded before (nothing allocated or launched), else 0 with the outputs "
+           "[recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions] allocated on the current "
+           "stream and the kernel (send, receive or both) queued on `stream`; receive: a LowLatencyReceive for the "
+           "hook when phases has no receive.")
       .def("combine", &LowLatencyLauncher::combine,
            "combine(phases, x, topk_idx, topk_weights, src_info, layout_range, positions, num_tokens, num_max_tokens, "
-           "hidden, num_topk, num_experts, use_logfmt, out, wait_cost_stats, num_sms, stream) -> as "
-           "dispatch, for the combine kernel.");
+           "hidden, num_topk, num_experts, use_logfmt, out, wait_cost_stats, num_sms, stream) -> (code, out, "
+           "receive) as dispatch; out 0: allocate it (returned), else None.")
+      .def("receive", &LowLatencyLauncher::receive, py::arg("send"),
+           "A hook: the receive of `send` on its stream -> the failure code recorded before (nothing launched) or 0.");
 }
 #endif  // UCCL_EP_WITH_CUDA

@@ -17,13 +17,17 @@
 #include "kernels/intranode_launcher.h"
 #include "kernels/low_latency_state.h"
 #include "python/arguments.h"
+#include "python/torch_tensors.h"
 
 namespace py = pybind11;
 
 namespace {
 
 using uccl_ep::bindings::as_stream;
+using uccl_ep::bindings::NewTensors;
 using uccl_ep::bindings::ptr;
+using uccl_ep::bindings::TensorDevice;
+using uccl_ep::bindings::TensorDtype;
 
 uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t control, std::uintptr_t status,
                                   int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
@@ -68,15 +72,32 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
 }
 
 // The launcher's calls: positional arguments only (each is one call of a Buffer operation), pointers and
-// streams as integers, and the GIL released while the launcher works (a dispatch waits for its counts).
+// streams as integers, the outputs allocated here with torch (torch_tensors.h; dtypes as its codes, -1
+// for an output not wanted), and the GIL released while the launcher works (a dispatch waits for its
+// counts). Each returns the NormalCallStatus first; the tensors only when it is kDone.
 struct NormalLauncherCalls {
-  static py::tuple dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
-                            std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t topk_idx,
-                            std::uintptr_t topk_weights, int32_t num_topk, std::uintptr_t is_token_in_rank,
-                            int32_t num_tokens, std::uintptr_t num_tokens_per_rank,
-                            std::uintptr_t num_tokens_per_expert, int32_t num_local_experts, int32_t num_channels,
-                            int32_t expert_alignment, int32_t num_worst_tokens, std::uintptr_t handle_ints,
-                            int64_t combine_row_bytes, const py::function& allocate, std::uintptr_t stream) {
+  // -> (status, [send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix,
+  //     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx] or None, tokens per local
+  //     expert, NormalHostCounts or None, what does not fit)
+  static py::tuple dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t hidden, int32_t x_dtype,
+                            int64_t x_row_bytes, std::uintptr_t x_scales, int32_t num_scales, int32_t scales_dtype,
+                            int64_t scale_row_bytes, std::uintptr_t topk_idx, std::uintptr_t topk_weights,
+                            int32_t num_topk, std::uintptr_t is_token_in_rank, int32_t num_tokens,
+                            std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_expert,
+                            int32_t num_local_experts, int32_t num_channels, int32_t expert_alignment,
+                            int32_t num_worst_tokens, std::uintptr_t stream) {
+    const int64_t r = self.region().num_ranks;
+    const int64_t token_ints = num_tokens * r;
+    const int64_t channel_ints = r * num_channels;
+    NewTensors tensors(TensorDevice::kCuda, self.device());
+    // One int32 block for what the layout and notify write (NormalDispatchRequest's handle_ints), and its views.
+    void* handle_ints = tensors.add({2 * (token_ints + channel_ints) + r * r + num_local_experts}, TensorDtype::kInt32);
+    int64_t offset = 0;
+    for (const auto& [rows, columns] : {std::pair<int64_t, int64_t>{num_tokens, r}, {r, num_channels}, {num_tokens, r},
+                                        {r, num_channels}, {r, r}}) {
+      tensors.add_view(0, {rows, columns}, {columns, 1}, offset);
+      offset += rows * columns;
+    }
     const uccl_ep::NormalDispatchRequest request{ptr<const void>(x),
                                                  x_row_bytes,
                                                  ptr<const void>(x_scales),
@@ -92,35 +113,46 @@ struct NormalLauncherCalls {
                                                  num_channels,
                                                  expert_alignment,
                                                  num_worst_tokens,
-                                                 ptr<int32_t>(handle_ints),
-                                                 combine_row_bytes};
-    // Python's allocator, called back with the GIL: (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-    // recv_src_idx) as addresses for `rows` rows.
-    const uccl_ep::NormalOutputsAllocator allocator = [&allocate](int64_t rows) {
-      py::gil_scoped_acquire gil;
-      const auto outputs = allocate(rows).cast<std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t,
-                                                          std::uintptr_t, std::uintptr_t>>();
-      return uccl_ep::NormalDispatchOutputs{ptr<void>(std::get<0>(outputs)), ptr<void>(std::get<1>(outputs)),
-                                            ptr<int64_t>(std::get<2>(outputs)), ptr<float>(std::get<3>(outputs)),
-                                            ptr<int32_t>(std::get<4>(outputs))};
+                                                 static_cast<int32_t*>(handle_ints),
+                                                 2 * static_cast<int64_t>(hidden)};
+    // Called once the rows are known, on this thread, without the GIL.
+    const uccl_ep::NormalOutputsAllocator allocate = [&](int64_t rows) {
+      uccl_ep::NormalDispatchOutputs outputs{};
+      outputs.recv_x = tensors.add({rows, hidden}, static_cast<TensorDtype>(x_dtype));
+      outputs.recv_x_scales = optional_rows(tensors, rows, num_scales, scales_dtype);
+      outputs.recv_topk_idx = static_cast<int64_t*>(
+          optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kInt64) : -1));
+      outputs.recv_topk_weights = static_cast<float*>(
+          optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kFloat32) : -1));
+      outputs.recv_src_idx = static_cast<int32_t*>(tensors.add({rows}, TensorDtype::kInt32));
+      return outputs;
     };
     uccl_ep::NormalDispatchResult result;
     {
       py::gil_scoped_release no_gil;
-      result = self.dispatch(request, allocator, as_stream(stream));
+      result = self.dispatch(request, allocate, as_stream(stream));
     }
     py::object host_counts =
         result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
-    return py::make_tuple(static_cast<int32_t>(result.status), py::cast(result.expert_counts), host_counts,
+    py::object outputs = py::none();
+    if (result.status == uccl_ep::NormalCallStatus::kDone) {
+      py::list all = tensors.release();
+      outputs = all[py::slice(1, static_cast<py::ssize_t>(all.size()), 1)];  // the views keep the block
+    }
+    return py::make_tuple(static_cast<int32_t>(result.status), outputs, py::cast(result.expert_counts), host_counts,
                           result.too_large);
   }
 
-  static int32_t cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int64_t x_row_bytes,
-                                 std::uintptr_t x_scales, int64_t scale_row_bytes, std::uintptr_t send_pos,
-                                 std::uintptr_t rank_prefix_matrix, int32_t num_tokens, int32_t num_rows_out,
-                                 std::uintptr_t recv_x, std::uintptr_t recv_x_scales, int32_t num_channels,
-                                 int64_t combine_row_bytes, const uccl_ep::NormalHostCounts* host_counts,
-                                 std::uintptr_t stream) {
+  // -> (status, [recv_x, recv_x_scales or None] or None)
+  static py::tuple cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t hidden, int32_t x_dtype,
+                                   int64_t x_row_bytes, std::uintptr_t x_scales, int32_t num_scales,
+                                   int32_t scales_dtype, int64_t scale_row_bytes, std::uintptr_t send_pos,
+                                   std::uintptr_t rank_prefix_matrix, int32_t num_tokens, int32_t num_rows_out,
+                                   int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts,
+                                   std::uintptr_t stream) {
+    NewTensors tensors(TensorDevice::kCuda, self.device());
+    void* recv_x = tensors.add({num_rows_out, hidden}, static_cast<TensorDtype>(x_dtype));
+    void* recv_x_scales = optional_rows(tensors, num_rows_out, num_scales, scales_dtype);
     const uccl_ep::NormalDispatchArgs args{self.region(),
                                            ptr<const void>(x),
                                            x_row_bytes,
@@ -134,22 +166,31 @@ struct NormalLauncherCalls {
                                            ptr<const int32_t>(rank_prefix_matrix),
                                            num_tokens,
                                            num_rows_out,
-                                           ptr<void>(recv_x),
-                                           ptr<void>(recv_x_scales),
+                                           recv_x,
+                                           recv_x_scales,
                                            nullptr,
                                            nullptr,
                                            nullptr,  // the handle keeps its recv_src_idx
                                            2 * num_channels};
-    py::gil_scoped_release no_gil;
-    return static_cast<int32_t>(self.cached_dispatch(args, combine_row_bytes, host_counts, as_stream(stream)));
+    uccl_ep::NormalCallStatus status;
+    {
+      py::gil_scoped_release no_gil;
+      status = self.cached_dispatch(args, 2 * static_cast<int64_t>(hidden), host_counts, as_stream(stream));
+    }
+    return finish(status, tensors);
   }
 
-  static int32_t combine(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t num_rows, int32_t hidden,
-                         std::uintptr_t topk_weights, int32_t num_topk, std::uintptr_t rank_prefix_matrix,
-                         std::uintptr_t is_token_in_rank, std::uintptr_t send_pos, int32_t num_tokens,
-                         std::uintptr_t bias0, std::uintptr_t bias1, std::uintptr_t combined_x,
-                         std::uintptr_t combined_topk_weights, int32_t num_channels,
-                         const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream) {
+  // -> (status, [combined_x, combined_topk_weights or None] or None)
+  static py::tuple combine(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t num_rows, int32_t hidden,
+                           int32_t x_dtype, bool has_topk_weights, std::uintptr_t topk_weights, int32_t num_topk,
+                           std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank, std::uintptr_t send_pos,
+                           int32_t num_tokens, std::uintptr_t bias0, std::uintptr_t bias1, int32_t num_channels,
+                           const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream) {
+    NewTensors tensors(TensorDevice::kCuda, self.device());
+    void* combined_x = tensors.add({num_tokens, hidden}, static_cast<TensorDtype>(x_dtype));
+    // (An empty topk_weights has address 0: whether it was given is told apart.)
+    void* combined_topk_weights = optional_rows(tensors, num_tokens, num_topk,
+                                                has_topk_weights ? static_cast<int32_t>(TensorDtype::kFloat32) : -1);
     const uccl_ep::NormalCombineArgs args{self.region(),
                                           ptr<const void>(x),
                                           num_rows,
@@ -162,13 +203,30 @@ struct NormalLauncherCalls {
                                           num_tokens,
                                           ptr<const void>(bias0),
                                           ptr<const void>(bias1),
-                                          ptr<void>(combined_x),
-                                          ptr<float>(combined_topk_weights),
+                                          combined_x,
+                                          static_cast<float*>(combined_topk_weights),
                                           2 * num_channels};
-    py::gil_scoped_release no_gil;
-    return static_cast<int32_t>(self.combine(args, host_counts, as_stream(stream)));
+    uccl_ep::NormalCallStatus status;
+    {
+      py::gil_scoped_release no_gil;
+      status = self.combine(args, host_counts, as_stream(stream));
+    }
+    return finish(status, tensors);
   }
 
+ private:
+  // A [rows, columns] output of dtype code `dtype`, or None (null) when dtype is -1.
+  static void* optional_rows(NewTensors& tensors, int64_t rows, int64_t columns, int32_t dtype) {
+    if (dtype < 0) {
+      tensors.add_none();
+      return nullptr;
+    }
+    return tensors.add({rows, columns}, static_cast<TensorDtype>(dtype));
+  }
+  static py::tuple finish(uccl_ep::NormalCallStatus status, NewTensors& tensors) {
+    const bool done = status == uccl_ep::NormalCallStatus::kDone;
+    return py::make_tuple(static_cast<int32_t>(status), done ? py::object(tensors.release()) : py::object(py::none()));
+  }
 };
 
 }  // namespace
@@ -341,20 +399,22 @@ void bind_normal(py::module_& m) {
            py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
            py::arg("rows_by_copy_engine"), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
-           "dispatch(x, x_row_bytes, x_scales, scale_row_bytes, topk_idx, topk_weights, num_topk, is_token_in_rank, "
-           "num_tokens, num_tokens_per_rank, num_tokens_per_expert, num_local_experts, num_channels, "
-           "expert_alignment, num_worst_tokens, handle_ints, combine_row_bytes, allocate, stream) -> (status, "
-           "tokens per local expert (read on the host, else empty), NormalHostCounts or None, what does not fit). "
-           "A fresh dispatch: layout, notify, the count read, then allocate(rows) -> the addresses of (recv_x, "
-           "recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) (0 for those not wanted), and the rows "
-           "into them.")
+           "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "
+           "topk_weights, num_topk, is_token_in_rank, num_tokens, num_tokens_per_rank, num_tokens_per_expert, "
+           "num_local_experts, num_channels, expert_alignment, num_worst_tokens, stream) -> (status, [send_pos, "
+           "channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix, recv_x, recv_x_scales, "
+           "recv_topk_idx, recv_topk_weights, recv_src_idx] when DONE, tokens per local expert (read on the host, "
+           "else empty), NormalHostCounts or None, what does not fit). A fresh dispatch: layout, notify, the count "
+           "read, the outputs allocated for the rows read, and the rows into them. Dtypes are torch_tensors codes, "
+           "-1 for no scales.")
       .def("cached_dispatch", &NormalLauncherCalls::cached_dispatch,
-           "cached_dispatch(x, x_row_bytes, x_scales, scale_row_bytes, send_pos, rank_prefix_matrix, num_tokens, "
-           "num_rows_out, recv_x, recv_x_scales, num_channels, combine_row_bytes, host_counts, stream) -> status: "
-           "a dispatch with a handle's layout (host_counts: the handle's NormalHostCounts or None).")
+           "cached_dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, "
+           "send_pos, rank_prefix_matrix, num_tokens, num_rows_out, num_channels, host_counts, stream) -> (status, "
+           "[recv_x, recv_x_scales or None] when DONE): a dispatch with a handle's layout (host_counts: the "
+           "handle's NormalHostCounts or None).")
       .def("combine", &NormalLauncherCalls::combine,
-           "combine(x, num_rows, hidden, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, send_pos, "
-           "num_tokens, bias0, bias1, combined_x, combined_topk_weights, num_channels, host_counts, stream) -> "
-           "status.");
+           "combine(x, num_rows, hidden, x_dtype, has_topk_weights, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, "
+           "send_pos, num_tokens, bias0, bias1, num_channels, host_counts, stream) -> (status, [combined_x, "
+           "combined_topk_weights or None] when DONE).");
 }
 #endif  // UCCL_EP_WITH_CUDA

@@ -5,9 +5,13 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "build_info.h"
 #include "channel/stress.h"
+#include "python/torch_tensors.h"
 #if defined(UCCL_EP_WITH_CUDA)
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
@@ -121,6 +125,31 @@ void load_engine_kernels() {
 }
 #endif
 
+// Tensors made by the mechanism the operations use (torch_tensors.h), from Python's description: each
+// entry None, (sizes, dtype, strides or None) or, a view of an earlier entry, (entry, sizes, strides, offset).
+py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int device_index) {
+  using uccl_ep::bindings::NewTensors;
+  NewTensors tensors(static_cast<uccl_ep::bindings::TensorDevice>(device_type), device_index);
+  if (static_cast<int>(entries.size()) > NewTensors::kMaxTensors) {
+    throw std::invalid_argument("entries: at most " + std::to_string(NewTensors::kMaxTensors) + " tensors");
+  }
+  for (const py::handle entry : entries) {
+    if (entry.is_none()) {
+      tensors.add_none();
+      continue;
+    }
+    const py::tuple spec = entry.cast<py::tuple>();
+    if (py::isinstance<py::int_>(spec[0])) {
+      tensors.add_view(spec[0].cast<int>(), spec[1].cast<std::vector<int64_t>>(),
+                       spec[2].cast<std::vector<int64_t>>(), spec[3].cast<int64_t>());
+    } else {
+      tensors.add(spec[0].cast<std::vector<int64_t>>(), static_cast<uccl_ep::bindings::TensorDtype>(spec[1].cast<int>()),
+                  spec[2].is_none() ? std::vector<int64_t>{} : spec[2].cast<std::vector<int64_t>>());
+    }
+  }
+  return tensors.release();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -131,6 +160,13 @@ PYBIND11_MODULE(_C, m) {
         "cuda_static_runtime, hip, verbs, features, compiler.");
   bind_transport(m);
   bind_proxy(m);
+  m.def("use_torch_shim", &uccl_ep::bindings::use_torch_shim, py::arg("libtorch_path"), py::arg("to_tensors"),
+        "Let the extension allocate its outputs with torch: find torch's C shim in the loaded libtorch at "
+        "libtorch_path; to_tensors is torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs. Once per process.");
+  m.def("torch_shim_tensors", &torch_shim_tensors, py::arg("entries"), py::arg("device_type"), py::arg("device_index"),
+        "Tensors made the way the operations make their outputs: each entry None, (sizes, dtype, strides or None) "
+        "or a view of an earlier entry, (entry, sizes, strides, offset); dtype and device_type are the codes of "
+        "uccl_ep_plugin.engines.native.torch_tensors.");
 
   m.def("channel_stress_host", &channel_stress_host, py::arg("num_producers"), py::arg("commands_per_producer"),
         py::arg("capacity"), py::arg("timeout_s"),

@@ -15,6 +15,7 @@ from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
 from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, proxy_transport
 from .proxy_path import ProxyPath
+from .torch_tensors import use_torch_shim
 
 # operation -> build feature it needs
 IMPLEMENTED = {"get_dispatch_layout": "dispatch_layout", "dispatch": "normal_nvlink", "combine": "normal_nvlink",
@@ -42,6 +43,9 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     features = extension.build_info().get("features", [])
     if feature not in features:
         return f"this build of uccl_ep_plugin._C was compiled without CUDA ({feature} missing)"
+    shim_problem = use_torch_shim(extension)
+    if shim_problem is not None:
+        return shim_problem
     if operation in LOW_LATENCY_OPERATIONS and force_proxy():
         proxy_feature = TRANSPORT_FEATURES[proxy_transport()]
         if proxy_feature not in features:
@@ -55,6 +59,9 @@ class NativeEngine:
 
     def __init__(self, num_ranks: int, device: torch.device) -> None:
         self._C = _load_extension()
+        shim_problem = use_torch_shim(self._C)   # the operations' outputs are allocated by the extension
+        if shim_problem is not None:
+            raise RuntimeError(shim_problem)
         self.num_ranks = num_ranks
         self.device = device
         self.low_latency: Optional[NativeLowLatency] = None

@@ -15,7 +15,6 @@ from ...dispatch_config import LowLatencyLayout, low_latency_layout
 from ...streams import current_stream_handle
 from ..reference.collectives import CommTimeoutError
 from ..reference.low_latency import LowLatencyDispatchResult
-from ..reference.quantize import CHANNELS_PER_SCALE, SCALES_PER_UE8M0_WORD
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
                 3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)",
@@ -24,7 +23,6 @@ _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (re
 _SEND_PHASES = (3, 4)
 _RECORDS_PHASE = 6
 _TIMEOUT, _TOO_MANY_ROWS, _PROXY_STALLED = 1, 2, 3
-_FP8 = torch.float8_e4m3fn
 
 
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
@@ -156,60 +154,51 @@ class NativeLowLatency:
             masked=_ptr(masked_ranks), status=self.state.status_device,
             timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks, **proxy)
 
-    def _launch(self, launch: Callable[..., int], args: tuple, return_recv_hook: bool) -> Optional[Callable[[], None]]:
-        """Send and receive in one kernel, or send now and return the hook that receives: each one call of
-        ``launch(phases, *args)``, which launches nothing when a failure was recorded before (raised here)."""
-        if self.proxy_path is not None:
-            self.proxy_path.check()
-        if not return_recv_hook:
-            if launch(self._send | self._recv, *args):
-                self.check()
-            return None
-        if launch(self._send, *args):
-            self.check()
+    def _raise_failure(self, code: int) -> None:
+        """A launcher call found a failure recorded before it (code != 0): raise it."""
+        self.check()
+        raise RuntimeError(f"rank {self.rank}: low-latency call refused with code {code}, but no failure is recorded")
+
+    def _hook(self, launcher, send) -> Callable[[], None]:
+        """The hook that receives what ``send`` (a LowLatencyReceive) sent, on its stream; later calls do nothing,
+        as with the reference engine."""
         received = []
 
-        def hook() -> None:   # later calls do nothing, as with the reference engine
+        def hook() -> None:
             if received:
                 return
             if self.state is None:
                 raise RuntimeError("this Buffer was destroyed: its low-latency hooks cannot receive")
             if self.proxy_path is not None:
                 self.proxy_path.check()
-            if launch(self._recv, *args):
-                self.check()
+            code = launcher.receive(send)
+            if code:
+                self._raise_failure(code)
             received.append(True)
         return hook
 
     # ------------------------------------------------------------------ operations
-    # Each launches on the caller's current stream (the Buffer makes its communication stream current for
+    # Each is one launcher call: it allocates the outputs (on the current stream, as torch.empty would) and
+    # launches on the caller's current stream (the Buffer makes its communication stream current for
     # async_finish); a hook launches on the stream its operation used, as DeepEP's do.
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int, *,
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked_ranks: Optional[torch.Tensor],
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor],
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor], return_recv_hook: bool,
                              buffer_idx: int) -> LowLatencyDispatchResult:
+        if self.proxy_path is not None:
+            self.proxy_path.check()
         num_tokens, hidden = x.shape
-        local_experts = num_experts // self.num_ranks
-        slots = self.num_ranks * num_max_tokens
-        device = self.device
-        recv_x = torch.empty((local_experts, slots, hidden), dtype=_FP8 if use_fp8 else torch.bfloat16, device=device)
-        recv_x_scales = None
-        if use_fp8:
-            num_scales = hidden // (CHANNELS_PER_SCALE * SCALES_PER_UE8M0_WORD if use_ue8m0 else CHANNELS_PER_SCALE)
-            recv_x_scales = torch.empty((local_experts, num_scales, slots),
-                                        dtype=torch.int32 if use_ue8m0 else torch.float32, device=device).transpose(1, 2)
-        recv_count = torch.empty(local_experts, dtype=torch.int32, device=device)
-        src_info = torch.empty((local_experts, slots), dtype=torch.int32, device=device)
-        layout_range = torch.empty((local_experts, self.num_ranks), dtype=torch.int64, device=device)
-        positions = torch.empty((2, num_tokens, topk_idx.size(1)), dtype=torch.int32, device=device)
         launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
-        hook = self._launch(launcher.dispatch, (
-            x.data_ptr(), topk_idx.data_ptr(), num_tokens, num_max_tokens, hidden, topk_idx.size(1), num_experts,
-            use_fp8, round_scale, use_ue8m0, recv_x.data_ptr(), _ptr(recv_x_scales), recv_count.data_ptr(),
-            src_info.data_ptr(), layout_range.data_ptr(), positions.data_ptr(),
+        code, outputs, send = launcher.dispatch(
+            self._send if return_recv_hook else self._send | self._recv, x.data_ptr(), topk_idx.data_ptr(), num_tokens,
+            num_max_tokens, hidden, topk_idx.size(1), num_experts, use_fp8, round_scale, use_ue8m0,
             _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats), self.num_sms,
-            current_stream_handle(device)), return_recv_hook)
+            current_stream_handle(self.device))
+        if code:
+            self._raise_failure(code)
+        recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
+        hook = self._hook(launcher, send) if return_recv_hook else None
         return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -218,17 +207,19 @@ class NativeLowLatency:
                             masked_ranks: Optional[torch.Tensor],
                             out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor],
                             return_recv_hook: bool, buffer_idx: int):
+        if self.proxy_path is not None:
+            self.proxy_path.check()
         hidden = x.size(2)
-        num_tokens = topk_idx.size(0)
-        # The Buffer checked every tensor contiguous, and out (if given) bf16 [num_tokens, hidden].
-        combined = out if out is not None else torch.empty((num_tokens, hidden), dtype=torch.bfloat16,
-                                                           device=self.device)
         if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
             positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
         launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
-        hook = self._launch(launcher.combine, (
-            x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-            positions.data_ptr(), num_tokens, num_max_tokens, hidden, topk_idx.size(1), num_experts, use_logfmt,
-            combined.data_ptr(), _ptr(combine_wait_recv_cost_stats), self.num_sms,
-            current_stream_handle(self.device)), return_recv_hook)
-        return combined, hook
+        # The Buffer checked every tensor contiguous, and out (if given) bf16 [num_tokens, hidden].
+        code, combined, send = launcher.combine(
+            self._send if return_recv_hook else self._send | self._recv, x.data_ptr(), topk_idx.data_ptr(),
+            topk_weights.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), positions.data_ptr(),
+            topk_idx.size(0), num_max_tokens, hidden, topk_idx.size(1), num_experts, use_logfmt, _ptr(out),
+            _ptr(combine_wait_recv_cost_stats), self.num_sms, current_stream_handle(self.device))
+        if code:
+            self._raise_failure(code)
+        hook = self._hook(launcher, send) if return_recv_hook else None
+        return (out if combined is None else combined), hook

@@ -14,19 +14,20 @@ its combine go the same way. ``sm``, and calls whose counts stay on the device (
 use SM copies (csrc/kernels/intranode.h).
 
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
-checks for recorded failures, decides the path and launches. A dispatch's launcher calls back into Python
-once, to allocate the outputs as soon as it has read how many rows arrive; the copy engines' gather runs
-meanwhile, and the pulls are queued right after.
+checks for recorded failures, decides the path, allocates the outputs (with torch's allocator, from C++)
+and launches. A fresh dispatch allocates its outputs as soon as it has read how many rows arrive; the copy
+engines' gather runs meanwhile, and the pulls are queued right after.
 """
 
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ...dispatch_config import MAX_TOPK
 from ..reference.collectives import CommTimeoutError
 from ..reference.normal import DispatchResult
+from .torch_tensors import DTYPES
 
 _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
                 3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
@@ -213,37 +214,6 @@ class NativeNormal:
         return send_pos
 
     # ------------------------------------------------------------------ operations
-    def handle_tensors(self, num_tokens: int, num_channels: int,
-                       local_experts: int) -> Tuple[torch.Tensor, Tuple[torch.Tensor, ...]]:
-        """One int32 allocation for what a dispatch's layout and notify write (NormalDispatchRequest's
-        handle_ints), and its views: send_pos [N, R], channel_prefix_matrix [R, C], send_head [N, R],
-        recv_channel_prefix_matrix [R, C], rank_prefix_matrix [R, R] (the tokens per local expert follow it)."""
-        r, c = self.num_ranks, num_channels
-        token_ints, channel_ints = num_tokens * r, r * c
-        block = torch.empty(2 * (token_ints + channel_ints) + r * r + local_experts, dtype=torch.int32,
-                            device=self.device)
-        views = []
-        offset = 0
-        for rows, columns in ((num_tokens, r), (r, c), (num_tokens, r), (r, c), (r, r)):
-            views.append(block.as_strided((rows, columns), (columns, 1), offset))
-            offset += rows * columns
-        return block, tuple(views)
-
-    def _outputs(self, rows: int, hidden: int, x: torch.Tensor, x_scales: Optional[torch.Tensor],
-                 num_topk: int, src_idx: bool) -> List[Optional[torch.Tensor]]:
-        """A dispatch's outputs for ``rows`` rows: recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None
-        without top-k) and recv_src_idx (None when ``src_idx`` is False: the cached dispatch keeps its handle's)."""
-        device = self.device
-        recv_x = torch.empty((rows, hidden), dtype=x.dtype, device=device)
-        recv_x_scales = (None if x_scales is None else
-                         torch.empty((rows, x_scales.size(1)), dtype=x_scales.dtype, device=device))
-        recv_topk_idx = recv_topk_weights = None
-        if num_topk:
-            recv_topk_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=device)
-            recv_topk_weights = torch.empty((rows, num_topk), dtype=torch.float32, device=device)
-        recv_src_idx = torch.empty(rows, dtype=torch.int32, device=device) if src_idx else None
-        return [recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx]
-
     def _raise_unless_done(self, status: int, too_large: str = "") -> None:
         if status == FAILED:
             self.check()
@@ -256,34 +226,34 @@ class NativeNormal:
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                  num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
                  stream: int) -> DispatchResult:
+        # Every input is contiguous (the Buffer checked): the kernels read them as they are.
         hidden = x.size(1)
+        x_dtype = DTYPES[x.dtype]
         x_row_bytes = hidden * x.element_size()
-        scale_row_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
+        if x_scales is None:
+            num_scales, scales_dtype, scale_row_bytes = 0, -1, 0
+        else:
+            num_scales, scales_dtype = x_scales.size(1), DTYPES[x_scales.dtype]
+            scale_row_bytes = num_scales * x_scales.element_size()
         if cached_handle is not None:
-            return self._cached_dispatch(x, x_scales, hidden, x_row_bytes, scale_row_bytes, num_channels,
-                                         cached_handle, stream)
-        num_tokens = x.size(0)
+            rank_prefix_matrix = cached_handle[0]
+            status, outputs = self.launcher.cached_dispatch(
+                x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
+                self._send_positions(cached_handle, stream).data_ptr(), rank_prefix_matrix.data_ptr(), x.size(0),
+                cached_handle[3].size(0), num_channels, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+            self._raise_unless_done(status)
+            return DispatchResult(outputs[0], outputs[1], None, None, [], tuple(cached_handle))
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
-        local_experts = num_tokens_per_expert.size(0) // self.num_ranks
-        block, (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix) = \
-            self.handle_tensors(num_tokens, num_channels, local_experts)
-        outputs = []
-
-        def allocate(rows: int) -> Tuple[int, ...]:
-            """Called by the launcher once the rows are known (the gather runs meanwhile)."""
-            outputs.extend(self._outputs(rows, hidden, x, x_scales, num_topk, True))
-            return tuple(map(_ptr, outputs))
-
         self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0,
                              self.sm_push_percent if num_worst_tokens == 0 else 0)
-        # Every input is contiguous (the Buffer checked): the kernels read them as they are.
-        status, expert_counts, host_counts, too_large = self.launcher.dispatch(
-            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk,
-            is_token_in_rank.data_ptr(), num_tokens, num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-            local_experts, num_channels, expert_alignment, num_worst_tokens, block.data_ptr(), 2 * hidden, allocate,
-            stream)
+        status, outputs, expert_counts, host_counts, too_large = self.launcher.dispatch(
+            x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
+            _ptr(topk_idx), _ptr(topk_weights), num_topk, is_token_in_rank.data_ptr(), x.size(0),
+            num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
+            num_tokens_per_expert.size(0) // self.num_ranks, num_channels, expert_alignment, num_worst_tokens, stream)
         self._raise_unless_done(status, too_large)
-        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+        (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix,
+         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) = outputs
         setattr(rank_prefix_matrix, _SEND_POS, send_pos)   # its cached dispatches and combine reuse them
         if host_counts is not None:
             setattr(rank_prefix_matrix, _HOST_COUNTS, host_counts)
@@ -291,37 +261,20 @@ class NativeNormal:
                   is_token_in_rank, send_head)
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
-    def _cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], hidden: int, x_row_bytes: int,
-                         scale_row_bytes: int, num_channels: int, handle: Sequence[torch.Tensor],
-                         stream: int) -> DispatchResult:
-        rank_prefix_matrix = handle[0]
-        rows = handle[3].size(0)
-        recv_x, recv_x_scales, _, _, _ = self._outputs(rows, hidden, x, x_scales, 0, False)
-        status = self.launcher.cached_dispatch(
-            x.data_ptr(), x_row_bytes, _ptr(x_scales), scale_row_bytes, self._send_positions(handle, stream).data_ptr(),
-            rank_prefix_matrix.data_ptr(), x.size(0), rows, recv_x.data_ptr(), _ptr(recv_x_scales), num_channels,
-            2 * hidden, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
-        self._raise_unless_done(status)
-        return DispatchResult(recv_x, recv_x_scales, None, None, [], tuple(handle))
-
     def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
                 biases: Sequence[torch.Tensor], num_channels: int,
                 stream: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         rank_prefix_matrix, is_token_in_rank = handle[0], handle[4]
-        num_tokens, hidden = is_token_in_rank.size(0), x.size(1)
-        combined_x = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
-        combined_topk_weights = None
         num_topk = 0
         if topk_weights is not None:
             num_topk = topk_weights.size(1)
             if num_topk > MAX_TOPK:
                 raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
-            combined_topk_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         bias0, bias1 = (list(biases) + [None, None])[:2]
-        status = self.launcher.combine(
-            x.data_ptr(), x.size(0), hidden, _ptr(topk_weights), num_topk, rank_prefix_matrix.data_ptr(),
-            is_token_in_rank.data_ptr(), self._send_positions(handle, stream).data_ptr(), num_tokens, _ptr(bias0),
-            _ptr(bias1), combined_x.data_ptr(), _ptr(combined_topk_weights), num_channels,
+        status, outputs = self.launcher.combine(
+            x.data_ptr(), x.size(0), x.size(1), DTYPES[x.dtype], topk_weights is not None, _ptr(topk_weights), num_topk,
+            rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), self._send_positions(handle, stream).data_ptr(),
+            is_token_in_rank.size(0), _ptr(bias0), _ptr(bias1), num_channels,
             getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
         self._raise_unless_done(status)
-        return combined_x, combined_topk_weights
+        return outputs[0], outputs[1]
