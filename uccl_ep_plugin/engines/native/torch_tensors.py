@@ -18,7 +18,8 @@ def use_torch_shim(extension) -> Optional[str]:
     """Point the extension at torch's C shim (once per process). Returns None, or why this torch cannot serve."""
     converter = getattr(getattr(torch._C, "_aoti", None), _CONVERTER, None)
     if converter is None:
-        return f"torch {torch.__version__} has no torch._C._aoti.{_CONVERTER} (the native engine needs torch >= 2.4)"
+        return (f"torch {torch.__version__} has no torch._C._aoti.{_CONVERTER}, which the native engine hands its "
+                "outputs to Python with (torch 2.11 and 2.13 have it)")
     try:
         extension.use_torch_shim(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"), converter)
     except RuntimeError as error:
