@@ -29,10 +29,20 @@ class _MappedFifo:
 
 def proxy_over(transport, rank, num_ranks, group, num_bytes, config, reorder_seed):
     """(region tensor, the FIFOs to push into, proxy, what to close). tcp: a host tensor and HostFifos
-    (tcp-staged: the host tensor staged as device memory is, through the smallest staging); tcp-device:
+    (tcp-staged: the host tensor staged as device memory is, through the smallest staging); verbs: a host
+    tensor and HostFifos, over this host's RDMA devices (rank r uses the r-th, round robin); tcp-device:
     a tensor on this rank's GPU, staged, and FIFOs in mapped host memory; cuda-copy: this rank's GPU
     buffer mapped by every rank (CUDA IPC) and FIFOs in mapped host memory."""
     num_fifos = 3
+    if transport == "verbs":
+        from tests.transport_exchange import rdma_devices
+        devices = rdma_devices()
+        region = torch.zeros(num_bytes, dtype=torch.uint8)
+        fifos = [_C.HostFifo(256) for _ in range(num_fifos)]
+        proxy = _C.Proxy.over_verbs(rank, num_ranks, region.data_ptr(), num_bytes, fifos, num_threads=2, config=config,
+                                    reorder_seed=reorder_seed, transport_timeout_s=30.0,
+                                    device=devices[rank % len(devices)])
+        return region, fifos, proxy, []
     if transport in ("tcp", "tcp-staged"):
         if transport == "tcp-staged":
             os.environ["UCCL_EP_TCP_STAGING_BYTES"] = str(1 << 16)

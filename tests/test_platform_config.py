@@ -24,6 +24,7 @@ DEFAULTS = {
     "UCCL_IB_TC": 104,
     "UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC": None,
     "UCCL_RDMA_ADAPTIVE_SLEEP": 0,
+    "UCCL_IB_NATIVE_ATOMICS": 1,
 }
 
 # The values each platform changes relative to the defaults.
@@ -345,6 +346,7 @@ def test_as_environ(tmp_path):
         "UCCL_IB_TC": "104",
         "UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC": "0",
         "UCCL_RDMA_ADAPTIVE_SLEEP": "0",
+        "UCCL_IB_NATIVE_ATOMICS": "1",
     }
     assert all(isinstance(value, str) for value in env.values())
     defaults_env = resolve_config(environ={}, root=str(tmp_path)).as_environ()

@@ -1,8 +1,10 @@
 """The CPU proxy (csrc/proxy/): immediate encoding, the receiver-side ordering layer, and proxies
 driven through host-memory FIFOs over the tcp transport between 2 and 4 processes, with and
 without reorder injection, including the negative proof that without the ordering layer an
-unordered transport lets a count flag (or a counter value) be seen too early. On 2 GPUs the same
-exchange runs over cuda-copy and over tcp with device memory.
+unordered transport lets a count flag (or a counter value) be seen too early. Where RDMA devices
+exist (tests/soft_roce runs these in a guest with two soft-RoCE devices) the same exchange and the
+negative proof run over verbs, with counter adds as the NIC's atomics and as immediates. On 2 GPUs
+the same exchange runs over cuda-copy and over tcp with device memory.
 
 Multi-rank tests run one process per rank (tests/multiprocess.py, gloo for bootstrapping). Host
 memory stands in for device memory: each rank's region is a torch uint8 tensor (tcp-staged: staged
@@ -20,7 +22,7 @@ import torch
 from tests.multiprocess import needs_gpus, run_ranks
 from tests.proxy_regions import proxy_over
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
-from tests.transport_exchange import settle
+from tests.transport_exchange import settle, skip_without
 from uccl_ep_plugin import _C
 
 WRITE, WRITE_WITH_COUNT, ATOMIC_ADD, QUIET, BARRIER = 1, 2, 3, 4, 5
@@ -140,7 +142,7 @@ class Checker(threading.Thread):
 
 # ---------------------------------------------------------------------------------------- multi-process body
 def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold_us, result_path, byte_limit,
-                spread=True, reorder_window=None, low_latency=False, transport="tcp"):
+                spread=True, reorder_window=None, low_latency=False, transport="tcp", native_atomics=None):
     import torch.distributed as dist
     from uccl_ep_plugin.platform_config import resolve_config
 
@@ -160,11 +162,14 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     config.timeout_s = 30.0
     if byte_limit:
         config.max_inflight_bytes = byte_limit
+    if native_atomics is not None:
+        config.native_atomics = native_atomics
     region, fifos, proxy, owned = proxy_over(transport, rank, num_ranks, group, L.total, config, reorder_seed)
     assert (proxy.reorder_seed is not None) == (reorder_seed >= 0)
     addresses = [None] * num_ranks
     dist.all_gather_object(addresses, proxy.listen_address(), group=group)
     proxy.connect(addresses)
+    dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
     proxy.start()
 
     violations = [0, 0]  # flags seen before their rows, counters seen out of sequence
@@ -221,7 +226,10 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         deadline = time.monotonic() + 30
         while any(f.taken != f.pushed for f in fifos):
             proxy.check()
-            assert time.monotonic() < deadline, "the proxy did not take every command"
+            assert time.monotonic() < deadline, (f"rank {rank}: the proxy did not take every command "
+                                                 f"({[(f.taken, f.pushed) for f in fifos]} taken of pushed per FIFO; "
+                                                 f"transport outstanding {proxy.transport_outstanding}; "
+                                                 f"stats {proxy.stats()})")
             time.sleep(0.001)
         fifos[0].push(BARRIER)
         proxy.wait_barriers(it + 1, timeout_s=30)
@@ -272,6 +280,11 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     stats = proxy.stats()
     limit = config.max_inflight_low_latency if low_latency else config.max_inflight_normal
     assert stats["inflight_peak"] <= limit + num_ranks, stats  # + barrier arrivals
+    # Plain counter adds go as the NIC's atomics exactly where they are ordered and allowed (verbs RC without
+    # reorder injection), else as immediates the receiving proxies apply.
+    native = transport == "verbs" and config.native_atomics and reorder_seed < 0
+    assert (stats["native_adds"] > 0) == native, stats
+    assert (stats["ordering"]["adds_applied"] > 0) == (not native), stats
     held = torch.tensor([stats["ordering"]["adds_held_peak"] + stats["ordering"]["flags_held_peak"],
                          violations[0], violations[1], stats["flow_stalls"]], dtype=torch.int64)
     dist.all_reduce(held, group=group)
@@ -311,6 +324,23 @@ def test_proxy_exchange_over_tcp_device_memory(reorder_seed):
               hold_us=None, byte_limit=None, transport="tcp-device")
 
 
+@pytest.mark.parametrize("num_ranks,reorder_seed,extra", [
+    (2, -1, {}),
+    (2, -1, dict(native_atomics=False)),
+    (2, 7, dict(byte_limit=4096)),
+    (4, 12345, dict(reorder_window=4, hold_us=20000, low_latency=True)),
+], ids=["2ranks-native-atomics", "2ranks-emulated-atomics", "2ranks-reorder-bytelimit", "4ranks-reorder"])
+def test_proxy_exchange_over_verbs(num_ranks, reorder_seed, extra):
+    """The exchange over RDMA (a real verbs provider: tests/soft_roce runs it in a guest with two soft-RoCE
+    devices): counter adds as the NIC's atomics, or as immediates when the config says so or reorder
+    injection makes the transport unordered."""
+    skip_without("verbs", 0)
+    kwargs = dict(hold_us=None, byte_limit=None)
+    kwargs.update(extra)
+    run_ranks(num_ranks, _proxy_body, reorder_seed=reorder_seed, ordering=True, iterations=2, result_path=None,
+              transport="verbs", **kwargs)
+
+
 # The reorder settings under which the negative proof below sees violations without the ordering layer.
 AGGRESSIVE = dict(reorder_window=4, hold_us=20000, low_latency=True)
 
@@ -330,19 +360,23 @@ def test_proxy_exchange(num_ranks, reorder_seed, extra):
               **kwargs)
 
 
-def test_without_ordering_reordering_is_detected(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "verbs"])
+def test_without_ordering_reordering_is_detected(tmp_path, transport):
     """The negative proof. Each flag is posted on the FIFO of its rows, after them, and the ordering
-    layer is off. Over tcp's in-order connections the checker sees nothing wrong; with reorder
-    injection it sees a flag before its rows (or a counter out of sequence) for some seed."""
+    layer is off. Over tcp's in-order connections (or verbs' reliable-connected queue pairs) the checker
+    sees nothing wrong; with reorder injection it sees a flag before its rows (or a counter out of
+    sequence) for some seed."""
+    if transport == "verbs":
+        skip_without("verbs", 0)
     path = tmp_path / "control"
     run_ranks(2, _proxy_body, reorder_seed=-1, ordering=False, iterations=1, result_path=str(path),
-              byte_limit=None, spread=False, **AGGRESSIVE)
+              byte_limit=None, spread=False, transport=transport, **AGGRESSIVE)
     assert path.read_text() == "0 0", f"violations without reordering: {path.read_text()}"
     found = []
     for seed in (1, 2, 3):
         path = tmp_path / f"violations-{seed}"
         run_ranks(2, _proxy_body, reorder_seed=seed, ordering=False, iterations=1, result_path=str(path),
-                  byte_limit=None, spread=False, **AGGRESSIVE)
+                  byte_limit=None, spread=False, transport=transport, **AGGRESSIVE)
         flags, counters = map(int, path.read_text().split())
         found.append((seed, flags, counters))
         if flags or counters:

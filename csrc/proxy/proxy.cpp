@@ -1,5 +1,9 @@
 #include "proxy/proxy.h"
 
+#if defined(UCCL_EP_WITH_VERBS)
+#include "transport/verbs_transport.h"
+#endif
+
 #include <pthread.h>
 #include <sched.h>
 
@@ -64,10 +68,18 @@ void ProxyConfig::apply_environ(const std::map<std::string, std::string>& env) {
     max_inflight_low_latency = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
   }
   if (auto* v = get("UCCL_RDMA_ADAPTIVE_SLEEP")) adaptive_sleep = parse_setting_flag("UCCL_RDMA_ADAPTIVE_SLEEP", *v);
+  if (auto* v = get("UCCL_IB_NATIVE_ATOMICS")) native_atomics = parse_setting_flag("UCCL_IB_NATIVE_ATOMICS", *v);
 }
 
 bool transport_orders_atomics(const Transport& transport) {
-  (void)transport;  // tcp (and with reorder injection every transport) may apply atomics in any order
+#if defined(UCCL_EP_WITH_VERBS)
+  // One reliable-connected queue pair per peer: the NIC applies an atomic after every write posted to that
+  // peer before it, unless reorder injection holds requests back.
+  if (const auto* verbs = dynamic_cast<const VerbsTransport*>(&transport)) {
+    return verbs->native_atomics() && !verbs->reorder_config().enabled;
+  }
+#endif
+  (void)transport;  // tcp and cuda-copy may apply atomics in any order
   return false;
 }
 
@@ -104,7 +116,7 @@ Proxy::Proxy(Transport& transport, std::vector<FifoView> fifos, const ProxyConfi
       num_ranks_(transport.num_ranks()),
       region_(transport.region()),
       config_(config),
-      native_atomics_(transport_orders_atomics(transport)),
+      native_atomics_(config.native_atomics && transport_orders_atomics(transport)),
       ordering_(transport.region_writer(), transport.region().bytes, ordering_for(transport, config.ordering)) {
   config_.ordering.num_ranks = static_cast<uint32_t>(num_ranks_);
   if (config.num_threads < 1 || config.num_threads > 256) {
@@ -219,6 +231,7 @@ ProxyStats Proxy::stats() const {
   s.inflight_peak = st_inflight_peak_.load();
   s.flow_stalls = st_flow_stalls_.load();
   s.window_stalls = st_window_stalls_.load();
+  s.native_adds = st_native_adds_.load();
   s.quiets = quiets_done_.load();
   s.barriers = barriers_done_.load();
   s.immediates = st_immediates_.load();
@@ -554,6 +567,7 @@ Proxy::Step Proxy::execute(FifoState& fifo, const Command& command) {
         fail_command(fifo, command, std::string("the transport refused it: ") + e.what());
         return Step::kFailed;
       }
+      st_native_adds_.fetch_add(1, std::memory_order_relaxed);
     } else {
       if (!imm_add_fits(value)) {
         fail_command(fifo, command, "the add amount " + std::to_string(value) + " does not fit an immediate [" +

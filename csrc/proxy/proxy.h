@@ -16,8 +16,10 @@
 //                    layout's counters_offset + 8 * counter_index; the command's remote offset is
 //                    not used). Sent as a zero-length write with an atomic-add immediate carrying a
 //                    per-(dst, counter) sequence number; the sender keeps at most `window` adds
-//                    per (dst, counter) unacknowledged. Native post_atomic_add is used only for a
-//                    transport that orders atomics (transport_orders_atomics(); none does yet).
+//                    per (dst, counter) unacknowledged. Native post_atomic_add is used instead where
+//                    the transport applies atomics after the writes posted before them
+//                    (transport_orders_atomics(): verbs RC on a device with atomics, without reorder
+//                    injection) and config.native_atomics allows it.
 //                    With flags bit 1 (kCommandFlagCountFlag) it is the low-latency count flag:
 //                    value = N token rows announced for (buffer = flags bit 0, counter_index).
 //   kQuiet           the FIFO takes nothing more until every earlier request of it completed.
@@ -70,6 +72,7 @@ struct ProxyConfig {
   uint32_t max_inflight_low_latency = 32; // UCCL_IB_MAX_INFLIGHT_LOW_LATENCY
   bool low_latency = false;               // which of the two request limits applies
   bool adaptive_sleep = false;            // UCCL_RDMA_ADAPTIVE_SLEEP
+  bool native_atomics = true;             // UCCL_IB_NATIVE_ATOMICS: the NIC's atomics where they are ordered
   std::vector<int> cpu_affinity;          // thread t runs on cpu_affinity[t % size]; empty: any
   uint64_t token_bytes = 0;               // bytes per token row of kWriteWithCount; 0: one row
   double timeout_s = 60.0;                // a quiet or barrier waiting longer is an error
@@ -92,6 +95,7 @@ struct ProxyStats {
   uint64_t inflight_peak = 0;       // most requests in flight at once
   uint64_t flow_stalls = 0;         // times a command waited for the in-flight limits
   uint64_t window_stalls = 0;       // times an add waited for its (dst, counter) window
+  uint64_t native_adds = 0;         // plain adds sent as the NIC's own atomics
   uint64_t quiets = 0;
   uint64_t quiets_on_gpu = 0;       // of those, ordered by a transport fence instead of waited for
   uint64_t barriers = 0;
@@ -104,8 +108,9 @@ struct ProxyStats {
   OrderingStats ordering;
 };
 
-// Whether a transport applies atomics to one peer in posting order (then kAtomicAdd may use
-// post_atomic_add). No transport does yet: tcp, verbs on EFA and cuda-copy are unordered.
+// Whether a transport applies an atomic to one peer after every write posted to that peer before it
+// (then kAtomicAdd may use post_atomic_add): verbs over RC queue pairs on a device with atomics and
+// without reorder injection. tcp and cuda-copy are unordered.
 bool transport_orders_atomics(const Transport& transport);
 
 std::string describe_command(const Command& command);
@@ -223,7 +228,7 @@ class Proxy {
 
   // Statistics (relaxed counters).
   std::atomic<uint64_t> st_commands_{0}, st_posted_{0}, st_completed_{0}, st_inflight_peak_{0}, st_flow_stalls_{0},
-      st_window_stalls_{0}, st_immediates_{0}, st_idle_sleeps_{0}, st_execute_ns_{0}, st_quiet_wait_ns_{0},
+      st_window_stalls_{0}, st_native_adds_{0}, st_immediates_{0}, st_idle_sleeps_{0}, st_execute_ns_{0}, st_quiet_wait_ns_{0},
       st_quiets_on_gpu_{0};
 };
 

@@ -2,10 +2,10 @@
 // ReceiverOrdering, encode_immediate, decode_immediate.
 //
 // Drives the proxy without a GPU: HostFifo owns a FIFO in host memory that Python pushes encoded
-// commands into (standing in for the GPU producer), and Proxy owns a tcp transport over a host (or,
-// in CUDA builds, device) memory region (the TcpTransport binding's class is private to
-// bind_transport.cpp, so the proxy constructs its own transport and exposes
-// listen_address()/connect()). Argument errors raise ValueError naming the argument; proxy,
+// commands into (standing in for the GPU producer), and Proxy owns its transport: tcp over a host (or,
+// in CUDA builds, device) memory region, cuda-copy, or verbs over a host region (the transport
+// bindings' classes are private to bind_transport.cpp, so the proxy constructs its own transport and
+// exposes listen_address()/connect()). Argument errors raise ValueError naming the argument; proxy,
 // transport and ordering failures RuntimeError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -20,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "channel/command.h"
@@ -33,6 +34,9 @@
 #include "channel/mapped_fifos.h"
 #include "nvlink/peer_memory.h"
 #include "transport/cuda_copy_transport.h"
+#endif
+#if defined(UCCL_EP_WITH_VERBS)
+#include "transport/verbs_transport.h"
 #endif
 
 #include "python/arguments.h"
@@ -186,39 +190,35 @@ std::vector<uccl_ep::FifoView> consumer_views(const py::object& fifos) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Proxy (with the transport it owns: tcp over a host region, or cuda-copy over a PeerMemory)
+// Proxy (with the transport it owns: tcp over a host region, cuda-copy over a PeerMemory, or verbs
+// over a host region)
 // ---------------------------------------------------------------------------------------
 class PyProxy {
  public:
-  // Over a tcp transport on the region (region_ptr, region_bytes): host memory, or memory of `device`.
-  PyProxy(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, py::object fifos, int num_threads,
-          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s,
-          std::optional<int> device, bool stage_host_region) {
-    check_threads(num_threads);
-    const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
-    uccl_ep::TcpTransportOptions options;
-    options.reorder_seed = reorder_seed;
-    options.timeout_s = transport_timeout_s;
-    if (device) options.device = static_cast<int>(uccl_ep::bindings::non_negative("device", *device));
-    options.stage_host_region_for_test = stage_host_region;
-    tcp_ = std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options);
-    start_proxy(fifos, num_threads, config);
-  }
-
+  // The transports a proxy may own; each bootstraps the same way (listen_address, connect).
+  using OwnedTransport = std::variant<std::unique_ptr<uccl_ep::TcpTransport>
 #if defined(UCCL_EP_WITH_CUDA)
-  // Over a cuda-copy transport on the device buffer of `memory` (its peers opened).
-  PyProxy(int rank, int num_ranks, py::object memory, py::object fifos, int num_threads,
-          std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
-    check_threads(num_threads);
-    uccl_ep::CudaCopyTransportOptions options;
-    options.reorder_seed = reorder_seed;
-    options.timeout_s = transport_timeout_s;
-    cuda_copy_ = std::make_unique<uccl_ep::CudaCopyTransport>(rank, num_ranks, memory.cast<uccl_ep::PeerMemory&>(),
-                                                              options);
-    memory_ = memory;  // mapped until the transport is closed
-    start_proxy(fifos, num_threads, config);
-  }
+                                      ,
+                                      std::unique_ptr<uccl_ep::CudaCopyTransport>
 #endif
+#if defined(UCCL_EP_WITH_VERBS)
+                                      ,
+                                      std::unique_ptr<uccl_ep::VerbsTransport>
+#endif
+                                      >;
+
+  // Starts a proxy over `transport` (constructed by the caller, not connected yet).
+  PyProxy(OwnedTransport owned, py::object fifos, int num_threads, std::optional<uccl_ep::ProxyConfig> config,
+          py::object memory = py::none())
+      : transport_(std::move(owned)), memory_(std::move(memory)) {
+    require(num_threads >= 1 && num_threads <= 256,
+            "num_threads must be in [1, 256] (got " + std::to_string(num_threads) + ")");
+    std::vector<uccl_ep::FifoView> views = consumer_views(fifos);
+    fifos_ = fifos;  // keeps the FIFOs alive as long as the proxy
+    uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
+    c.num_threads = static_cast<uint32_t>(num_threads);
+    proxy_ = std::make_unique<uccl_ep::Proxy>(transport(), std::move(views), c);
+  }
 
   ~PyProxy() {
     try {
@@ -232,22 +232,19 @@ class PyProxy {
     return *proxy_;
   }
 
-  uccl_ep::Transport& transport() {
-    if (tcp_) return *tcp_;
-#if defined(UCCL_EP_WITH_CUDA)
-    if (cuda_copy_) return *cuda_copy_;
-#endif
-    throw std::runtime_error("Proxy is closed");
+  // Calls f on the concrete transport.
+  template <typename F>
+  decltype(auto) with_transport(F f) {
+    return std::visit(
+        [&](auto& owned) -> decltype(auto) {
+          if (!owned) throw std::runtime_error("Proxy is closed");
+          return f(*owned);
+        },
+        transport_);
   }
 
-  // Calls f on the concrete transport (both kinds bootstrap the same way).
-  template <typename F>
-  auto with_transport(F f) {
-#if defined(UCCL_EP_WITH_CUDA)
-    if (cuda_copy_) return f(*cuda_copy_);
-#endif
-    if (!tcp_) throw std::runtime_error("Proxy is closed");
-    return f(*tcp_);
+  uccl_ep::Transport& transport() {
+    return with_transport([](auto& t) -> uccl_ep::Transport& { return t; });
   }
 
   // The int64 at `offset` of this rank's region (read through the GPU for device memory).
@@ -283,16 +280,14 @@ class PyProxy {
         }
         proxy_.reset();
       }
-      if (tcp_) {
-        tcp_->close();
-        tcp_.reset();
-      }
-#if defined(UCCL_EP_WITH_CUDA)
-      if (cuda_copy_) {
-        cuda_copy_->close();
-        cuda_copy_.reset();
-      }
-#endif
+      std::visit(
+          [](auto& owned) {
+            if (owned) {
+              owned->close();
+              owned.reset();
+            }
+          },
+          transport_);
     }
     memory_ = py::none();
     if (raise && !error.empty()) throw uccl_ep::ProxyError(error);
@@ -318,27 +313,53 @@ class PyProxy {
   }
 
  private:
-  static void check_threads(int num_threads) {
-    require(num_threads >= 1 && num_threads <= 256,
-            "num_threads must be in [1, 256] (got " + std::to_string(num_threads) + ")");
-  }
-
-  void start_proxy(const py::object& fifos, int num_threads, const std::optional<uccl_ep::ProxyConfig>& config) {
-    std::vector<uccl_ep::FifoView> views = consumer_views(fifos);
-    fifos_ = fifos;  // keeps the FIFOs alive as long as the proxy
-    uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
-    c.num_threads = static_cast<uint32_t>(num_threads);
-    proxy_ = std::make_unique<uccl_ep::Proxy>(transport(), std::move(views), c);
-  }
-
+  OwnedTransport transport_;
   py::object fifos_;
-  py::object memory_ = py::none();
-  std::unique_ptr<uccl_ep::TcpTransport> tcp_;
-#if defined(UCCL_EP_WITH_CUDA)
-  std::unique_ptr<uccl_ep::CudaCopyTransport> cuda_copy_;
-#endif
+  py::object memory_;  // what the transport maps (cuda-copy's PeerMemory), kept until it is closed
   std::unique_ptr<uccl_ep::Proxy> proxy_;
 };
+
+// Over a tcp transport on the region (region_ptr, region_bytes): host memory, or memory of `device`.
+std::unique_ptr<PyProxy> proxy_over_tcp(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes,
+                                        py::object fifos, int num_threads, std::optional<uccl_ep::ProxyConfig> config,
+                                        int64_t reorder_seed, double transport_timeout_s, std::optional<int> device,
+                                        bool stage_host_region) {
+  const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
+  uccl_ep::TcpTransportOptions options;
+  options.reorder_seed = reorder_seed;
+  options.timeout_s = transport_timeout_s;
+  if (device) options.device = static_cast<int>(uccl_ep::bindings::non_negative("device", *device));
+  options.stage_host_region_for_test = stage_host_region;
+  return std::make_unique<PyProxy>(std::make_unique<uccl_ep::TcpTransport>(rank, num_ranks, region, options), fifos,
+                                   num_threads, config);
+}
+
+#if defined(UCCL_EP_WITH_VERBS)
+// Over a verbs transport on a host region; the NIC's in-flight caps are the config's (its byte limit and the
+// request limit of its mode).
+std::unique_ptr<PyProxy> proxy_over_verbs(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes,
+                                          py::object fifos, int num_threads, std::optional<uccl_ep::ProxyConfig> config,
+                                          int64_t reorder_seed, double transport_timeout_s, const std::string& device,
+                                          int gid_index, int service_level, int traffic_class) {
+  const uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
+  uccl_ep::VerbsTransportOptions options;
+  options.device = device;
+  options.gid_index = gid_index;
+  options.service_level = service_level;
+  options.traffic_class = traffic_class;
+  options.reorder_seed = reorder_seed;
+  options.timeout_s = transport_timeout_s;
+  options.max_inflight_bytes = static_cast<int64_t>(c.max_inflight_bytes);
+  options.max_inflight_requests = c.max_inflight_requests();
+  std::unique_ptr<uccl_ep::VerbsTransport> transport;
+  {
+    py::gil_scoped_release no_gil;
+    transport = std::make_unique<uccl_ep::VerbsTransport>(rank, num_ranks, region_at(region_ptr, region_bytes),
+                                                          options);
+  }
+  return std::make_unique<PyProxy>(std::move(transport), fifos, num_threads, config);
+}
+#endif
 
 py::dict ordering_stats_dict(const uccl_ep::OrderingStats& s) {
   py::dict d;
@@ -464,9 +485,10 @@ FIFO index) lets Python produce, for tests of a proxy over device memory.)doc")
 Proxy settings. Counter layout in every rank's region: int64 counters[num_counters] at
 counters_offset (atomic-add targets) and int64 flags[2][num_counters][num_ranks] at flags_offset
 (low-latency count flags, -(N+1) once N rows landed). `ordering=False` applies immediates in
-arrival order (a test switch). from_environ() reads UCCL_IB_MAX_INFLIGHT_BYTES,
-UCCL_IB_MAX_INFLIGHT_NORMAL, UCCL_IB_MAX_INFLIGHT_LOW_LATENCY and UCCL_RDMA_ADAPTIVE_SLEEP from a
-dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
+arrival order (a test switch); `native_atomics=False` sends every counter add as an immediate even
+where the transport could use the NIC's atomics. from_environ() reads UCCL_IB_MAX_INFLIGHT_BYTES,
+UCCL_IB_MAX_INFLIGHT_NORMAL, UCCL_IB_MAX_INFLIGHT_LOW_LATENCY, UCCL_RDMA_ADAPTIVE_SLEEP and
+UCCL_IB_NATIVE_ATOMICS from a dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
       .def(py::init<>())
       .def_static("from_environ", &config_from_environ, py::arg("environ"))
       .def("apply_environ", &uccl_ep::ProxyConfig::apply_environ, py::arg("environ"))
@@ -483,6 +505,7 @@ dict such as uccl_ep_plugin.platform_config.resolve_config().as_environ().)doc")
       .def_readwrite("max_inflight_low_latency", &uccl_ep::ProxyConfig::max_inflight_low_latency)
       .def_readwrite("low_latency", &uccl_ep::ProxyConfig::low_latency)
       .def_readwrite("adaptive_sleep", &uccl_ep::ProxyConfig::adaptive_sleep)
+      .def_readwrite("native_atomics", &uccl_ep::ProxyConfig::native_atomics)
       .def_readwrite("cpu_affinity", &uccl_ep::ProxyConfig::cpu_affinity)
       .def_readwrite("token_bytes", &uccl_ep::ProxyConfig::token_bytes)
       .def_readwrite("timeout_s", &uccl_ep::ProxyConfig::timeout_s)
@@ -513,11 +536,9 @@ connect(addresses), then start(). stop() joins the threads and raises the proxy'
 was recorded; close() also closes the transport. Errors (a command that cannot be executed, a
 transport or ordering failure) name the rank, the peer and the decoded command, and are raised
 by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
-      .def(py::init<int, int, int64_t, int64_t, py::object, int, std::optional<uccl_ep::ProxyConfig>, int64_t, double,
-                    std::optional<int>, bool>(),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"), py::arg("fifos"),
-           py::arg("num_threads") = 1, py::arg("config") = py::none(), py::arg("reorder_seed") = -1,
-           py::arg("transport_timeout_s") = 30.0, py::arg("device") = py::none(),
+      .def(py::init(&proxy_over_tcp), py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"),
+           py::arg("region_bytes"), py::arg("fifos"), py::arg("num_threads") = 1, py::arg("config") = py::none(),
+           py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0, py::arg("device") = py::none(),
            py::arg("_stage_host_region") = false)
 #if defined(UCCL_EP_WITH_CUDA)
       .def_static(
@@ -525,13 +546,27 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
           [](int rank, int num_ranks, py::object peer_memory, py::object fifos, int num_threads,
              std::optional<uccl_ep::ProxyConfig> config, int64_t reorder_seed, double transport_timeout_s) {
             require(py::isinstance<uccl_ep::PeerMemory>(peer_memory), "peer_memory must be a PeerMemory");
-            return std::make_unique<PyProxy>(rank, num_ranks, peer_memory, fifos, num_threads, config, reorder_seed,
-                                             transport_timeout_s);
+            uccl_ep::CudaCopyTransportOptions options;
+            options.reorder_seed = reorder_seed;
+            options.timeout_s = transport_timeout_s;
+            auto transport = std::make_unique<uccl_ep::CudaCopyTransport>(
+                rank, num_ranks, peer_memory.cast<uccl_ep::PeerMemory&>(), options);
+            return std::make_unique<PyProxy>(std::move(transport), fifos, num_threads, config, peer_memory);
           },
           py::arg("rank"), py::arg("num_ranks"), py::arg("peer_memory"), py::arg("fifos"), py::arg("num_threads") = 1,
           py::arg("config") = py::none(), py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0,
           "A proxy over the cuda-copy transport on peer_memory's device buffer (open_peers done): the same "
           "bootstrap and methods; fifos is typically a MappedFifos.")
+#endif
+#if defined(UCCL_EP_WITH_VERBS)
+      .def_static("over_verbs", &proxy_over_verbs, py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"),
+                  py::arg("region_bytes"), py::arg("fifos"), py::arg("num_threads") = 1, py::arg("config") = py::none(),
+                  py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0, py::arg("device") = "",
+                  py::arg("gid_index") = -2, py::arg("service_level") = -1, py::arg("traffic_class") = -1,
+                  "A proxy over the verbs transport (VerbsTransport's device, gid_index, service_level and "
+                  "traffic_class) on a host region: the same bootstrap and methods, plus a barrier of all ranks "
+                  "between connect() and the first command. The NIC's in-flight caps are the config's. Plain "
+                  "atomic adds use the NIC's own atomics where the device has them (config.native_atomics).")
 #endif
       .def("listen_address", [](PyProxy& p) { return p.with_transport([](auto& t) { return t.listen_address(); }); })
       .def(
@@ -592,6 +627,7 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
         d["inflight_peak"] = s.inflight_peak;
         d["flow_stalls"] = s.flow_stalls;
         d["window_stalls"] = s.window_stalls;
+        d["native_adds"] = s.native_adds;
         d["quiets"] = s.quiets;
         d["quiets_on_gpu"] = s.quiets_on_gpu;
         d["barriers"] = s.barriers;

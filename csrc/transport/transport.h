@@ -10,7 +10,8 @@
 //       adds `value` atomically to the 8-byte aligned int64 at the peer's remote_offset.
 //
 // A request is complete when the peer has applied it (the peer acknowledges it); its id
-// then comes back from poll_completions(). Requests to one peer may complete, and be applied,
+// then comes back from poll_completions(), once per request. Ids need not be unique: the
+// proxy encodes in them what a request was, and requests in flight may share one. Requests to one peer may complete, and be applied,
 // in any order: no transport promises ordering (EFA SRD does not, and reorder injection makes
 // every transport behave that way on demand). Callers that need ordering use immediates and
 // counters (DESIGN §5).

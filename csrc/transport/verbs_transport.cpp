@@ -332,7 +332,7 @@ void VerbsTransport::post_write(int peer, uint64_t local_offset, uint64_t remote
   check_range("local_offset", local_offset, length, region_.bytes, "this rank's region");
   const uint64_t remote_bytes = peer == rank_ ? region_.bytes : peers_[static_cast<size_t>(peer)].remote_bytes;
   check_range("remote_offset", remote_offset, length, remote_bytes, "rank " + std::to_string(peer) + "'s region");
-  submit(Request{request_id, peer, false, local_offset, remote_offset, length, imm});
+  submit(Request{request_id, 0, peer, false, local_offset, remote_offset, length, imm});
 }
 
 void VerbsTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_t value, uint64_t request_id) {
@@ -349,12 +349,14 @@ void VerbsTransport::post_atomic_add(int peer, uint64_t remote_offset, int64_t v
     throw TransportError(who() + ": the device does not do RDMA atomics (atomic_cap NONE); the ordering layer's "
                          "immediate-encoded adds serve such devices");
   }
-  submit(Request{request_id, peer, true, 0, remote_offset, static_cast<uint64_t>(value), std::nullopt});
+  submit(Request{request_id, 0, peer, true, 0, remote_offset, static_cast<uint64_t>(value), std::nullopt});
 }
 
 void VerbsTransport::submit(Request request) {
   ++outstanding_;
-  in_flight_[request.id] = InFlight{request.peer, bytes_of(request), std::chrono::steady_clock::now()};
+  request.serial = next_serial_++;
+  in_flight_[request.serial] =
+      InFlight{request.id, request.peer, bytes_of(request), std::chrono::steady_clock::now()};
   peers_[static_cast<size_t>(request.peer)].reorder.push(std::move(request), std::chrono::steady_clock::now(),
                                                           [this](Request r) { post_or_wait(std::move(r)); });
 }
@@ -367,7 +369,7 @@ void VerbsTransport::apply_locally(const Request& r) {
     std::memmove(base + r.remote_offset, base + r.local_offset, r.length);
     if (r.imm) immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(rank_), *r.imm});
   }
-  in_flight_.erase(r.id);
+  in_flight_.erase(r.serial);
   --outstanding_;
   completed_.push_back(r.id);
 }
@@ -396,7 +398,7 @@ bool VerbsTransport::fits_in_flight(const Peer& peer, const Request& r) const {
 void VerbsTransport::post_now(Peer& peer, const Request& r) {
   ibv_sge sge{};
   ibv_send_wr wr{};
-  wr.wr_id = r.id;
+  wr.wr_id = r.serial;  // the caller's ids need not be unique
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.sg_list = &sge;
   if (r.atomic) {
@@ -446,18 +448,21 @@ void VerbsTransport::progress() {
       const int peer = found == peer_of_qp_.end() ? -1 : found->second;
       if (peer >= 0) --peers_[static_cast<size_t>(peer)].posted;
       const auto request = in_flight_.find(wc.wr_id);
-      if (request != in_flight_.end()) {
-        nic_bytes_ -= request->second.bytes;
-        in_flight_.erase(request);
+      if (request == in_flight_.end()) {
+        fail(who() + ": a completion for work request " + std::to_string(wc.wr_id) + " that was never posted");
+        continue;
       }
+      const uint64_t id = request->second.id;
+      nic_bytes_ -= request->second.bytes;
+      in_flight_.erase(request);
       --nic_requests_;
       --outstanding_;
       if (wc.status != IBV_WC_SUCCESS) {
-        fail(who() + ": request " + std::to_string(wc.wr_id) + " to rank " + std::to_string(peer) + " failed: " +
+        fail(who() + ": request " + std::to_string(id) + " to rank " + std::to_string(peer) + " failed: " +
              ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")" + advice(wc.status));
         continue;
       }
-      completed_.push_back(wc.wr_id);
+      completed_.push_back(id);
     }
     if (n < kPollBatch) break;
   }
@@ -571,7 +576,7 @@ std::string VerbsTransport::oldest_outstanding_locked() const {
   }
   if (oldest == nullptr) return {};
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - oldest->second.since).count();
-  return "request " + std::to_string(oldest->first) + " to rank " + std::to_string(oldest->second.peer) +
+  return "request " + std::to_string(oldest->second.id) + " to rank " + std::to_string(oldest->second.peer) +
          " unacknowledged for " + std::to_string(waited) + " s";
 }
 

@@ -102,7 +102,8 @@ class VerbsTransport final : public Transport {
 
  private:
   struct Request {
-    uint64_t id;
+    uint64_t id;       // the caller's (several requests may share one)
+    uint64_t serial;   // ours, unique: the work request's id
     int peer;
     bool atomic;
     uint64_t local_offset;
@@ -174,11 +175,13 @@ class VerbsTransport final : public Transport {
   std::deque<uint64_t> completed_;
   std::deque<ImmediateEvent> immediates_;
   struct InFlight {
+    uint64_t id;  // the caller's
     int peer;
     uint64_t bytes;
     std::chrono::steady_clock::time_point since;  // posted by the caller
   };
-  std::unordered_map<uint64_t, InFlight> in_flight_;  // by request id
+  std::unordered_map<uint64_t, InFlight> in_flight_;  // by serial
+  uint64_t next_serial_ = 0;
   uint64_t outstanding_ = 0;       // posted by the caller, not completed
   uint64_t max_inflight_bytes_ = 0;     // 0: no cap
   uint64_t max_inflight_requests_ = 0;  // 0: no cap

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The verbs transport's tests against a real verbs provider: soft-RoCE in the qemu guest of guest.sh,
+# The verbs transport's and the proxy's verbs tests against a real verbs provider: soft-RoCE in the qemu guest of guest.sh,
 # with this checkout's virtual environment (.venv, built with rdma-core's headers). Ranks fork instead of
 # spawning and the exchange runs at 1/16 of its sizes: the guest's CPU is emulated.
 set -euo pipefail
@@ -15,4 +15,5 @@ command -v qemu-system-x86_64 > /dev/null || skip "no qemu-system-x86_64 (tests/
 python=$PWD/.venv/bin/python   # the venv's own link to a real interpreter (a pyenv shim starts slowly in the guest)
 exec tests/soft_roce/guest.sh --timeout "${UCCL_EP_GUEST_TIMEOUT_S:-420}" -- \
     env UCCL_EP_TEST_START_METHOD=fork UCCL_EP_TEST_TRANSPORT_SCALE=16 \
-    "$python" -m pytest -q -p no:cacheprovider tests/test_verbs_transport.py tests/test_transport_exchange.py -k verbs
+    "$python" -m pytest -q -p no:cacheprovider tests/test_verbs_transport.py tests/test_transport_exchange.py \
+    tests/test_proxy.py -k verbs

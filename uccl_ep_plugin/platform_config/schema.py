@@ -82,6 +82,9 @@ _SPECS = (
             doc="aggressive atomics (null: 1 on AMD GPUs, 0 on CUDA)"),
     KeySpec("UCCL_RDMA_ADAPTIVE_SLEEP", FLAG,
             doc="idle proxy threads sleep instead of spinning"),
+    KeySpec("UCCL_IB_NATIVE_ATOMICS", FLAG,
+            doc="counter adds as the NIC's own atomics where it has them in order (0: always as immediates; "
+                "every rank the same)"),
 )
 
 #: Key name -> spec, in a fixed display order.
