@@ -20,6 +20,9 @@ class _FakeExtension:
     def build_info(self):
         return {"features": self.features}
 
+    def use_torch_shim(self, libtorch_path, to_tensors):
+        """As the real one, where torch's C shim is there."""
+
 
 @pytest.mark.parametrize("transport", ["cuda-copy", "tcp"])
 def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
@@ -44,6 +47,21 @@ def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
     monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base))
     choice = engines.choose("auto", torch.device("cuda"))
     assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
+
+
+def test_force_proxy_over_verbs_names_what_is_missing(monkeypatch):
+    """The low-latency buffers are GPU memory, which the verbs transport cannot register yet: the reference engine
+    serves, and the reason says so and names the transports that can."""
+    from uccl_ep_plugin.engines import native
+    monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "1")
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", "verbs")
+    features = ["dispatch_layout", "low_latency_nvlink"] + list(native.TRANSPORT_FEATURES.values())
+    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(features))
+    choice = engines.choose("auto", torch.device("cuda"))
+    for operation in LOW_LATENCY_OPERATIONS:
+        assert choice.by_operation[operation] == "reference"
+        assert "registers host memory only" in choice.reasons[operation]
+        assert "UCCL_EP_PROXY_TRANSPORT=tcp" in choice.reasons[operation]
 
 
 def test_unknown_proxy_transport_is_named(monkeypatch):

@@ -72,3 +72,11 @@ def test_bad_requests_raise(entries, message):
 def test_out_of_memory_raises_in_words():
     with pytest.raises(RuntimeError, match="torch could not allocate an output tensor"):
         _C.torch_shim_tensors([((1 << 62,), DTYPES[torch.uint8], None)], CPU, 0)
+
+
+def test_a_torch_without_the_converter_gets_a_reason(monkeypatch):
+    """The native engine then serves nothing (the Buffer falls back with this reason); nothing raises."""
+    import uccl_ep_plugin.engines.native.torch_tensors as torch_tensors
+    monkeypatch.setattr(torch._C, "_aoti", object(), raising=False)
+    reason = torch_tensors.use_torch_shim(_C)
+    assert "alloc_tensors_by_stealing_from_void_ptrs" in reason and torch.__version__ in reason

@@ -8,7 +8,8 @@ local. The Buffer starts its own when its low-latency kernels have peers to reac
 ``initialize_uccl`` starts them over a scratch buffer the caller owns, as UCCL-EP's scripts do.
 
 Settings: UCCL_EP_PROXY_THREADS (threads, default 1), UCCL_EP_PROXY_FIFOS (FIFOs, default 1),
-UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` or ``tcp``, for the Buffer's proxy path), UCCL_EP_PROXY_CPUS
+UCCL_EP_PROXY_TRANSPORT (``cuda-copy``, ``tcp`` or ``verbs``: the Buffer's proxy path, and ``initialize_uccl``'s
+where it names ``verbs``), UCCL_EP_PROXY_CPUS
 (the CPUs the threads run on), UCCL_EP_PROXY_QUIET_ON_GPU (default 1: a QUIET becomes a fence between the
 transport's streams where the transport can order them on the device, cuda-copy; 0: the proxy thread waits
 for the completions), the platform config's in-flight limits and adaptive sleep, and UCCL_SOCKET_IFNAME for
@@ -36,7 +37,11 @@ QUIET_ON_GPU_ENV = "UCCL_EP_PROXY_QUIET_ON_GPU"
 FIFO_CAPACITY = 1024
 MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
 # transport name -> the build feature it needs
-TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory"}
+TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "verbs": "verbs_transport"}
+# Why verbs cannot serve GPU memory yet (the Buffer's low-latency buffers are GPU memory).
+VERBS_HOST_ONLY = ("the verbs transport registers host memory only so far: registering GPU memory with the NIC "
+                   "(DMA-BUF, or peer memory through nvidia_peermem) is not built yet; use UCCL_EP_PROXY_TRANSPORT=tcp "
+                   "or cuda-copy for GPU buffers")
 
 
 def eager_module_loading() -> bool:
@@ -117,7 +122,8 @@ class ProxyThreads:
     """The FIFOs and proxy threads of one rank. Collective: every rank of ``group`` constructs one.
 
     ``memory`` is the region the commands' offsets refer to, on ``device``: a tensor (host or device
-    memory, over tcp), or a PeerMemory whose peers are open (over cuda-copy, ``transport="cuda-copy"``). FIFOs
+    memory, over tcp; host memory, over verbs), or a PeerMemory whose peers are open (over cuda-copy,
+    ``transport="cuda-copy"``). FIFOs
     are pinned and mapped into the device for device memory (kernels push; ``device_views``), host
     FIFOs otherwise (``fifos``, with ``push``)."""
 
@@ -148,11 +154,17 @@ class ProxyThreads:
             elif transport == "tcp":
                 self.proxy = extension.Proxy(rank, num_ranks, memory.data_ptr(), memory.numel() * memory.element_size(),
                                              fifos, device=device.index if device.type == "cuda" else None, **options)
+            elif transport == "verbs":
+                if device.type == "cuda":
+                    raise ValueError(VERBS_HOST_ONLY)
+                self.proxy = extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
+                                                        memory.numel() * memory.element_size(), fifos, **options)
             else:
-                raise ValueError(f"transport={transport!r}: expected 'cuda-copy' or 'tcp'")
+                raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
             addresses = [None] * num_ranks
             dist.all_gather_object(addresses, self.proxy.listen_address(), group=group)
             self.proxy.connect(addresses)
+            dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
             self.proxy.start()
         except BaseException:
             self.close()
@@ -232,7 +244,8 @@ def initialize_uccl(scratch: Union[torch.Tensor, int], scratch_nbytes: int, rank
                     ) -> Tuple[List[ProxyThreads], None]:
     """Start this rank's CPU proxy threads over ``scratch`` (collective over ``group``); returns
     ``(proxies, workers)`` for :func:`destroy_uccl`. The transport is tcp (listening on
-    UCCL_SOCKET_IFNAME's address, else loopback); command offsets are relative to ``scratch``.
+    UCCL_SOCKET_IFNAME's address, else loopback), or verbs where UCCL_EP_PROXY_TRANSPORT=verbs (host scratch
+    only, so far); command offsets are relative to ``scratch``.
     ``num_experts`` and ``is_intranode`` are accepted for UCCL-EP's signature and checked;
     ``use_normal_mode`` picks the normal-mode in-flight limit (UCCL_IB_MAX_INFLIGHT_NORMAL)."""
     if group is None:
@@ -250,8 +263,9 @@ def initialize_uccl(scratch: Union[torch.Tensor, int], scratch_nbytes: int, rank
         if key in _started:
             raise RuntimeError(f"initialize_uccl: proxies already run on {key}; call destroy_uccl first")
     from .buffer import timeout_seconds   # noqa: WPS433 (the buffer module imports this one)
-    proxies = ProxyThreads(group, rank, num_ranks, region, region.device, transport="tcp", low_latency=not use_normal_mode,
-                           timeout_s=timeout_seconds())
+    transport = "verbs" if proxy_transport() == "verbs" else "tcp"   # cuda-copy needs a Buffer's mapped memory
+    proxies = ProxyThreads(group, rank, num_ranks, region, region.device, transport=transport,
+                           low_latency=not use_normal_mode, timeout_s=timeout_seconds())
     proxies.scratch = region   # the memory stays alive while its proxies run
     with _started_lock:
         _started[key] = proxies

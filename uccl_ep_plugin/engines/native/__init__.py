@@ -13,7 +13,7 @@ from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
-from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, proxy_transport
+from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, VERBS_HOST_ONLY, proxy_transport
 from .proxy_path import ProxyPath
 from .torch_tensors import use_torch_shim
 
@@ -47,6 +47,8 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     if shim_problem is not None:
         return shim_problem
     if operation in LOW_LATENCY_OPERATIONS and force_proxy():
+        if proxy_transport() == "verbs":
+            return f"{FORCE_PROXY_ENV}=1 with {TRANSPORT_ENV}=verbs: {VERBS_HOST_ONLY}"
         proxy_feature = TRANSPORT_FEATURES[proxy_transport()]
         if proxy_feature not in features:
             return (f"{FORCE_PROXY_ENV}=1 sends through the CPU proxy over {TRANSPORT_ENV}={proxy_transport()}, "
