@@ -11,7 +11,7 @@ from uccl_ep_plugin.cli import config_cmd, doctor
 from uccl_ep_plugin.platform_config import CONFIG_ENV_VAR, SCHEMA, resolve_config
 from uccl_ep_plugin.platform_config import loader as loader_module
 
-DOCTOR_KEYS = {"python", "torch", "gpus", "peer_access", "rdma", "verbs", "peer_memory", "dmabuf",
+DOCTOR_KEYS = {"python", "torch", "gpus", "peer_access", "rdma", "verbs", "gpu_nics", "peer_memory", "dmabuf",
                "build", "engine", "config"}
 
 
@@ -362,3 +362,7 @@ def test_collect_with_fake_torch_renders(tmp_path):
     assert "[1] Fake GPU 1 (compute capability 9.0)" in text
     assert "GPU 0 -> GPU 1: peer access yes" in text
     assert "rdmap0: platform efa" in text
+    # Without PCIe paths under the fake root each GPU falls back to the first device; UCCL_IB_HCA names one.
+    assert "GPU 1 (0000:19:00.0) uses rdmap0 (nearest in the PCIe tree)" in text
+    report = doctor.collect(root=root, environ={"UCCL_IB_HCA": "rdmap9"}, torch_module=make_fake_torch(count=1))
+    assert report["gpu_nics"]["gpus"] == [{"gpu": 0, "pci": "0000:18:00.0", "device": "rdmap9", "why": "UCCL_IB_HCA"}]

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .platform_config import resolve_config
+from .platform_config.detect import gpu_pci_address, nearest_rdma_device
 
 THREADS_ENV = "UCCL_EP_PROXY_THREADS"
 FIFOS_ENV = "UCCL_EP_PROXY_FIFOS"
@@ -67,6 +68,16 @@ def proxy_transport() -> str:
     if name not in TRANSPORT_FEATURES:
         raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
     return name
+
+
+def verbs_device(gpu: Optional[int]) -> str:
+    """The RDMA device the verbs transport of the rank on GPU ``gpu`` opens: "" where UCCL_IB_HCA is set (the
+    transport reads it) or no GPU is known (then it takes the first device), else the device nearest to the GPU
+    in the PCIe tree."""
+    if gpu is None or os.environ.get("UCCL_IB_HCA", "").strip():
+        return ""
+    props = torch.cuda.get_device_properties(gpu)
+    return nearest_rdma_device(gpu_pci_address(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)) or ""
 
 
 def proxy_cpus(local_rank: int) -> List[int]:
@@ -157,8 +168,10 @@ class ProxyThreads:
             elif transport == "verbs":
                 if device.type == "cuda":
                     raise ValueError(VERBS_HOST_ONLY)
+                gpu = torch.cuda.current_device() if torch.cuda.is_available() else None   # the rank's GPU
                 self.proxy = extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
-                                                        memory.numel() * memory.element_size(), fifos, **options)
+                                                        memory.numel() * memory.element_size(), fifos,
+                                                        device=verbs_device(gpu), **options)
             else:
                 raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
             addresses = [None] * num_ranks

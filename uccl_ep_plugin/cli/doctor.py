@@ -15,7 +15,8 @@ import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from uccl_ep_plugin.platform_config import resolve_config
-from uccl_ep_plugin.platform_config.detect import detect_platform, detect_rdma_devices, infiniband_dir
+from uccl_ep_plugin.platform_config.detect import (detect_platform, detect_rdma_devices, gpu_pci_address,
+                                                   infiniband_dir, nearest_rdma_device)
 
 PEER_MEMORY_MODULES = ("nvidia_peermem", "efa_nv_peermem", "ib_peer_mem")
 DMABUF_MIN_KERNEL = (5, 12)
@@ -182,6 +183,27 @@ def probe_verbs() -> Dict[str, Any]:
         return {"devices": [], "error": _error_text(exc)}
 
 
+def probe_gpu_nics(root: str = "/", environ: Optional[Mapping[str, str]] = None, torch_module=None) -> Dict[str, Any]:
+    """Which RDMA device each local GPU's rank would use over verbs: UCCL_IB_HCA where set, else the device
+    nearest to the GPU in the PCIe tree."""
+    env = os.environ if environ is None else environ
+    try:
+        torch = torch_module if torch_module is not None else _import_torch()
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not detect_rdma_devices(root):
+            return {"gpus": [], "note": "no RDMA devices"}
+        chosen = env.get("UCCL_IB_HCA", "").strip()
+        gpus = []
+        for index in range(count):
+            props = torch.cuda.get_device_properties(index)
+            address = gpu_pci_address(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+            gpus.append({"gpu": index, "pci": address, "device": chosen or nearest_rdma_device(address, root=root),
+                         "why": "UCCL_IB_HCA" if chosen else "nearest in the PCIe tree"})
+        return {"gpus": gpus}
+    except Exception as exc:
+        return {"gpus": [], "error": _error_text(exc)}
+
+
 def probe_peer_memory(root: str = "/") -> Dict[str, Any]:
     """Which GPU peer-memory kernel modules are loaded (``/sys/module/<name>``)."""
     modules: Dict[str, Any] = {}
@@ -247,6 +269,7 @@ def collect(root: str = "/", environ: Optional[Mapping[str, str]] = None,
         "peer_access": probe_peer_access(torch_module),
         "rdma": probe_rdma(root),
         "verbs": probe_verbs() if root == "/" else {"devices": [], "note": "not probed under another root"},
+        "gpu_nics": probe_gpu_nics(root, environ, torch_module),
         "peer_memory": probe_peer_memory(root),
         "dmabuf": probe_dmabuf(),
         "build": probe_build(),
@@ -337,6 +360,11 @@ def render(report: Dict[str, Any]) -> str:
             rdma_lines.append("%s port %d: %s, %s, %d GID entries (%d RoCE v2), the verbs transport uses %s; "
                               "atomics: %s" % (dev["name"], port["port"], port["state"], port["link_layer"],
                                                len(port["gids"]), len(roce_v2), chosen, dev["atomics"]))
+    nics = report["gpu_nics"]
+    if nics.get("error"):
+        rdma_lines.append("which NIC each GPU uses: unknown (%s)" % nics["error"])
+    for entry in nics["gpus"]:
+        rdma_lines.append("GPU %d (%s) uses %s (%s)" % (entry["gpu"], entry["pci"], entry["device"], entry["why"]))
     sections.append(_section("RDMA NICs", rdma_lines))
 
     pm = report["peer_memory"]
