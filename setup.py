@@ -331,6 +331,7 @@ PACKAGES = [
 ]
 # Top-level folders installed as subpackages of uccl_ep_plugin (see DESIGN's layout).
 FOLDER_PACKAGES = {
+    "uccl_ep_plugin.bench_serving": "bench_serving",
     "uccl_ep_plugin.configs": "configs",
     "uccl_ep_plugin.integrations": "integrations",
     "uccl_ep_plugin.integrations.sglang": "integrations/sglang",

@@ -5,6 +5,7 @@ import torch
 
 from uccl_ep_plugin import engines
 from uccl_ep_plugin.engines.native import LOW_LATENCY_OPERATIONS
+from tests.fake_extension import FakeExtension
 
 
 def test_cpu_device_uses_the_reference_engine_with_a_reason():
@@ -13,15 +14,6 @@ def test_cpu_device_uses_the_reference_engine_with_a_reason():
     assert all("CUDA device" in choice.reasons[op] for op in engines.OPERATIONS)
 
 
-class _FakeExtension:
-    def __init__(self, features):
-        self.features = features
-
-    def build_info(self):
-        return {"features": self.features}
-
-    def use_torch_shim(self, libtorch_path, to_tensors):
-        """As the real one, where torch's C shim is there."""
 
 
 @pytest.mark.parametrize("transport", ["cuda-copy", "tcp"])
@@ -34,17 +26,17 @@ def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
     other_features = [f for f in native.TRANSPORT_FEATURES.values() if f != feature]
     base = ["dispatch_layout", "low_latency_nvlink"]
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base + other_features))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(base + other_features))
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in LOW_LATENCY_OPERATIONS:
         assert choice.by_operation[operation] == "reference"
         assert "UCCL_EP_FORCE_PROXY=1" in choice.reasons[operation]
         assert feature in choice.reasons[operation]
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base + [feature]))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(base + [feature]))
     choice = engines.choose("auto", torch.device("cuda"))
     assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
     monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "0")
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(base))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(base))
     choice = engines.choose("auto", torch.device("cuda"))
     assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
 
@@ -56,7 +48,7 @@ def test_force_proxy_over_verbs_names_what_is_missing(monkeypatch):
     monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "1")
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", "verbs")
     features = ["dispatch_layout", "low_latency_nvlink"] + list(native.TRANSPORT_FEATURES.values())
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(features))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(features))
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in LOW_LATENCY_OPERATIONS:
         assert choice.by_operation[operation] == "reference"

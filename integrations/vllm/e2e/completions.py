@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from server import post_json
+from uccl_ep_plugin.bench_serving.server import post_json
 
 TOKEN_PREFIX = "token_id:"
 

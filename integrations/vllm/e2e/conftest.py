@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # server, completions, ... (this folder)
 
-from server import OFFLINE_ENV, VllmServer  # noqa: E402
+from uccl_ep_plugin.bench_serving.server import OFFLINE_ENV, VLLM_SERVER, ServerProcess  # noqa: E402
 from tiny_moe import write_tiny_moe  # noqa: E402
 
 os.environ.update(OFFLINE_ENV)
@@ -36,12 +36,12 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def start_server(log_dir):
-    """``start_server(name, args, env)`` -> a healthy VllmServer; every server started is stopped at the
+    """``start_server(name, args, env)`` -> a healthy vLLM ServerProcess; every server started is stopped at the
     end of the module (also when a test or the start-up fails). Stop one earlier with ``.stop()``."""
     started = []
 
-    def start(name: str, args, env=None) -> VllmServer:
-        server = VllmServer(sys.executable, args, log_path=log_dir / f"{name}.log", env=env, name=name)
+    def start(name: str, args, env=None) -> ServerProcess:
+        server = ServerProcess(sys.executable, VLLM_SERVER, args, log_path=log_dir / f"{name}.log", env=env, name=name)
         started.append(server)
         server.start()
         seconds = server.wait_healthy(timeout=HEALTH_TIMEOUT)

@@ -17,7 +17,7 @@ import pytest
 
 from completions import concurrent_greedy_completions
 from greedy_match import compare
-from server import ServerError
+from uccl_ep_plugin.bench_serving.server import ServerError
 from traffic_files import read_settled
 
 MODEL_NAME = "tiny-qwen3-moe"

