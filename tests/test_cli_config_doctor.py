@@ -366,3 +366,15 @@ def test_collect_with_fake_torch_renders(tmp_path):
     assert "GPU 1 (0000:19:00.0) uses rdmap0 (nearest in the PCIe tree)" in text
     report = doctor.collect(root=root, environ={"UCCL_IB_HCA": "rdmap9"}, torch_module=make_fake_torch(count=1))
     assert report["gpu_nics"]["gpus"] == [{"gpu": 0, "pci": "0000:18:00.0", "device": "rdmap9", "why": "UCCL_IB_HCA"}]
+
+
+def test_build_and_gpus_are_told_apart(tmp_path):
+    """A CUDA build on a machine without GPUs: what the build targets, and that no GPU is visible."""
+    report = doctor.collect(root=fake_root(tmp_path, devices=()), environ={},
+                            torch_module=make_fake_torch(available=False))
+    report["build"] = {"version": "9.9", "cuda": True, "cuda_archs": ["90", "100"], "cuda_runtime_version": 13000,
+                       "hip": False, "verbs": False, "features": ["normal_nvlink"], "compiler": "gcc 12"}
+    text = doctor.render(report)
+    assert "GPUs visible: none" in text
+    assert "built with CUDA for sm_90, sm_100 (runtime 13000, linked statically)" in text
+    assert "verbs transport: not built" in text and "cuda: True" not in text

@@ -162,6 +162,8 @@ CASES = [
     ("buffer_num_rdma_bytes_float", TypeError, "num_rdma_bytes",
      lambda c: _new_buffer(group=c.group, num_rdma_bytes=1.5)),
     ("config_num_sms_float", TypeError, "num_sms", lambda c: _config(num_sms=20.0)),
+    ("buffer_low_latency_without_rdma_bytes", ValueError, "get_low_latency_rdma_size_hint",
+     lambda c: _new_buffer(group=c.group, low_latency_mode=True)),
     # ---- shapes
     ("dispatch_x_1d", ValueError, "x", lambda c: c.dispatch(c.x[0])),
     ("dispatch_x_tuple_of_three", ValueError, "x", lambda c: c.dispatch((c.x_fp8, c.scales, c.scales))),

@@ -148,6 +148,10 @@ class Buffer:
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        if low_latency_mode and num_rdma_bytes == 0:
+            raise ValueError("low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffers live there): "
+                             "pass Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, "
+                             "num_ranks, num_experts)")
         self.group = _resolve_group(group, comm)
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)

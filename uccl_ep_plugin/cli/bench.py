@@ -6,6 +6,7 @@ import platform
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -67,7 +68,32 @@ def _device_name(device: str, num_ranks: int) -> str:
     return f"cpu ({os.cpu_count()} cores, {platform.machine()})"
 
 
+def argument_problem(args: argparse.Namespace, num_ranks: int) -> Optional[str]:
+    """The first argument that cannot work, in one line naming it and the rule; None if all can."""
+    rules = [("--ranks", args.ranks is None or args.ranks >= 1, "must be at least 1"),
+             ("--tokens", args.tokens >= 1, "must be at least 1"),
+             ("--ll-tokens", args.ll_tokens >= 1, "must be at least 1"),
+             ("--hidden", args.hidden >= 128 and args.hidden % 128 == 0,
+              "must be a positive multiple of 128 (the fp8 cases scale each 128 channels)"),
+             ("--topk", 1 <= args.topk <= min(args.experts, args.ll_experts),
+              "must be in 1..the number of experts"),
+             ("--experts", args.experts >= 1 and args.experts % num_ranks == 0,
+              f"must be a positive multiple of the {num_ranks} ranks"),
+             ("--ll-experts", args.ll_experts >= 1 and args.ll_experts % num_ranks == 0,
+              f"must be a positive multiple of the {num_ranks} ranks"),
+             ("--num-sms", args.num_sms >= 2 and args.num_sms % 2 == 0, "must be an even number of at least 2"),
+             ("--warmup", args.warmup is None or args.warmup >= 0, "must be at least 0"),
+             ("--iters", args.iters is None or args.iters >= 1, "must be at least 1")]
+    for name, ok, rule in rules:
+        if not ok:
+            return f"{name} {getattr(args, name[2:].replace('-', '_'))} {rule}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.ranks is not None and args.ranks < 1:
+        print(f"uccl-ep bench: --ranks {args.ranks} must be at least 1", file=sys.stderr)
+        return 2
     if args.mode == "channel":
         return channel.run_from_cli(args.device, args.json, _commit())
     if args.mode == "transport":
@@ -78,12 +104,13 @@ def run(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("uccl-ep bench: --device cuda but no CUDA GPU is visible", file=sys.stderr)
         return 2
-    num_ranks = args.ranks or (torch.cuda.device_count() if device == "cuda" else 2)
+    num_ranks = args.ranks if args.ranks is not None else (torch.cuda.device_count() if device == "cuda" else 2)
     if device == "cuda" and num_ranks > torch.cuda.device_count():
         print(f"uccl-ep bench: --ranks {num_ranks} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
         return 2
-    if num_ranks < 1:
-        print("uccl-ep bench: --ranks must be at least 1", file=sys.stderr)
+    problem = argument_problem(args, num_ranks)
+    if problem is not None:
+        print(f"uccl-ep bench: {problem}", file=sys.stderr)
         return 2
     on_gpu = device == "cuda"
     if on_gpu and force_proxy() and not eager_module_loading():

@@ -293,6 +293,16 @@ def _section(title: str, lines: List[str]) -> str:
     return "\n".join(["== %s ==" % title] + ["  " + line for line in lines])
 
 
+def _built_for(build: Dict[str, Any]) -> str:
+    """What the extension's GPU code targets, apart from what this machine has (the GPUs section)."""
+    if build.get("cuda"):
+        archs = ", ".join("sm_%s" % arch for arch in build.get("cuda_archs") or []) or "no architecture"
+        return "built with CUDA for %s (runtime %s, linked statically)" % (archs, build.get("cuda_runtime_version"))
+    if build.get("hip"):
+        return "built with HIP"
+    return "built without GPU code (CPU parts only)"
+
+
 def render(report: Dict[str, Any]) -> str:
     sections = []
 
@@ -312,7 +322,7 @@ def render(report: Dict[str, Any]) -> str:
     if gpus.get("error"):
         gpu_lines.append("error: %s" % gpus["error"])
     if not gpus["devices"]:
-        gpu_lines.append("none")
+        gpu_lines.append("GPUs visible: none")
     for dev in gpus["devices"]:
         if "error" in dev:
             gpu_lines.append("[%d] error: %s" % (dev["index"], dev["error"]))
@@ -381,7 +391,13 @@ def render(report: Dict[str, Any]) -> str:
     if "error" in build:
         build_lines = ["build info unavailable: %s" % build["error"]]
     else:
-        build_lines = ["%s: %s" % (key, value) for key, value in build.items()]
+        build_lines = ["version %s, compiled with %s" % (build.get("version"), build.get("compiler")),
+                       _built_for(build),
+                       "verbs transport: %s" % ("built in (libibverbs loaded at run time)" if build.get("verbs")
+                                                else "not built (rdma-core's headers were missing)"),
+                       "features: %s" % ", ".join(build.get("features") or ["none"])]
+        if build.get("extension_path"):
+            build_lines.append("extension: %s" % build["extension_path"])
     sections.append(_section("Build", build_lines))
 
     sections.append(_section("Engine", ["%s=%s" % item for item in report["engine"].items()]))
