@@ -56,14 +56,18 @@ def test_report_shows_kernel_host_and_back_to_back_times():
     assert "(kernels 250.0 us, host 288.2 us)" in progress_line(1, 3, both)
     assert progress_line(2, 3, dict(result, host_us=None, correct=False)).endswith("412.5 us, 1.50 GB/s, WRONG")
     header, _, row = table([result]).splitlines()
-    assert "host us" in header and row.split()[-6:] == ["288.2", "-", "1.50", "-", "-", "True"]
+    # Columns with no value in any row are left out; times carry their unit.
+    assert header.split()[-4:] == ["median", "host", "GB/s", "correct"] and "kernel" not in header
+    assert row.split()[-6:] == ["412.5", "us", "288.2", "us", "1.50", "True"]
+    assert "412.5 us" in table([result, dict(result, host_us=None)]) and " - " in table([result, dict(result, host_us=None)])
+    assert "12.5 ms" in table([dict(result, median_us=12_500.0)])
     # The host's time per call when calls go back to back.
     hosted = dict(result, host_back_to_back_us=95.0)
     assert "(host 288.2 us, host back to back 95.0 us)" in progress_line(1, 3, hosted)
     header, _, row = table([hosted]).splitlines()
-    assert "host b2b us" in header and row.split()[-6:-4] == ["288.2", "95.0"]
+    assert "host b2b" in header and row.split()[-6:-2] == ["288.2", "us", "95.0", "us"]
     # DeepEP's timing (calls back to back) beside ours, with its bandwidth.
     timed_both = dict(result, back_to_back_us=300.0, back_to_back_gbps=2.06)
     assert "(host 288.2 us, back to back 300.0 us)" in progress_line(1, 3, timed_both)
     header, _, row = table([timed_both]).splitlines()
-    assert "b2b us" in header and row.split()[-4:-1] == ["1.50", "300.0", "2.06"]
+    assert "b2b GB/s" in header and row.split()[-5:-1] == ["1.50", "300.0", "us", "2.06"]

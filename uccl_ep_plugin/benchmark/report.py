@@ -4,12 +4,16 @@ import json
 import sys
 from typing import Dict, List, TextIO
 
+def time_cell(us: float) -> str:
+    """A time with the unit that fits: microseconds below 10 ms, else milliseconds."""
+    return f"{us:.1f} us" if us < 10_000 else f"{us / 1000:.1f} ms"
+
+
+# (key, title, format string or function) per column; the workload is printed above the table, per mode.
 COLUMNS = (("mode", "mode", "{}"), ("op", "op", "{}"), ("dtype", "dtype", "{}"), ("engine", "engine", "{}"),
-           ("path", "path", "{}"), ("ranks", "EP", "{}"), ("tokens", "tokens", "{}"), ("hidden", "hidden", "{}"),
-           ("topk", "topk", "{}"), ("experts", "experts", "{}"), ("median_us", "median us", "{:.1f}"),
-           ("kernel_us", "kernel us", "{:.1f}"), ("host_us", "host us", "{:.1f}"),
-           ("host_back_to_back_us", "host b2b us", "{:.1f}"),
-           ("gbps", "GB/s", "{:.2f}"), ("back_to_back_us", "b2b us", "{:.1f}"),
+           ("path", "path", "{}"), ("median_us", "median", time_cell), ("kernel_us", "kernel", time_cell),
+           ("host_us", "host", time_cell), ("host_back_to_back_us", "host b2b", time_cell),
+           ("gbps", "GB/s", "{:.2f}"), ("back_to_back_us", "b2b", time_cell),
            ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("correct", "correct", "{}"))
 
 
@@ -29,14 +33,31 @@ def progress_line(index: int, total: int, result: Dict) -> str:
 
 
 def table(results: List[Dict], columns=COLUMNS) -> str:
-    """Right-aligned ``columns`` ((key, title, format) each) under their titles; "-" where a value is None."""
-    rows = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in columns] for r in results]
+    """Right-aligned ``columns`` ((key, title, format) each) under their titles; "-" where a value is None; a
+    column with no value in any row is left out."""
+    def cell(result, key, fmt):
+        value = result.get(key)
+        if value is None:
+            return "-"
+        return fmt(value) if callable(fmt) else fmt.format(value)
+
+    columns = [c for c in columns if any(r.get(c[0]) is not None for r in results)] or list(columns)
+    rows = [[cell(r, key, fmt) for key, _, fmt in columns] for r in results]
     headers = [title for _, title, _ in columns]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     out = [line(headers), line(["-" * w for w in widths])]
     out += [line(row) for row in rows]
     return "\n".join(out)
+
+
+def workloads(results: List[Dict]) -> List[str]:
+    """One line per mode: the ranks and the workload its cases ran."""
+    seen = {}
+    for r in results:
+        seen.setdefault(r["mode"], r)
+    return [f"{mode}: {r['ranks']} ranks, {r['tokens']} tokens per rank, hidden {r['hidden']}, top-{r['topk']} of "
+            f"{r['experts']} experts" for mode, r in seen.items()]
 
 
 def write_json(results: List[Dict], path: str) -> None:
@@ -46,6 +67,7 @@ def write_json(results: List[Dict], path: str) -> None:
 
 
 def print_summary(results: List[Dict], stream: TextIO = sys.stdout) -> None:
+    print("\n".join(workloads(results)) + "\n", file=stream)
     print(table(results), file=stream)
     wrong = [r for r in results if not r["correct"]]
     verdict = "all results correct" if not wrong else f"{len(wrong)} result(s) WRONG"
