@@ -1,7 +1,7 @@
 """Build script of uccl-ep-plugin: the Python package plus the pybind11 extension ``_C``.
 
 Project metadata lives in pyproject.toml; this file only describes what needs code:
-the package layout (``configs/`` and ``integrations/`` are installed as subpackages of
+the package layout (``bench_serving/``, ``configs/`` and ``integrations/`` are installed as subpackages of
 ``uccl_ep_plugin``) and the
 native extension.
 

@@ -11,7 +11,7 @@ import torch
 from tests.multiprocess import run_ranks
 from tests.process_resources import fds_and_threads, settled_fds_and_threads
 from tests.transport_exchange import rdma_devices, skip_without
-from uccl_ep_plugin import _C, destroy_uccl, initialize_uccl
+from uccl_ep_plugin import _C, destroy_uccl, initialize_uccl, notices
 from uccl_ep_plugin.proxies import MODULE_LOADING_ENV, _warn_lazy_loading, proxy_cpus
 
 SCRATCH = 1 << 16
@@ -151,6 +151,7 @@ def test_proxy_cpus_names_the_setting_when_malformed(monkeypatch, text):
 # ---------------------------------------------------------------------------------------- module loading
 @pytest.mark.parametrize("setting,warns", [(None, True), ("LAZY", True), ("EAGER", False), (" eager", False)])
 def test_stand_in_transports_warn_unless_kernels_load_eagerly(monkeypatch, setting, warns):
+    monkeypatch.setattr(notices, "_given", set())   # each case as in a fresh process (the warning is given once)
     if setting is None:
         monkeypatch.delenv(MODULE_LOADING_ENV, raising=False)
     else:

@@ -7,7 +7,6 @@ are checked here, before any communication, so both engines see only valid input
 import functools
 import itertools
 import os
-import warnings
 from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -22,6 +21,7 @@ from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
+from .notices import warn_once
 from .streams import CommStream, StreamScope, current_stream_handle
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
@@ -34,7 +34,6 @@ DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
 _NO_SCOPE = nullcontext()   # a call on the caller's stream: no stream scope
 _MAX_CHECKED_CALLS = 1024
-_warned = set()   # fallback messages already given in this process
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -224,11 +223,8 @@ class Buffer:
             by_reason = {}
             for op, why in fallback.items():
                 by_reason.setdefault(why, []).append(op)
-            message = ("uccl_ep_plugin: the reference engine (plain PyTorch collectives, slow) serves "
-                       + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
-            if message not in _warned:
-                _warned.add(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)   # at the Buffer's construction
+            warn_once("the reference engine (plain PyTorch collectives, slow) serves "
+                      + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
 
     @staticmethod
     def _all_native(choice: engines.EngineChoice, operations) -> bool:
@@ -375,8 +371,7 @@ class Buffer:
     def _warn_normal_fallback(self, error: Exception) -> None:
         if not self._warned_normal_fallback:
             self._warned_normal_fallback = True
-            warnings.warn(f"uccl_ep_plugin: {error}; the reference engine (slow) serves such dispatches and their "
-                          "combines", RuntimeWarning, stacklevel=3)
+            warn_once(f"{error}; the reference engine (slow) serves such dispatches and their combines")
 
     def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool,
                use_comm_stream: bool = True) -> StreamScope:

@@ -21,12 +21,12 @@ import os
 import re
 import threading
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .notices import warn_once
 from .platform_config import resolve_config
 from .platform_config.detect import gpu_pci_address, nearest_rdma_device
 
@@ -56,10 +56,9 @@ def _warn_lazy_loading(transport: str) -> None:
     # waits for the running kernels, and the proxy's copies wait behind it (seen on 2x H200 with tcp: every
     # run stopped at the first dispatch). A NIC moves the bytes without the runtime.
     if not eager_module_loading():
-        warnings.warn(f"uccl_ep_plugin: the {transport} proxy transport copies GPU memory through the CUDA runtime; "
-                      f"with lazy module loading a kernel's first launch while a low-latency call waits on the "
-                      f"proxy can hold those copies until the timeout. Set {MODULE_LOADING_ENV}=EAGER before "
-                      f"CUDA starts.", RuntimeWarning, stacklevel=3)
+        warn_once(f"the {transport} proxy transport copies GPU memory through the CUDA runtime; with lazy module "
+                  f"loading a kernel's first launch while a low-latency call waits on the proxy can hold those copies "
+                  f"until the timeout. Set {MODULE_LOADING_ENV}=EAGER before CUDA starts.")
 
 
 def proxy_transport() -> str:

@@ -342,15 +342,9 @@ std::unique_ptr<PyProxy> proxy_over_verbs(int rank, int num_ranks, int64_t regio
                                           int64_t reorder_seed, double transport_timeout_s, const std::string& device,
                                           int gid_index, int service_level, int traffic_class) {
   const uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
-  uccl_ep::VerbsTransportOptions options;
-  options.device = device;
-  options.gid_index = gid_index;
-  options.service_level = service_level;
-  options.traffic_class = traffic_class;
-  options.reorder_seed = reorder_seed;
-  options.timeout_s = transport_timeout_s;
-  options.max_inflight_bytes = static_cast<int64_t>(c.max_inflight_bytes);
-  options.max_inflight_requests = c.max_inflight_requests();
+  const uccl_ep::VerbsTransportOptions options{device,        gid_index,           service_level,
+                                               traffic_class, reorder_seed,        transport_timeout_s,
+                                               static_cast<int64_t>(c.max_inflight_bytes), c.max_inflight_requests()};
   std::unique_ptr<uccl_ep::VerbsTransport> transport;
   {
     py::gil_scoped_release no_gil;

@@ -168,15 +168,8 @@ class PyVerbsTransport : public PyTransport<uccl_ep::VerbsTransport> {
   PyVerbsTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, const std::string& device,
                    int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s,
                    int64_t max_inflight_bytes, int64_t max_inflight_requests) {
-    uccl_ep::VerbsTransportOptions options;
-    options.max_inflight_bytes = max_inflight_bytes;
-    options.max_inflight_requests = max_inflight_requests;
-    options.device = device;
-    options.gid_index = gid_index;
-    options.service_level = service_level;
-    options.traffic_class = traffic_class;
-    options.reorder_seed = reorder_seed;
-    options.timeout_s = timeout_s;
+    const uccl_ep::VerbsTransportOptions options{device,       gid_index, service_level,      traffic_class,
+                                                 reorder_seed, timeout_s, max_inflight_bytes, max_inflight_requests};
     const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     py::gil_scoped_release no_gil;
     impl_ = std::make_unique<uccl_ep::VerbsTransport>(rank, num_ranks, region, options);

@@ -44,8 +44,9 @@ mark_venv_current() { echo "$STAMP" > "$VENV/.uccl-ci-stamp"; }
 # Installs this repository's package into $VENV and shows what the tests in $1 will import (from there,
 # so the repository's own uccl_ep_plugin/, which has no integrations/, is not the one imported).
 install_plugin() {
-  step "installing uccl-ep-plugin from $REPO"
-  quiet_resolver "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall "$REPO"
+  step "installing uccl-ep-plugin from $REPO (CPU parts only: these tests run no kernel)"
+  UCCL_EP_CPU_ONLY=1 quiet_resolver "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+    --force-reinstall "$REPO"
   (cd "$1" && "$VENV/bin/python" - <<'PY'
 import torch, vllm, uccl_ep_plugin.integrations.vllm as plugin
 print(f"  torch {torch.__version__}, vllm {vllm.__version__}, plugin {plugin.__file__}")
