@@ -18,6 +18,10 @@ from .case import Case
 from .workloads import Workload, normal_bytes, routing
 
 ENGINE = "baseline"
+# The same collectives under the names torch >= 2.13 gives them (the old names warn there); older torch has only
+# the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
@@ -38,14 +42,14 @@ def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, gro
     everyone = torch.cat([x_r for x_r, _, _ in inputs]).to(device)
 
     def all_gather() -> None:
-        dist.all_gather_into_tensor(gathered, x, group=group)
+        _ALL_GATHER(gathered, x, group=group)
 
     partial = torch.empty_like(gathered)
     partial.copy_(everyone)
     reduced = torch.empty_like(x)
 
     def reduce_scatter() -> None:
-        dist.reduce_scatter_tensor(reduced, partial, group=group)
+        _REDUCE_SCATTER(reduced, partial, group=group)
 
     # all_to_all_single: the token copies each rank sends each rank, in destination order.
     def in_rank(idx: torch.Tensor) -> torch.Tensor:
