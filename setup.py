@@ -18,11 +18,11 @@ Environment variables:
                           (default: what nvidia-smi reports for the local GPUs, else 90)
 """
 
+import concurrent.futures
 import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -233,6 +233,18 @@ def make_extension(config):
     )
 
 
+def _run_nvcc(job):
+    """(source, command, the error or None, seconds) of one nvcc run."""
+    source, command = job
+    start = time.monotonic()
+    try:
+        subprocess.run(command, check=True)
+        error = None
+    except (OSError, subprocess.CalledProcessError) as exc:
+        error = exc
+    return source, command, error, time.monotonic() - start
+
+
 class BuildExtWithCuda(build_ext):
     """build_ext that compiles ``*.cu`` sources with nvcc and links their objects in."""
 
@@ -300,7 +312,7 @@ class BuildExtWithCuda(build_ext):
             flags.append(f"-I{include}")
         for name, value in ext.define_macros:
             flags.append(f"-D{name}" if value is None else f"-D{name}={value}")
-        objects = []
+        objects, commands = [], []
         for source in cu_sources:
             obj = Path(self.build_temp) / (os.path.splitext(source)[0] + ".cu.o")
             objects.append(str(obj))
@@ -308,15 +320,17 @@ class BuildExtWithCuda(build_ext):
                 log(f"nvcc: {source} is up to date")
                 continue
             obj.parent.mkdir(parents=True, exist_ok=True)
-            command = [nvcc, "-c", source, "-o", str(obj)] + flags
-            log(f"nvcc: {source} -> {obj} (archs {','.join(CONFIG.archs)})")
-            start = time.monotonic()
-            try:
-                subprocess.run(command, check=True)
-            except (OSError, subprocess.CalledProcessError) as exc:
-                raise SystemExit(f"[uccl-ep build] error: nvcc failed on {source}: {exc}\n"
-                                 f"command: {' '.join(command)}")
-            log(f"nvcc: {source} took {time.monotonic() - start:.1f}s")
+            commands.append((source, [nvcc, "-c", source, "-o", str(obj)] + flags))
+        # The sources compile side by side, as the C++ ones do (UCCL_EP_BUILD_JOBS, default one per core).
+        jobs = int(os.environ.get("UCCL_EP_BUILD_JOBS") or 0) or os.cpu_count() or 1
+        log(f"nvcc: {len(commands)} source(s), {min(jobs, max(len(commands), 1))} at a time "
+            f"(archs {','.join(CONFIG.archs)})")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            for source, command, error, seconds in pool.map(_run_nvcc, commands):
+                if error is not None:
+                    raise SystemExit(f"[uccl-ep build] error: nvcc failed on {source}: {error}\n"
+                                     f"command: {' '.join(command)}")
+                log(f"nvcc: {source} took {seconds:.1f}s")
         return objects
 
 
