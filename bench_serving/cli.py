@@ -4,6 +4,7 @@
 loop over the backends."""
 
 import argparse
+import importlib.util
 import math
 import os
 import subprocess
@@ -74,6 +75,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--backends names a backend twice: {args.backends}")
     if not os.path.exists(args.python):
         raise UsageError(f"--python {args.python}: no such interpreter")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("the plot needs matplotlib: pip install 'uccl-ep-plugin[bench]' (or matplotlib)")
 
 
 def _engine_version(python: str, engine: str) -> str:

@@ -70,7 +70,7 @@ def test_table_ratios_and_a_backend_that_did_not_serve(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, message", [
+_BAD = [
     (["--parallel", "0"], "--parallel must be at least 1"),
     (["--request-rate", "0"], "--request-rate must be > 0"),
     (["--env", "NOEQUALS"], "--env 'NOEQUALS': expected KEY=VALUE"),
@@ -78,7 +78,18 @@ def test_table_ratios_and_a_backend_that_did_not_serve(tmp_path):
     (["--backends", " , "], "names no backend"),
     (["--python", "/no/such/python"], "no such interpreter"),
     (["--engine", "vllm", "--python", __import__("sys").executable], "cannot import vllm"),
-])
+]
+
+
+def test_without_matplotlib_it_says_so_before_starting(capsys, tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["--model", "m", "--out", str(tmp_path / "out")]) == 2
+    assert "the plot needs matplotlib" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", _BAD)
 def test_bad_arguments_are_one_line_naming_them(argv, message, capsys, tmp_path):
     code = main(["--model", "m", "--out", str(tmp_path / "out"), *argv])
     err = capsys.readouterr().err
