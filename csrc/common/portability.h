@@ -10,6 +10,11 @@
 #include <stdexcept>
 #include <string>
 
+// HIP: hipcc compiling device code, or the host sources of a HIP build (setup.py defines UCCL_EP_WITH_HIP).
+#if defined(__HIPCC__) || defined(UCCL_EP_WITH_HIP)
+#define UCCL_EP_HIP 1
+#endif
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define UCCL_EP_DEVICE_COMPILER 1
 #define UCCL_EP_HOST_DEVICE __host__ __device__
@@ -21,7 +26,7 @@
 // (UCCL_EP_HOST_DEVICE, the host memory-order helpers).
 #if defined(UCCL_EP_DEVICE_COMPILER) || defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #define UCCL_EP_GPU_RUNTIME 1
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
 #include <hip/hip_runtime.h>
 #else
 #include <cuda.h>  // driver API types and enums only (its functions are looked up at run time)
@@ -45,7 +50,7 @@ inline uint64_t host_fetch_add_relaxed(uint64_t* addr, uint64_t value) {
 // ---------------------------------------------------------------------------------------
 // Runtime API names that differ between CUDA and HIP.
 // ---------------------------------------------------------------------------------------
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
 using gpuStream_t = hipStream_t;
 using gpuEvent_t = hipEvent_t;
 using gpuError_t = hipError_t;
@@ -202,7 +207,7 @@ inline gpuError_t gpu_copy_batch_async(void* const* dsts, const void* const* src
 
 // Threads per warp (NVIDIA) or wavefront (AMD). AMD's compiler tells the device pass the
 // wavefront size; the host pass assumes CDNA's 64.
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
 #if defined(__AMDGCN_WAVEFRONT_SIZE)
 constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
 #else
@@ -274,7 +279,7 @@ class CurrentDevice {
 // Loads and stores on memory that the CPU (or a peer GPU) reads: system scope, so they are
 // ordered with respect to the host's accesses to mapped pinned memory.
 __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* addr) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   return __hip_atomic_load(addr, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   uint64_t value;
@@ -284,7 +289,7 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t* addr) {
 }
 
 __device__ __forceinline__ void store_release_system(uint64_t* addr, uint64_t value) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __hip_atomic_store(addr, value, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
@@ -292,7 +297,7 @@ __device__ __forceinline__ void store_release_system(uint64_t* addr, uint64_t va
 }
 
 __device__ __forceinline__ void store_relaxed_system(uint64_t* addr, uint64_t value) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __hip_atomic_store(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
@@ -301,7 +306,7 @@ __device__ __forceinline__ void store_relaxed_system(uint64_t* addr, uint64_t va
 
 // Nanoseconds of a device-wide clock (for deadlines, not for comparing with the host).
 __device__ __forceinline__ uint64_t device_time_ns() {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   return wall_clock64() * 10;  // the 100 MHz constant clock of CDNA
 #else
   uint64_t ns;
@@ -311,7 +316,7 @@ __device__ __forceinline__ uint64_t device_time_ns() {
 }
 
 __device__ __forceinline__ void device_pause() {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __builtin_amdgcn_s_sleep(1);
 #else
   __nanosleep(64);
@@ -319,7 +324,7 @@ __device__ __forceinline__ void device_pause() {
 }
 
 __device__ __forceinline__ uint64_t fetch_add_device_relaxed(uint64_t* addr, uint64_t value) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   return __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 #else
   return atomicAdd(reinterpret_cast<unsigned long long*>(addr), static_cast<unsigned long long>(value));
@@ -329,7 +334,7 @@ __device__ __forceinline__ uint64_t fetch_add_device_relaxed(uint64_t* addr, uin
 // Relaxed atomic add whose scope is the thread block: enough for shared-memory counters,
 // and cheaper than device scope where the hardware distinguishes them.
 __device__ __forceinline__ void atomic_add_block_relaxed(int* addr, int value) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 #else
   atomicAdd_block(addr, value);
@@ -338,7 +343,7 @@ __device__ __forceinline__ void atomic_add_block_relaxed(int* addr, int value) {
 
 // Relaxed atomic add visible device-wide (global counters summed over thread blocks).
 __device__ __forceinline__ void atomic_add_device_relaxed(int* addr, int value) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __hip_atomic_fetch_add(addr, value, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 #else
   atomicAdd(addr, value);
@@ -347,7 +352,7 @@ __device__ __forceinline__ void atomic_add_device_relaxed(int* addr, int value) 
 
 // Relaxed atomic OR on a word the thread block shares; returns the previous value.
 __device__ __forceinline__ uint32_t atomic_or_block_relaxed(uint32_t* addr, uint32_t bits) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   return __hip_atomic_fetch_or(addr, bits, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
 #else
   return atomicOr_block(addr, bits);
@@ -357,7 +362,7 @@ __device__ __forceinline__ uint32_t atomic_or_block_relaxed(uint32_t* addr, uint
 // Barrier among `num_threads` threads (whole warps) of the block that use barrier `id`
 // (1..15; 0 is __syncthreads'), so independent warp groups of one block sync separately.
 __device__ __forceinline__ void group_barrier(int id, int num_threads) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   (void)id;
   (void)num_threads;
   __syncthreads();  // HIP has no named barriers: callers keep their groups in step
@@ -368,7 +373,7 @@ __device__ __forceinline__ void group_barrier(int id, int num_threads) {
 
 // Lanes below this one, as a bit mask (for ballot-based compaction).
 __device__ __forceinline__ uint32_t lanes_below_mask() {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   return static_cast<uint32_t>((1ull << (threadIdx.x % kWarpSize)) - 1);
 #else
   uint32_t mask;
@@ -390,7 +395,7 @@ __device__ __forceinline__ uint8_t load_volatile_u8(const uint8_t* addr) {
 
 // Compare-and-swap visible to the host (mapped pinned memory); returns the old value.
 __device__ __forceinline__ int32_t compare_and_swap_system(int32_t* addr, int32_t expected, int32_t desired) {
-#if defined(__HIP_PLATFORM_AMD__)
+#if defined(UCCL_EP_HIP)
   __hip_atomic_compare_exchange_strong(addr, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
                                        __HIP_MEMORY_SCOPE_SYSTEM);
   return expected;
