@@ -307,7 +307,7 @@ __device__ __forceinline__ void store_relaxed_system(uint64_t* addr, uint64_t va
 // Nanoseconds of a device-wide clock (for deadlines, not for comparing with the host).
 __device__ __forceinline__ uint64_t device_time_ns() {
 #if defined(UCCL_EP_HIP)
-  return wall_clock64() * 10;  // the 100 MHz constant clock of CDNA
+  return __builtin_amdgcn_s_memrealtime() * 10;  // the 100 MHz constant clock of CDNA
 #else
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
@@ -385,7 +385,11 @@ __device__ __forceinline__ uint32_t lanes_below_mask() {
 // 16-byte load that skips the SM's L1: for data a peer GPU wrote into this GPU's memory,
 // read after an acquire of the flag that announced it.
 __device__ __forceinline__ int4 load_l2_16(const void* addr) {
+#if defined(UCCL_EP_HIP)
+  return *reinterpret_cast<const int4*>(addr);  // the acquire before it invalidated the CU's L1 already
+#else
   return __ldcg(reinterpret_cast<const int4*>(addr));
+#endif
 }
 
 // A byte another agent may change while this thread polls it.
