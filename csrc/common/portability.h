@@ -190,7 +190,7 @@ inline gpuError_t gpu_load_kernel(const void* kernel) {
 // runtime has it (CUDA 13; 12.8's cudaMemcpyBatchAsync takes other arguments), else one after another.
 inline gpuError_t gpu_copy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
                                        gpuStream_t stream) {
-#if !defined(__HIP_PLATFORM_AMD__) && CUDART_VERSION >= 13000
+#if !defined(UCCL_EP_HIP) && CUDART_VERSION >= 13000
   if (count == 0) return kGpuSuccess;
   cudaMemcpyAttributes attributes{};
   attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
