@@ -215,3 +215,31 @@ def test_quiet_on_gpu_setting(monkeypatch):
     monkeypatch.setenv(QUIET_ON_GPU_ENV, "maybe")
     with pytest.raises(ValueError, match="UCCL_EP_PROXY_QUIET_ON_GPU='maybe'"):
         _flag_setting(QUIET_ON_GPU_ENV, True)
+
+
+def test_ranks_must_send_counter_adds_the_same_way():
+    from uccl_ep_plugin.proxies import _require_same_counter_adds
+    _require_same_counter_adds(0, [True, True])
+    _require_same_counter_adds(1, [False, False, False])
+    with pytest.raises(ValueError, match=r"rank 2: ranks \[0, 2\] would send .* ranks \[1\] as immediates"):
+        _require_same_counter_adds(2, [True, False, True])
+
+
+def _mixed_atomics_body(rank: int, num_ranks: int, group) -> None:
+    os.environ["UCCL_EP_PROXY_TRANSPORT"] = "verbs"
+    devices = rdma_devices()
+    os.environ["UCCL_IB_HCA"] = devices[rank % len(devices)]
+    os.environ["UCCL_IB_NATIVE_ATOMICS"] = "1" if rank == 0 else "0"
+    before = fds_and_threads()
+    scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="every rank must use the same UCCL_IB_NATIVE_ATOMICS"):
+        initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
+    after = settled_fds_and_threads(before)
+    assert after[0] <= before[0] and after[1] <= before[1], f"the refused start left something: {before} -> {after}"
+
+
+def test_verbs_ranks_that_disagree_on_native_atomics_are_refused():
+    """Over verbs (soft-RoCE in tests/soft_roce's guest) a rank with UCCL_IB_NATIVE_ATOMICS=0 beside one with 1: every
+    rank raises before any request, and nothing is left behind."""
+    skip_without("verbs", 0)
+    run_ranks(2, _mixed_atomics_body)

@@ -128,6 +128,17 @@ def _load_extension():
     return _C
 
 
+def _require_same_counter_adds(rank: int, native_by_rank: Sequence[bool]) -> None:
+    """Every rank sends counter adds the same way (a NIC's atomic and a host atomic on one word are not atomic with
+    each other); else a ValueError on every rank naming the ranks of each way."""
+    if len(set(native_by_rank)) > 1:
+        native = [r for r, n in enumerate(native_by_rank) if n]
+        emulated = [r for r, n in enumerate(native_by_rank) if not n]
+        raise ValueError(f"rank {rank}: ranks {native} would send counter adds as the NIC's atomics and ranks "
+                         f"{emulated} as immediates; every rank must use the same UCCL_IB_NATIVE_ATOMICS, reorder "
+                         f"injection setting and kind of NIC")
+
+
 class ProxyThreads:
     """The FIFOs and proxy threads of one rank. Collective: every rank of ``group`` constructs one.
 
@@ -173,9 +184,10 @@ class ProxyThreads:
                                                         device=verbs_device(gpu), **options)
             else:
                 raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
-            addresses = [None] * num_ranks
-            dist.all_gather_object(addresses, self.proxy.listen_address(), group=group)
-            self.proxy.connect(addresses)
+            records = [None] * num_ranks
+            dist.all_gather_object(records, (self.proxy.listen_address(), self.proxy.native_atomics), group=group)
+            _require_same_counter_adds(rank, [native for _, native in records])
+            self.proxy.connect([address for address, _ in records])
             dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
             self.proxy.start()
         except BaseException:

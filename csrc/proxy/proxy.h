@@ -143,6 +143,9 @@ class Proxy {
   bool idle() const;
   ProxyStats stats() const;
   const ProxyConfig& config() const { return config_; }
+  // Whether plain counter adds go as the transport's own atomics (else as immediates). Every rank must agree:
+  // a NIC's atomic and a host atomic on one word are not atomic with each other.
+  bool native_atomics() const { return native_atomics_; }
   const ReceiverOrdering& ordering() const { return ordering_; }
 
  private:

@@ -588,6 +588,9 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
       .def_property_readonly("quiets_done", [](PyProxy& p) { return p.proxy().quiets_done(); })
       .def_property_readonly("inflight_requests", [](PyProxy& p) { return p.proxy().inflight_requests(); })
       .def_property_readonly("transport_outstanding", [](PyProxy& p) { return p.transport().outstanding(); })
+      .def_property_readonly("native_atomics", [](PyProxy& p) { return p.proxy().native_atomics(); },
+                             "Whether plain counter adds go as the transport's own atomics (else as immediates); "
+                             "every rank must agree.")
       .def_property_readonly("idle", [](PyProxy& p) { return p.proxy().idle(); },
                              "Every published command taken and executed, and every request it posted completed.")
       .def_property_readonly("reorder_seed",
