@@ -243,3 +243,23 @@ def test_verbs_ranks_that_disagree_on_native_atomics_are_refused():
     rank raises before any request, and nothing is left behind."""
     skip_without("verbs", 0)
     run_ranks(2, _mixed_atomics_body)
+
+
+def _verbs_without_a_device_body(rank: int, num_ranks: int, group) -> None:
+    os.environ["UCCL_EP_PROXY_TRANSPORT"] = "verbs"
+    before = fds_and_threads()
+    scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="no RDMA device found.*UCCL_EP_PROXY_TRANSPORT=tcp"):
+        initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
+    after = settled_fds_and_threads(before)
+    assert after[0] <= before[0] and after[1] <= before[1], f"the refused start left something: {before} -> {after}"
+
+
+def test_verbs_without_an_rdma_device_says_what_to_do():
+    """UCCL_EP_PROXY_TRANSPORT=verbs on a host without RDMA devices: each rank raises naming the alternative, before
+    any exchange, and leaves nothing behind."""
+    if "verbs_transport" not in _C.build_info()["features"]:
+        pytest.skip("the extension was built without the verbs transport")
+    if rdma_devices():
+        pytest.skip("this host has RDMA devices")
+    run_ranks(2, _verbs_without_a_device_body)
