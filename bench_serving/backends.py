@@ -22,13 +22,9 @@ SERVER_MODULES = {"vllm": VLLM_SERVER, "sglang": SGLANG_SERVER}
 @dataclass(frozen=True)
 class Backend:
     engine: str
-    name: str
+    name: str   # as rows and files name it (the baseline's with its size: tp2)
     #: Server arguments that select it (besides the model and the user's own arguments).
     args: Tuple[str, ...]
-
-    @property
-    def label(self) -> str:
-        return self.name
 
 
 def backend(engine: str, name: str, parallel: int, baseline_tp: int) -> Backend:

@@ -110,19 +110,19 @@ def run(args: argparse.Namespace) -> int:
         server_args = [model_flag, args.model, "--served-model-name", served_name, *spec.args, *args.server_arg]
         settings = {"server_args": server_args, "env": env, "parallel": args.parallel,
                     "requests": dict(vars(requests), request_rate=str(requests.request_rate))}
-        current = Run(spec.label, args.engine, version, settings,
-                      logs={"server": str(out / "logs" / f"{spec.label}-server.log"),
-                            "client": str(out / "logs" / f"{spec.label}-client.log")})
+        current = Run(spec.name, args.engine, version, settings,
+                      logs={"server": str(out / "logs" / f"{spec.name}-server.log"),
+                            "client": str(out / "logs" / f"{spec.name}-client.log")})
         started = time.monotonic()
-        print(f"[{index + 1}/{len(names)}] {spec.label}: starting the server", flush=True)
+        print(f"[{index + 1}/{len(names)}] {spec.name}: starting the server", flush=True)
         server = ServerProcess(args.python, SERVER_MODULES[args.engine], server_args, Path(current.logs["server"]),
-                               env=env, name=spec.label)
+                               env=env, name=spec.name)
         try:
             server.start()
             seconds = server.wait_healthy(args.health_timeout)
-            print(f"[{index + 1}/{len(names)}] {spec.label}: healthy after {seconds:.0f} s; "
+            print(f"[{index + 1}/{len(names)}] {spec.name}: healthy after {seconds:.0f} s; "
                   f"sending {requests.num_prompts} requests", flush=True)
-            result = out / f"{index:02d}-{spec.label}-client.json"
+            result = out / f"{index:02d}-{spec.name}-client.json"
             run_client(client_command(args.engine, args.python, server.url(), served_name, args.tokenizer or args.model,
                                       requests, result), Path(current.logs["client"]), args.client_timeout)
             current.metrics = read_metrics(args.engine, result, requests)
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(current, out, index)
         what = (f"{current.metrics.output_throughput:.1f} output tokens/s, {current.metrics.failed} failed"
                 if current.served else "not served: " + current.error.splitlines()[0])
-        print(f"[{index + 1}/{len(names)}] {spec.label}: {what} ({time.monotonic() - started:.0f} s)", flush=True)
+        print(f"[{index + 1}/{len(names)}] {spec.name}: {what} ({time.monotonic() - started:.0f} s)", flush=True)
     text = table(runs)
     (out / "table.txt").write_text(text + "\n")
     print("\n" + text)

@@ -20,7 +20,7 @@ def test_backend_arguments():
     assert backend("vllm", "uccl_high_throughput", 4, 1).args == (
         "--data-parallel-size", "4", "--enable-expert-parallel", "--all2all-backend", "uccl_high_throughput")
     tp = backend("vllm", "tp", 4, 2)
-    assert tp.label == "tp2" and tp.args == ("--tensor-parallel-size", "2")
+    assert tp.name == "tp2" and tp.args == ("--tensor-parallel-size", "2")
     assert backend("sglang", "uccl", 8, 1).args == ("--tp-size", "8", "--ep-size", "8", "--moe-a2a-backend", "uccl")
     assert backend("sglang", "tp", 8, 8).args == ("--tp-size", "8")
     with pytest.raises(ValueError, match="engine 'trt'"):

@@ -30,6 +30,14 @@ def _wait(predicate, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.001)
 
 
+def _assert_nothing_left(before, what: str) -> None:
+    """No more descriptors or threads than ``before`` (fewer is possible: a forked rank may close descriptors it
+    inherited)."""
+    after = settled_fds_and_threads(before)
+    assert after[0] <= before[0] and after[1] <= before[1], \
+        f"{what} left a thread or descriptor behind: (fds, threads) {before} before, {after} after"
+
+
 def _exchange_body(rank: int, num_ranks: int, group, transport: str) -> None:
     import torch.distributed as dist
     os.environ["UCCL_EP_PROXY_TRANSPORT"] = transport
@@ -66,10 +74,7 @@ def _exchange_body(rank: int, num_ranks: int, group, transport: str) -> None:
         destroy_uccl(proxies, workers)
         destroy_uccl(proxies, workers)     # idempotent
         assert not proxies[0].running
-        # Nothing more than before (fewer is possible: a forked rank may close descriptors it inherited).
-        after = settled_fds_and_threads(before)
-        assert after[0] <= before[0] and after[1] <= before[1], \
-            f"destroy_uccl left a thread or descriptor behind: (fds, threads) {before} before, {after} after"
+        _assert_nothing_left(before, "destroy_uccl")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "verbs"])
@@ -225,34 +230,25 @@ def test_ranks_must_send_counter_adds_the_same_way():
         _require_same_counter_adds(2, [True, False, True])
 
 
-def _mixed_atomics_body(rank: int, num_ranks: int, group) -> None:
-    os.environ["UCCL_EP_PROXY_TRANSPORT"] = "verbs"
-    devices = rdma_devices()
-    os.environ["UCCL_IB_HCA"] = devices[rank % len(devices)]
-    os.environ["UCCL_IB_NATIVE_ATOMICS"] = "1" if rank == 0 else "0"
+def _refused_start_body(rank: int, num_ranks: int, group, envs, error, match) -> None:
+    """initialize_uccl with ``envs[rank]`` set raises ``error`` matching ``match`` and leaves nothing behind."""
+    os.environ.update(envs[rank])
     before = fds_and_threads()
     scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="every rank must use the same UCCL_IB_NATIVE_ATOMICS"):
+    with pytest.raises(error, match=match):
         initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
-    after = settled_fds_and_threads(before)
-    assert after[0] <= before[0] and after[1] <= before[1], f"the refused start left something: {before} -> {after}"
+    _assert_nothing_left(before, "the refused start")
 
 
 def test_verbs_ranks_that_disagree_on_native_atomics_are_refused():
     """Over verbs (soft-RoCE in tests/soft_roce's guest) a rank with UCCL_IB_NATIVE_ATOMICS=0 beside one with 1: every
     rank raises before any request, and nothing is left behind."""
     skip_without("verbs", 0)
-    run_ranks(2, _mixed_atomics_body)
-
-
-def _verbs_without_a_device_body(rank: int, num_ranks: int, group) -> None:
-    os.environ["UCCL_EP_PROXY_TRANSPORT"] = "verbs"
-    before = fds_and_threads()
-    scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="no RDMA device found.*UCCL_EP_PROXY_TRANSPORT=tcp"):
-        initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
-    after = settled_fds_and_threads(before)
-    assert after[0] <= before[0] and after[1] <= before[1], f"the refused start left something: {before} -> {after}"
+    devices = rdma_devices()
+    envs = [{"UCCL_EP_PROXY_TRANSPORT": "verbs", "UCCL_IB_HCA": devices[rank % len(devices)],
+             "UCCL_IB_NATIVE_ATOMICS": "1" if rank == 0 else "0"} for rank in range(2)]
+    run_ranks(2, _refused_start_body, envs=envs, error=ValueError,
+              match="every rank must use the same UCCL_IB_NATIVE_ATOMICS")
 
 
 def test_verbs_without_an_rdma_device_says_what_to_do():
@@ -262,4 +258,5 @@ def test_verbs_without_an_rdma_device_says_what_to_do():
         pytest.skip("the extension was built without the verbs transport")
     if rdma_devices():
         pytest.skip("this host has RDMA devices")
-    run_ranks(2, _verbs_without_a_device_body)
+    run_ranks(2, _refused_start_body, envs=[{"UCCL_EP_PROXY_TRANSPORT": "verbs"}] * 2, error=RuntimeError,
+              match="no RDMA device found.*UCCL_EP_PROXY_TRANSPORT=tcp")
