@@ -28,6 +28,7 @@ SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"
 SM_PUSH_ENV = "UCCL_EP_NORMAL_SM_PUSH_PERCENT"
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"
+LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"
 HOST_COUNTS = "_uccl_ep_host_counts"   # where the native engine keeps the counts the copy engines need
 NATIVE_NVL_BYTES = 1 << 30
 MISSING_PEER_TIMEOUT_S = 3.0
@@ -354,6 +355,58 @@ def _streams_body(rank: int, num_ranks: int, group) -> None:
         reference.destroy()
 
 
+def _back_to_back_body(rank: int, num_ranks: int, group, launch_thread: str) -> None:
+    """Calls queued back to back with no host sync (the launcher's thread still queuing the last one's copies
+    when the next call comes), each call's outputs cloned on the caller's stream right after it: every clone
+    equals the reference engine's result. Then the Buffer is destroyed with the last calls' work in flight."""
+    import uccl_ep_plugin as ep
+    device = rank_device(rank)
+    torch.cuda.set_device(device)
+    cases = (Case("b2b_bf16_h4096_k8_e64", 4096, 8, 64, (1500, 900)),
+             Case("b2b_fp8_h7168_k8_e256", 7168, 8, 256, (700, 1100), fp8=True))
+    with environment(LAUNCH_THREAD_ENV, launch_thread):
+        native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+    reference = _make_buffer(group, "reference", 0)
+    steps = []
+    for seed in range(6):
+        case = cases[seed % len(cases)]
+        x, topk_idx, topk_weights, gen = _inputs(case, rank, 300 + seed, device)
+        x2 = _inputs(case, rank, 400 + seed, device)[0]
+        layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
+        want = _dispatch(reference, x, layout, topk_idx, topk_weights, case)
+        rows = want[0][0].size(0) if case.fp8 else want[0].size(0)
+        expert_out = (torch.randn((rows, case.hidden), generator=gen) + 0.5).to(torch.bfloat16).to(device)
+        want_cached = reference.dispatch(x2, handle=want[4], config=ep.Config(num_sms=case.num_sms))[0]
+        want_combined = _combine(reference, expert_out, want[4], want[2], [], case, rank)[:2]
+        steps.append((case, x, x2, topk_idx, topk_weights, layout, expert_out, want[:3], want_cached, want_combined))
+    torch.cuda.synchronize(device)
+    dist.barrier(group)
+    clones = []
+    try:
+        _poison_allocator(device)
+        for case, x, x2, topk_idx, topk_weights, layout, expert_out, *_ in steps:
+            got = _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            received = [t.clone() if isinstance(t, torch.Tensor) else tuple(u.clone() for u in t) for t in got[:3]]
+            cached = native.dispatch(x2, handle=got[4], config=ep.Config(num_sms=case.num_sms))[0]
+            cached = cached.clone() if isinstance(cached, torch.Tensor) else tuple(u.clone() for u in cached)
+            combined = _combine(native, expert_out, got[4], got[2], [], case, rank)
+            clones.append((received, cached, (combined[0].clone(), combined[1].clone())))
+        torch.cuda.synchronize(device)
+        for step, ((*_, want, want_cached, want_combined), (received, cached, combined)) in enumerate(
+                zip(steps, clones)):
+            _assert_equal(received, want, f"back to back {step}: dispatch")
+            _assert_equal(cached, want_cached, f"back to back {step}: cached dispatch")
+            _assert_equal(combined, want_combined, f"back to back {step}: combine")
+        # Work still in flight: destroy() waits for the launch thread, then frees.
+        for case, x, _, topk_idx, topk_weights, layout, expert_out, *_ in steps[:2]:
+            got = _dispatch(native, x, layout, topk_idx, topk_weights, case)
+            _combine(native, expert_out, got[4], got[2], [], case, rank)
+    finally:
+        native.destroy()
+        reference.destroy()
+    torch.cuda.synchronize(device)
+
+
 def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
     """Rank 0 runs out of device memory for its outputs once its dispatch read the counts (torch's allocator is
     capped just above what it holds: the handle's small block still fits, the rows' do not): its dispatch raises,
@@ -571,6 +624,11 @@ def test_native_normal_cuda_graph_with_worst_tokens():
 
 def test_native_normal_stream_semantics():
     run_ranks(RANKS, _streams_body, backend="nccl")
+
+
+@pytest.mark.parametrize("launch_thread", ["on", "off"])
+def test_native_normal_back_to_back_without_sync(launch_thread):
+    run_ranks(RANKS, _back_to_back_body, backend="nccl", launch_thread=launch_thread)
 
 
 def test_native_normal_failed_allocation_ends_the_exchange():

@@ -92,11 +92,24 @@ inline gpuError_t gpu_host_alloc_mapped(void** host, void** device, size_t bytes
 inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return hipMalloc(pointer, bytes); }
 inline gpuError_t gpu_device_free(void* pointer) { return hipFree(pointer); }
 inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return hipMemset(pointer, value, bytes); }
+inline gpuError_t gpu_memset_async(void* pointer, int value, size_t bytes, gpuStream_t stream) {
+  return hipMemsetAsync(pointer, value, bytes, stream);
+}
+inline gpuError_t gpu_stream_synchronize(gpuStream_t stream) { return hipStreamSynchronize(stream); }
 inline bool gpu_stream_waits_supported(int /*device*/) { return true; }
 // `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
 // kernel and no timeout: whoever gives up on the writer must raise the word itself.
 inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, uint64_t value) {
   return hipStreamWaitValue64(stream, word, value, hipStreamWaitValueGte, ~0ull);
+}
+inline gpuError_t gpu_stream_write_word(gpuStream_t stream, uint64_t* word, uint64_t value) {
+  return hipStreamWriteValue64(stream, word, value, 0);
+}
+inline gpuError_t gpu_stream_capturing(gpuStream_t stream, bool* capturing) {
+  hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+  const gpuError_t error = hipStreamIsCapturing(stream, &status);
+  *capturing = status != hipStreamCaptureStatusNone;
+  return error;
 }
 inline gpuError_t gpu_load_kernel(const void* kernel) {
   hipFuncAttributes attributes;
@@ -146,6 +159,10 @@ inline gpuError_t gpu_host_alloc_mapped(void** host, void** device, size_t bytes
 inline gpuError_t gpu_device_alloc(void** pointer, size_t bytes) { return cudaMalloc(pointer, bytes); }
 inline gpuError_t gpu_device_free(void* pointer) { return cudaFree(pointer); }
 inline gpuError_t gpu_memset(void* pointer, int value, size_t bytes) { return cudaMemset(pointer, value, bytes); }
+inline gpuError_t gpu_memset_async(void* pointer, int value, size_t bytes, gpuStream_t stream) {
+  return cudaMemsetAsync(pointer, value, bytes, stream);
+}
+inline gpuError_t gpu_stream_synchronize(gpuStream_t stream) { return cudaStreamSynchronize(stream); }
 // Stream memory operations come from the driver API, looked up at run time: the extension links
 // only the static runtime.
 namespace detail {
@@ -178,6 +195,22 @@ inline gpuError_t gpu_stream_wait_at_least(gpuStream_t stream, uint64_t* word, u
   return wait(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS
              ? cudaSuccess
              : cudaErrorUnknown;
+}
+// `stream` writes `value` into the device word once the work before it is done (no kernel).
+inline gpuError_t gpu_stream_write_word(gpuStream_t stream, uint64_t* word, uint64_t value) {
+  using WriteValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  static const WriteValue64 write = detail::driver_function<WriteValue64>("cuStreamWriteValue64");
+  if (write == nullptr) return cudaErrorNotSupported;
+  return write(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS
+             ? cudaSuccess
+             : cudaErrorUnknown;
+}
+// Whether work queued on `stream` now goes into a graph being captured rather than running.
+inline gpuError_t gpu_stream_capturing(gpuStream_t stream, bool* capturing) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const gpuError_t error = cudaStreamIsCapturing(stream, &status);
+  *capturing = status != cudaStreamCaptureStatusNone;
+  return error;
 }
 // Loads `kernel` into the current device's context now (see gpu_load_kernels).
 inline gpuError_t gpu_load_kernel(const void* kernel) {

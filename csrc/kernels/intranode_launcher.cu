@@ -9,12 +9,13 @@
 namespace uccl_ep {
 
 NormalLauncher::NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state,
-                               int device, bool rows_by_copy_engine)
+                               int device, bool rows_by_copy_engine, bool launch_thread)
     : region_(region),
       copy_engine_(copy_engine),
       state_(state),
       device_(device),
-      rows_by_copy_engine_(rows_by_copy_engine) {
+      rows_by_copy_engine_(rows_by_copy_engine),
+      launch_thread_(device, region.rank, region.timeout_ns * 1e-9 + 5.0, launch_thread) {
   require(copy_engine != nullptr && state != nullptr, "NormalLauncher needs a copy engine and a state");
 }
 
@@ -53,6 +54,8 @@ bool NormalLauncher::copy_engine_fits(const NormalHostCounts* host_counts, Norma
 NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, const NormalOutputsAllocator& allocate,
                                               gpuStream_t stream) {
   NormalDispatchResult result;
+  launch_thread_.join();  // the engine's streams and state are this thread's again
+  if (rows_by_copy_engine_ && q.num_worst_tokens == 0) launch_thread_.wake();  // awake when the rows are known
   if (failed()) {
     result.status = NormalCallStatus::kFailed;
     return result;
@@ -156,45 +159,61 @@ void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocat
     args.recv_topk_idx = outputs.recv_topk_idx;
     args.recv_topk_weights = outputs.recv_topk_weights;
     args.recv_src_idx = outputs.recv_src_idx;
-    if (!by_copy_engine) {
-      launch_normal_dispatch(args, stream);
-      return;
-    }
-    copy_engine_->pull_rows(args, rank_prefix_matrix, stream);
   } catch (...) {
     // The peers wait for this rank's end of a copy-engine exchange (an SM exchange times out there).
     if (by_copy_engine) copy_engine_->abandon_receive(region_, stream);
     throw;
   }
-  copy_engine_->receive_rest(args, stream);  // ends the exchange whatever happens
+  if (!by_copy_engine) {
+    launch_normal_dispatch(args, stream);
+    return;
+  }
+  launch_thread_.run_on(stream, "dispatch", [this, args, rank_prefix_matrix](gpuStream_t work_stream) {
+    try {
+      copy_engine_->pull_rows(args, rank_prefix_matrix, work_stream);
+    } catch (...) {
+      copy_engine_->abandon_receive(region_, work_stream);
+      throw;
+    }
+    copy_engine_->receive_rest(args, work_stream);  // ends the exchange whatever happens
+  });
 }
 
 NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args, int64_t combine_row_bytes,
                                                  const NormalHostCounts* host_counts, gpuStream_t stream) {
+  launch_thread_.join();
   if (failed()) return NormalCallStatus::kFailed;
   const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
   const bool by_copy_engine =
       copy_engine_fits(host_counts, NormalRowBytes{combine_row_bytes, 0, args.num_topk}, &dispatch_rows);
   const CurrentDevice on_device(device_);
-  if (by_copy_engine) {
-    copy_engine_->dispatch(args, host_counts->rank_prefix_matrix, stream);
-  } else {
+  if (!by_copy_engine) {
     launch_normal_dispatch(args, stream);
+    return NormalCallStatus::kDone;
   }
+  // The counts by value: the handle that holds them may go before the thread uses them.
+  launch_thread_.run_on(stream, "cached dispatch",
+                        [this, args, prefix = host_counts->rank_prefix_matrix](gpuStream_t work_stream) {
+                          copy_engine_->dispatch(args, prefix, work_stream);
+                        });
   return NormalCallStatus::kDone;
 }
 
 NormalCallStatus NormalLauncher::combine(const NormalCombineArgs& args, const NormalHostCounts* host_counts,
                                          gpuStream_t stream) {
+  launch_thread_.join();
   if (failed()) return NormalCallStatus::kFailed;
   const bool by_copy_engine =
       copy_engine_fits(host_counts, NormalRowBytes{2 * static_cast<int64_t>(args.hidden), 0, args.num_topk}, nullptr);
   const CurrentDevice on_device(device_);
-  if (by_copy_engine) {
-    copy_engine_->combine(args, host_counts->rank_prefix_matrix, stream);
-  } else {
+  if (!by_copy_engine) {
     launch_normal_combine(args, stream);
+    return NormalCallStatus::kDone;
   }
+  launch_thread_.run_on(stream, "combine",
+                        [this, args, prefix = host_counts->rank_prefix_matrix](gpuStream_t work_stream) {
+                          copy_engine_->combine(args, prefix, work_stream);
+                        });
   return NormalCallStatus::kDone;
 }
 

@@ -1,7 +1,9 @@
 // A normal-mode operation in one host call: the failure check, the checks that the exchange fits
 // num_nvl_bytes, the choice between copy engines and SMs, and the launches, so that a Buffer
 // operation crosses from Python into the extension once. The send layout and notify, the count
-// read and the row movement are those of intranode.h and intranode_copy.h.
+// read and the row movement are those of intranode.h and intranode_copy.h. The copy engines'
+// many calls after the outputs exist go to a LaunchThread (launch_thread.h): the call returns
+// once the outputs exist, and the caller's stream waits for those calls' work.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include "common/portability.h"
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
+#include "kernels/launch_thread.h"
 #include "kernels/low_latency_state.h"
 
 namespace uccl_ep {
@@ -74,9 +77,10 @@ struct NormalDispatchResult {
 class NormalLauncher {
  public:
   // copy_engine reads every dispatch's counts and, with rows_by_copy_engine, carries the rows;
-  // state holds the failure record the kernels write. Both outlive the launcher.
+  // state holds the failure record the kernels write. Both outlive the launcher. launch_thread: the
+  // copy engines' calls after the outputs exist go to a LaunchThread (else this thread makes them).
   NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state, int device,
-                 bool rows_by_copy_engine);
+                 bool rows_by_copy_engine, bool launch_thread);
 
   // Layout, notify and, when the counts are read on the host (num_worst_tokens == 0), the wait for
   // them; then the outputs from `allocate` (num_worst_tokens rows, or the rows received) and the rows
@@ -92,6 +96,8 @@ class NormalLauncher {
 
   const NormalRegion& region() const { return region_; }
   int device() const { return device_; }
+  // Stops its launch thread (after the work handed over is queued). Before the copy engine's release.
+  void release() { launch_thread_.release(); }
 
  private:
   bool failed() const { return state_->status().code != 0; }
@@ -114,6 +120,7 @@ class NormalLauncher {
   const LowLatencyState* state_;
   int device_;
   bool rows_by_copy_engine_;
+  LaunchThread launch_thread_;
 };
 
 }  // namespace uccl_ep

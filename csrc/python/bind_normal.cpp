@@ -392,12 +392,14 @@ void bind_normal(py::module_& m) {
                                       "failure (raise it from the state), TOO_LARGE when the exchange does not fit "
                                       "num_nvl_bytes (nothing moved rows; the same on every rank).")
       .def(py::init([](const uccl_ep::NormalRegion& region, uccl_ep::NormalCopyEngine& copy_engine,
-                       const uccl_ep::LowLatencyState& state, int device, bool rows_by_copy_engine) {
+                       const uccl_ep::LowLatencyState& state, int device, bool rows_by_copy_engine,
+                       bool launch_thread) {
              return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device,
-                                                              rows_by_copy_engine);
+                                                              rows_by_copy_engine, launch_thread);
            }),
            py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
-           py::arg("rows_by_copy_engine"), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+           py::arg("rows_by_copy_engine"), py::arg("launch_thread") = true, py::keep_alive<1, 3>(),
+           py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "
            "topk_weights, num_topk, is_token_in_rank, num_tokens, num_tokens_per_rank, num_tokens_per_expert, "
@@ -412,6 +414,8 @@ void bind_normal(py::module_& m) {
            "send_pos, rank_prefix_matrix, num_tokens, num_rows_out, num_channels, host_counts, stream) -> (status, "
            "[recv_x, recv_x_scales or None] when DONE): a dispatch with a handle's layout (host_counts: the "
            "handle's NormalHostCounts or None).")
+      .def("release", &uccl_ep::NormalLauncher::release, py::call_guard<py::gil_scoped_release>(),
+           "Stops its launch thread once the work handed to it is queued (before the copy engine's release).")
       .def("combine", &NormalLauncherCalls::combine,
            "combine(x, num_rows, hidden, x_dtype, has_topk_weights, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, "
            "send_pos, num_tokens, bias0, bias1, num_channels, host_counts, stream) -> (status, [combined_x, "

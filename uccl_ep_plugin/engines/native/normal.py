@@ -16,7 +16,9 @@ use SM copies (csrc/kernels/intranode.h).
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
 checks for recorded failures, decides the path, allocates the outputs (with torch's allocator, from C++)
 and launches. A fresh dispatch allocates its outputs as soon as it has read how many rows arrive; the copy
-engines' gather runs meanwhile, and the pulls are queued right after.
+engines' gather runs meanwhile. The copy engines' calls after that (pulls, copies, stream waits) are queued
+by the launcher's own thread, and the caller's stream waits for them: the call returns once its outputs
+exist.
 """
 
 import os
@@ -38,8 +40,10 @@ _STALE = "this Buffer's normal-mode buffers are now stale: destroy it and make a
 COPY_ENV = "UCCL_EP_NORMAL_COPY"   # what carries the rows between ranks
 OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copies a rank's rows to itself
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch: peers' rows pulled, or pushed
+LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls made by a thread of the launcher's
 # Each mode setting's values, its default first.
-_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push")}
+_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push"),
+          LAUNCH_THREAD_ENV: ("on", "off")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -60,7 +64,9 @@ def copy_mode(env: str = COPY_ENV) -> str:
     """What copies the rows, from ``env``: COPY_ENV "engine" (copy engines, the default) or "sm"; OWN_ROWS_ENV
     "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
     default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
-    runs of it, normal_pushes_rows; every rank must use the same)."""
+    runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "on" (the default: the copy
+    engines' calls after a call's outputs exist are made by the launcher's own thread, and the call returns) or
+    "off" (the caller's thread makes them; each rank may choose)."""
     modes = _MODES[env]
     mode = os.environ.get(env, "").strip().lower() or modes[0]
     if mode not in modes:
@@ -143,7 +149,7 @@ class NativeNormal:
         self.rows_by_copy_engine = copy_mode() == "engine"
         # Each operation is one call of it (csrc/kernels/intranode_launcher.h).
         self.launcher = extension.NormalLauncher(self.region, self.copy_engine, self.state, device.index,
-                                                 self.rows_by_copy_engine)
+                                                 self.rows_by_copy_engine, copy_mode(LAUNCH_THREAD_ENV) == "on")
         # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
         self._last_notify = (0, False, 0)
 
@@ -185,7 +191,9 @@ class NativeNormal:
                 f"{sm_push_percent}% of the combine's rows stored by SMs")
 
     def destroy(self) -> None:
-        self.launcher = None
+        if self.launcher is not None:
+            self.launcher.release()   # its thread may still queue work on the copy engine's streams
+            self.launcher = None
         if self.copy_engine is not None:
             self.copy_engine.release()
             self.copy_engine = None
