@@ -142,7 +142,8 @@ class Checker(threading.Thread):
 
 # ---------------------------------------------------------------------------------------- multi-process body
 def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold_us, result_path, byte_limit,
-                spread=True, reorder_window=None, low_latency=False, transport="tcp", native_atomics=None):
+                spread=True, reorder_window=None, low_latency=False, transport="tcp", native_atomics=None,
+                qps_per_peer=1):
     import torch.distributed as dist
     from uccl_ep_plugin.platform_config import resolve_config
 
@@ -150,6 +151,7 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
         os.environ["UCCL_EP_TRANSPORT_REORDER_HOLD_US"] = str(hold_us)
     if reorder_window is not None:
         os.environ["UCCL_EP_TRANSPORT_REORDER_WINDOW"] = str(reorder_window)
+    os.environ["UCCL_IB_QPS_PER_PEER"] = str(qps_per_peer)   # verbs only
     L = Layout(num_ranks)
     config = _C.ProxyConfig.from_environ(resolve_config().as_environ())
     config.adaptive_sleep = True
@@ -280,9 +282,9 @@ def _proxy_body(rank, num_ranks, group, reorder_seed, ordering, iterations, hold
     stats = proxy.stats()
     limit = config.max_inflight_low_latency if low_latency else config.max_inflight_normal
     assert stats["inflight_peak"] <= limit + num_ranks, stats  # + barrier arrivals
-    # Plain counter adds go as the NIC's atomics exactly where they are ordered and allowed (verbs RC without
-    # reorder injection), else as immediates the receiving proxies apply.
-    native = transport == "verbs" and config.native_atomics and reorder_seed < 0
+    # Plain counter adds go as the NIC's atomics exactly where they are ordered and allowed (verbs, one RC queue pair
+    # per peer, without reorder injection), else as immediates the receiving proxies apply.
+    native = transport == "verbs" and config.native_atomics and reorder_seed < 0 and qps_per_peer == 1
     assert (stats["native_adds"] > 0) == native, stats
     assert (stats["ordering"]["adds_applied"] > 0) == (not native), stats
     held = torch.tensor([stats["ordering"]["adds_held_peak"] + stats["ordering"]["flags_held_peak"],
@@ -329,11 +331,13 @@ def test_proxy_exchange_over_tcp_device_memory(reorder_seed):
     (2, -1, dict(native_atomics=False)),
     (2, 7, dict(byte_limit=4096)),
     (4, 12345, dict(reorder_window=4, hold_us=20000, low_latency=True)),
-], ids=["2ranks-native-atomics", "2ranks-emulated-atomics", "2ranks-reorder-bytelimit", "4ranks-reorder"])
+    (2, -1, dict(qps_per_peer=3)),
+], ids=["2ranks-native-atomics", "2ranks-emulated-atomics", "2ranks-reorder-bytelimit", "4ranks-reorder",
+        "2ranks-3-qps"])
 def test_proxy_exchange_over_verbs(num_ranks, reorder_seed, extra):
     """The exchange over RDMA (a real verbs provider: tests/soft_roce runs it in a guest with two soft-RoCE
-    devices): counter adds as the NIC's atomics, or as immediates when the config says so or reorder
-    injection makes the transport unordered."""
+    devices): counter adds as the NIC's atomics, or as immediates when the config says so, reorder injection
+    makes the transport unordered, or several queue pairs per peer let an add overtake a write."""
     skip_without("verbs", 0)
     kwargs = dict(hold_us=None, byte_limit=None)
     kwargs.update(extra)

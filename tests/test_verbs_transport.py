@@ -3,15 +3,16 @@ rxe devices over a veth pair) inside the qemu guest of tests/soft_roce/guest.sh,
 starts. Outside such a guest (no RDMA device) only the error of a host without one runs.
 
 The multi-rank exchange with immediates and atomics is tests/test_transport_exchange.py's (kind "verbs"); here:
-argument errors, requests to itself, four ranks, a wrong device or GID index, and what a host without RDMA says.
+argument errors, requests to itself, four ranks, several queue pairs per peer, a wrong device or GID index, and what
+a host without RDMA says.
 """
 
 import pytest
 import torch
 
 from tests.multiprocess import run_ranks
-from tests.transport_exchange import (POISON, assert_local_requests, assert_requests_checked, exchange_body,
-                                      rdma_devices, skip_without)
+from tests.transport_exchange import (POISON, assert_local_requests, assert_requests_checked, atomics_body,
+                                      exchange_body, rdma_devices, skip_without)
 from uccl_ep_plugin import _C
 
 pytestmark = pytest.mark.skipif("verbs_transport" not in _C.build_info()["features"],
@@ -67,6 +68,42 @@ def test_wrong_gid_index_is_refused():
 def test_four_ranks_exchange_with_reordering():
     skip_without("verbs", gpus=0)
     run_ranks(4, exchange_body, kind="verbs", reorder_seed=2024, env_seed=None)
+
+
+QPS_ENV = "UCCL_IB_QPS_PER_PEER"
+
+
+@pytest.mark.parametrize("num_ranks,qps,body", [(2, 3, atomics_body), (4, 2, exchange_body)],
+                         ids=["2-ranks-3-qps-atomics", "4-ranks-2-qps-writes"])
+def test_several_queue_pairs_per_peer(monkeypatch, num_ranks, qps, body):
+    """UCCL_IB_QPS_PER_PEER queue pairs to each peer, taken in turn: the exchange with reorder injection (writes and
+    immediates from every rank) and the atomic adds still land exactly."""
+    skip_without("verbs", gpus=0)
+    monkeypatch.setenv(QPS_ENV, str(qps))
+    extra = {} if body is atomics_body else {"env_seed": None}
+    run_ranks(num_ranks, body, kind="verbs", reorder_seed=77, **extra)
+
+
+def _qps_differ_body(rank, num_ranks, group):
+    region = torch.full((1 << 16,), POISON, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"rank \d has \d queue pairs per peer, this rank \d; every rank must use "
+                                         r"the same UCCL_IB_QPS_PER_PEER"):
+        _connected(rank, num_ranks, group, region, qps_per_peer=1 + rank)
+
+
+def test_ranks_with_different_queue_pair_counts_are_refused():
+    skip_without("verbs", gpus=0)
+    region = torch.zeros(4096, dtype=torch.uint8)
+    transport = _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=rdma_devices()[0], qps_per_peer=4)
+    assert transport.qps_per_peer == 4
+    transport.close()
+    with pytest.raises(ValueError, match="qps_per_peer must be >= 0"):
+        _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=rdma_devices()[0], qps_per_peer=-1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(QPS_ENV, "0")
+        with pytest.raises(ValueError, match="UCCL_IB_QPS_PER_PEER=0: expected an integer >= 1"):
+            _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=rdma_devices()[0])
+    run_ranks(2, _qps_differ_body)
 
 
 def _connected(rank, num_ranks, group, region, **kwargs):

@@ -69,6 +69,13 @@ def proxy_transport() -> str:
     return name
 
 
+def verbs_settings(platform) -> dict:
+    """The verbs transport's settings from a resolved platform config (its files, with the environment over them)."""
+    values = platform.values
+    return dict(gid_index=values["UCCL_IB_GID_INDEX"], service_level=values["UCCL_IB_SL"],
+                traffic_class=values["UCCL_IB_TC"], qps_per_peer=values["UCCL_IB_QPS_PER_PEER"])
+
+
 def verbs_device(gpu: Optional[int]) -> str:
     """The RDMA device the verbs transport of the rank on GPU ``gpu`` opens: "" where UCCL_IB_HCA is set (the
     transport reads it) or no GPU is known (then it takes the first device), else the device nearest to the GPU
@@ -151,7 +158,8 @@ class ProxyThreads:
     def __init__(self, group, rank: int, num_ranks: int, memory, device: torch.device, *, transport: str,
                  low_latency: bool, timeout_s: float, extension=None) -> None:
         extension = extension or _load_extension()
-        config = extension.ProxyConfig.from_environ(resolve_config().as_environ())
+        platform = resolve_config()
+        config = extension.ProxyConfig.from_environ(platform.as_environ())
         config.low_latency = low_latency
         config.timeout_s = timeout_s
         config.cpu_affinity = proxy_cpus(device.index if device.type == "cuda" else rank)
@@ -181,7 +189,8 @@ class ProxyThreads:
                 gpu = torch.cuda.current_device() if torch.cuda.is_available() else None   # the rank's GPU
                 self.proxy = extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
                                                         memory.numel() * memory.element_size(), fifos,
-                                                        device=verbs_device(gpu), **options)
+                                                        device=verbs_device(gpu), **verbs_settings(platform),
+                                                        **options)
             else:
                 raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
             records = [None] * num_ranks

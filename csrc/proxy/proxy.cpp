@@ -74,9 +74,10 @@ void ProxyConfig::apply_environ(const std::map<std::string, std::string>& env) {
 bool transport_orders_atomics(const Transport& transport) {
 #if defined(UCCL_EP_WITH_VERBS)
   // One reliable-connected queue pair per peer: the NIC applies an atomic after every write posted to that
-  // peer before it, unless reorder injection holds requests back.
+  // peer before it, unless reorder injection holds requests back. With several, an atomic may overtake
+  // a write that took another queue pair.
   if (const auto* verbs = dynamic_cast<const VerbsTransport*>(&transport)) {
-    return verbs->native_atomics() && !verbs->reorder_config().enabled;
+    return verbs->native_atomics() && !verbs->reorder_config().enabled && verbs->qps_per_peer() == 1;
   }
 #endif
   (void)transport;  // tcp and cuda-copy may apply atomics in any order

@@ -18,8 +18,8 @@
 //                    per-(dst, counter) sequence number; the sender keeps at most `window` adds
 //                    per (dst, counter) unacknowledged. Native post_atomic_add is used instead where
 //                    the transport applies atomics after the writes posted before them
-//                    (transport_orders_atomics(): verbs RC on a device with atomics, without reorder
-//                    injection) and config.native_atomics allows it.
+//                    (transport_orders_atomics(): verbs RC, one queue pair per peer, on a device with
+//                    atomics, without reorder injection) and config.native_atomics allows it.
 //                    With flags bit 1 (kCommandFlagCountFlag) it is the low-latency count flag:
 //                    value = N token rows announced for (buffer = flags bit 0, counter_index).
 //   kQuiet           the FIFO takes nothing more until every earlier request of it completed.
@@ -109,8 +109,8 @@ struct ProxyStats {
 };
 
 // Whether a transport applies an atomic to one peer after every write posted to that peer before it
-// (then kAtomicAdd may use post_atomic_add): verbs over RC queue pairs on a device with atomics and
-// without reorder injection. tcp and cuda-copy are unordered.
+// (then kAtomicAdd may use post_atomic_add): verbs over one RC queue pair per peer on a device with
+// atomics and without reorder injection. tcp and cuda-copy are unordered.
 bool transport_orders_atomics(const Transport& transport);
 
 std::string describe_command(const Command& command);

@@ -167,9 +167,10 @@ class PyVerbsTransport : public PyTransport<uccl_ep::VerbsTransport> {
  public:
   PyVerbsTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, const std::string& device,
                    int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s,
-                   int64_t max_inflight_bytes, int64_t max_inflight_requests) {
+                   int64_t max_inflight_bytes, int64_t max_inflight_requests, int qps_per_peer) {
     const uccl_ep::VerbsTransportOptions options{device,       gid_index, service_level,      traffic_class,
-                                                 reorder_seed, timeout_s, max_inflight_bytes, max_inflight_requests};
+                                                 reorder_seed, timeout_s, max_inflight_bytes, max_inflight_requests,
+                                                 qps_per_peer};
     const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     py::gil_scoped_release no_gil;
     impl_ = std::make_unique<uccl_ep::VerbsTransport>(rank, num_ranks, region, options);
@@ -261,21 +262,22 @@ way a device one is. Blocking calls release the GIL.)doc");
 
 #if defined(UCCL_EP_WITH_VERBS)
   py::class_<PyVerbsTransport> verbs(m, "VerbsTransport", R"doc(
-The verbs transport: one RDMA reliable-connected queue pair per peer over libibverbs (loaded at run
+The verbs transport: RDMA reliable-connected queue pairs to each peer over libibverbs (loaded at run
 time), on one registered region of host memory per rank (region_ptr, region_bytes). device: "name"
 or "name:port" ("" : UCCL_IB_HCA, else the first device); gid_index -2: UCCL_IB_GID_INDEX, else -1:
 the first RoCE v2 IPv4 GID; service_level / traffic_class -1: UCCL_IB_SL / UCCL_IB_TC, else 0.
 max_inflight_bytes (-1: UCCL_IB_MAX_INFLIGHT_BYTES, else none; 0: none) and max_inflight_requests (0:
-none) cap what the NIC has in flight over all peers.
+none) cap what the NIC has in flight over all peers. qps_per_peer (0: UCCL_IB_QPS_PER_PEER, else 1;
+the same on every rank): the queue pairs to each peer, which requests take in turn.
 Bootstrap: all-gather listen_address() (this rank's connection record) and call connect(addresses),
 then pass a barrier before posting. reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed> when -1)
 posts requests out of order. Blocking calls release the GIL.)doc");
   verbs.def(py::init<int, int, int64_t, int64_t, const std::string&, int, int, int, int64_t, double, int64_t,
-                     int64_t>(),
+                     int64_t, int>(),
             py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"),
             py::arg("device") = "", py::arg("gid_index") = -2, py::arg("service_level") = -1,
             py::arg("traffic_class") = -1, py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0,
-            py::arg("max_inflight_bytes") = -1, py::arg("max_inflight_requests") = 0)
+            py::arg("max_inflight_bytes") = -1, py::arg("max_inflight_requests") = 0, py::arg("qps_per_peer") = 0)
       .def_property_readonly("peak_inflight_bytes", [](PyVerbsTransport& t) { return t.impl().peak_inflight_bytes(); },
                              "The most bytes the NIC had in flight at once so far.")
       .def_property_readonly("peak_inflight_requests",
@@ -286,6 +288,8 @@ posts requests out of order. Blocking calls release the GIL.)doc");
                              "The GID table entry used (-1: none, InfiniBand LID routing).")
       .def_property_readonly("native_atomics", [](PyVerbsTransport& t) { return t.impl().native_atomics(); },
                              "Whether the device does RDMA atomics (atomic adds to peers need them).")
+      .def_property_readonly("qps_per_peer", [](PyVerbsTransport& t) { return t.impl().qps_per_peer(); },
+                             "The queue pairs to each peer.")
       .def_property_readonly("region_is_host_memory", [](PyVerbsTransport& t) { return true; });
   def_transport_api(verbs);
   m.def("verbs_available", &uccl_ep::VerbsLibrary::available,

@@ -18,7 +18,7 @@ namespace uccl_ep {
 
 namespace {
 
-constexpr const char* kRecordVersion = "verbs1";
+constexpr const char* kRecordVersion = "verbs2";
 constexpr uint32_t kStartPsn = 0;
 constexpr int kSendQueueDepth = 512;  // per queue pair, capped by the device
 constexpr int kRecvQueueDepth = 256;  // receives posted per queue pair for immediates
@@ -94,6 +94,8 @@ VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, con
   if (!(options.timeout_s > 0)) throw std::invalid_argument("timeout_s must be > 0");
   service_level_ = int_setting(options.service_level, -1, "UCCL_IB_SL", 0, 0);
   traffic_class_ = int_setting(options.traffic_class, -1, "UCCL_IB_TC", 0, 0);
+  if (options.qps_per_peer < 0) throw std::invalid_argument("qps_per_peer must be >= 0 (0: UCCL_IB_QPS_PER_PEER)");
+  qps_per_peer_ = int_setting(options.qps_per_peer, 0, "UCCL_IB_QPS_PER_PEER", 1, 1);
   if (options.max_inflight_bytes < -1) throw std::invalid_argument("max_inflight_bytes must be >= -1");
   if (options.max_inflight_requests < 0) throw std::invalid_argument("max_inflight_requests must be >= 0");
   max_inflight_bytes_ = static_cast<uint64_t>(
@@ -208,36 +210,44 @@ void VerbsTransport::pick_gid(int requested) {
 }
 
 void VerbsTransport::create_queue_pairs() {
-  // One queue pair per rank, this one's included: its atomic adds to itself go through the NIC too.
-  send_cq_ = ibv_.create_cq(context_, num_ranks_ * max_send_wr_, nullptr, nullptr, 0);
-  recv_cq_ = ibv_.create_cq(context_, num_ranks_ * max_recv_wr_, nullptr, nullptr, 0);
+  // Queue pairs to every rank, this one included: its atomic adds to itself go through the NIC too.
+  const int queue_pairs = num_ranks_ * qps_per_peer_;
+  send_cq_ = ibv_.create_cq(context_, queue_pairs * max_send_wr_, nullptr, nullptr, 0);
+  recv_cq_ = ibv_.create_cq(context_, queue_pairs * max_recv_wr_, nullptr, nullptr, 0);
   if (send_cq_ == nullptr || recv_cq_ == nullptr) throw TransportError(who() + ": ibv_create_cq failed");
   peers_.resize(static_cast<size_t>(num_ranks_));
   for (int p = 0; p < num_ranks_; ++p) {
     Peer& peer = peers_[static_cast<size_t>(p)];
     peer.reorder = ReorderWindow<Request>(reorder_, static_cast<uint32_t>(rank_), static_cast<uint32_t>(p));
-    ibv_qp_init_attr init{};
-    init.send_cq = send_cq_;
-    init.recv_cq = recv_cq_;
-    init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = static_cast<uint32_t>(max_send_wr_);
-    init.cap.max_recv_wr = static_cast<uint32_t>(max_recv_wr_);
-    init.cap.max_send_sge = 1;
-    init.cap.max_recv_sge = 1;
-    peer.qp = ibv_.create_qp(pd_, &init);
-    if (peer.qp == nullptr) throw TransportError(who() + ": ibv_create_qp for rank " + std::to_string(p) + " failed");
-    peer_of_qp_[peer.qp->qp_num] = p;
-    ibv_qp_attr attr{};
-    attr.qp_state = IBV_QPS_INIT;
-    attr.pkey_index = 0;
-    attr.port_num = static_cast<uint8_t>(port_);
-    attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                           (native_atomics_ ? IBV_ACCESS_REMOTE_ATOMIC : 0);
-    if (ibv_.modify_qp(peer.qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
-      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to INIT failed");
-    }
-    post_recvs(peer.qp, max_recv_wr_);
+    peer.posted.assign(static_cast<size_t>(qps_per_peer_), 0);
+    for (int index = 0; index < qps_per_peer_; ++index) create_queue_pair(p, index);
   }
+}
+
+void VerbsTransport::create_queue_pair(int p, int index) {
+  Peer& peer = peers_[static_cast<size_t>(p)];
+  ibv_qp_init_attr init{};
+  init.send_cq = send_cq_;
+  init.recv_cq = recv_cq_;
+  init.qp_type = IBV_QPT_RC;
+  init.cap.max_send_wr = static_cast<uint32_t>(max_send_wr_);
+  init.cap.max_recv_wr = static_cast<uint32_t>(max_recv_wr_);
+  init.cap.max_send_sge = 1;
+  init.cap.max_recv_sge = 1;
+  ibv_qp* qp = ibv_.create_qp(pd_, &init);
+  if (qp == nullptr) throw TransportError(who() + ": ibv_create_qp for rank " + std::to_string(p) + " failed");
+  peer.qps.push_back(qp);
+  owner_of_qp_[qp->qp_num] = QueuePairOwner{p, index};
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_INIT;
+  attr.pkey_index = 0;
+  attr.port_num = static_cast<uint8_t>(port_);
+  attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                         (native_atomics_ ? IBV_ACCESS_REMOTE_ATOMIC : 0);
+  if (ibv_.modify_qp(qp, &attr, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) != 0) {
+    throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to INIT failed");
+  }
+  post_recvs(qp, max_recv_wr_);
 }
 
 void VerbsTransport::post_recvs(ibv_qp* qp, int count) {
@@ -254,7 +264,12 @@ std::string VerbsTransport::listen_address() const {
   std::ostringstream record;
   record << kRecordVersion << '/' << port_attr_.lid << '/' << gid_hex(gid_) << '/'
          << reinterpret_cast<uintptr_t>(region_.base) << '/' << region_.bytes << '/' << mr_->rkey << '/';
-  for (int p = 0; p < num_ranks_; ++p) record << (p ? "," : "") << peers_[static_cast<size_t>(p)].qp->qp_num;
+  // Each peer's queue pairs in turn: [peer * qps_per_peer + index].
+  for (int p = 0; p < num_ranks_; ++p) {
+    for (int index = 0; index < qps_per_peer_; ++index) {
+      record << (p || index ? "," : "") << peers_[static_cast<size_t>(p)].qps[static_cast<size_t>(index)]->qp_num;
+    }
+  }
   return record.str();
 }
 
@@ -269,10 +284,16 @@ void VerbsTransport::connect(const std::vector<std::string>& addresses) {
   for (int p = 0; p < num_ranks_; ++p) {  // this rank's own record connects its queue pair to itself
     const std::vector<std::string> fields = split(addresses[static_cast<size_t>(p)], '/');
     const std::vector<std::string> qpns = fields.size() == 7 ? split(fields[6], ',') : std::vector<std::string>{};
-    if (fields.size() != 7 || fields[0] != kRecordVersion || fields[2].size() != 32 ||
-        static_cast<int>(qpns.size()) != num_ranks_) {
+    if (fields.size() != 7 || fields[0] != kRecordVersion || fields[2].size() != 32 || qpns.empty() ||
+        qpns.size() % static_cast<size_t>(num_ranks_) != 0) {
       throw std::invalid_argument("addresses[" + std::to_string(p) + "] is not a verbs connection record of " +
                                   std::to_string(num_ranks_) + " ranks: '" + addresses[static_cast<size_t>(p)] + "'");
+    }
+    const size_t peer_qps = qpns.size() / static_cast<size_t>(num_ranks_);
+    if (peer_qps != static_cast<size_t>(qps_per_peer_)) {
+      throw std::invalid_argument(who() + ": rank " + std::to_string(p) + " has " + std::to_string(peer_qps) +
+                                  " queue pairs per peer, this rank " + std::to_string(qps_per_peer_) +
+                                  "; every rank must use the same UCCL_IB_QPS_PER_PEER");
     }
     Peer& peer = peers_[static_cast<size_t>(p)];
     ibv_gid remote_gid{};
@@ -282,46 +303,55 @@ void VerbsTransport::connect(const std::vector<std::string>& addresses) {
     peer.remote_base = std::stoull(fields[3]);
     peer.remote_bytes = std::stoull(fields[4]);
     peer.rkey = static_cast<uint32_t>(std::stoul(fields[5]));
-    const auto remote_qpn = static_cast<uint32_t>(std::stoul(qpns[static_cast<size_t>(rank_)]));
-
-    ibv_qp_attr attr{};
-    attr.qp_state = IBV_QPS_RTR;
-    attr.path_mtu = port_attr_.active_mtu;
-    attr.dest_qp_num = remote_qpn;
-    attr.rq_psn = kStartPsn;
-    attr.max_dest_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
-    attr.min_rnr_timer = 12;
-    attr.ah_attr.dlid = static_cast<uint16_t>(std::stoul(fields[1]));
-    attr.ah_attr.sl = static_cast<uint8_t>(service_level_);
-    attr.ah_attr.port_num = static_cast<uint8_t>(port_);
-    if (gid_index_ >= 0) {
-      attr.ah_attr.is_global = 1;
-      attr.ah_attr.grh.dgid = remote_gid;
-      attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
-      attr.ah_attr.grh.hop_limit = 64;
-      attr.ah_attr.grh.traffic_class = static_cast<uint8_t>(traffic_class_);
-    }
-    if (ibv_.modify_qp(peer.qp, &attr,
-                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
-      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTR failed (" +
-                           std::strerror(errno) + "; a wrong UCCL_IB_GID_INDEX, or no route to the peer's GID)");
-    }
-    attr = ibv_qp_attr{};
-    attr.qp_state = IBV_QPS_RTS;
-    attr.timeout = 14;
-    attr.retry_cnt = 7;
-    attr.rnr_retry = 7;  // wait for receives as long as it takes
-    attr.sq_psn = kStartPsn;
-    attr.max_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
-    if (ibv_.modify_qp(peer.qp, &attr,
-                       IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                           IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
-      throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTS failed (" +
-                           std::strerror(errno) + ")");
+    const auto lid = static_cast<uint16_t>(std::stoul(fields[1]));
+    for (int index = 0; index < qps_per_peer_; ++index) {
+      // Our queue pair `index` for rank p meets its queue pair `index` for us.
+      const auto remote_qpn =
+          static_cast<uint32_t>(std::stoul(qpns[static_cast<size_t>(rank_ * qps_per_peer_ + index)]));
+      connect_queue_pair(p, peer.qps[static_cast<size_t>(index)], remote_qpn, lid, remote_gid);
     }
   }
   connected_ = true;
+}
+
+void VerbsTransport::connect_queue_pair(int p, ibv_qp* qp, uint32_t remote_qpn, uint16_t lid,
+                                        const ibv_gid& remote_gid) {
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RTR;
+  attr.path_mtu = port_attr_.active_mtu;
+  attr.dest_qp_num = remote_qpn;
+  attr.rq_psn = kStartPsn;
+  attr.max_dest_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
+  attr.min_rnr_timer = 12;
+  attr.ah_attr.dlid = lid;
+  attr.ah_attr.sl = static_cast<uint8_t>(service_level_);
+  attr.ah_attr.port_num = static_cast<uint8_t>(port_);
+  if (gid_index_ >= 0) {
+    attr.ah_attr.is_global = 1;
+    attr.ah_attr.grh.dgid = remote_gid;
+    attr.ah_attr.grh.sgid_index = static_cast<uint8_t>(gid_index_);
+    attr.ah_attr.grh.hop_limit = 64;
+    attr.ah_attr.grh.traffic_class = static_cast<uint8_t>(traffic_class_);
+  }
+  if (ibv_.modify_qp(qp, &attr,
+                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) != 0) {
+    throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTR failed (" +
+                         std::strerror(errno) + "; a wrong UCCL_IB_GID_INDEX, or no route to the peer's GID)");
+  }
+  attr = ibv_qp_attr{};
+  attr.qp_state = IBV_QPS_RTS;
+  attr.timeout = 14;
+  attr.retry_cnt = 7;
+  attr.rnr_retry = 7;  // wait for receives as long as it takes
+  attr.sq_psn = kStartPsn;
+  attr.max_rd_atomic = static_cast<uint8_t>(max_rd_atomic_);
+  if (ibv_.modify_qp(qp, &attr,
+                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                         IBV_QP_MAX_QP_RD_ATOMIC) != 0) {
+    throw TransportError(who() + ": moving the queue pair for rank " + std::to_string(p) + " to RTS failed (" +
+                         std::strerror(errno) + ")");
+  }
 }
 
 void VerbsTransport::post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
@@ -389,8 +419,16 @@ void VerbsTransport::post_or_wait(Request r) {
   post_now(peer, r);
 }
 
+int VerbsTransport::queue_pair_with_room(const Peer& peer) const {
+  for (size_t step = 0; step < peer.qps.size(); ++step) {
+    const size_t index = (peer.next_qp + step) % peer.qps.size();
+    if (peer.posted[index] < static_cast<uint32_t>(max_send_wr_)) return static_cast<int>(index);
+  }
+  return -1;
+}
+
 bool VerbsTransport::fits_in_flight(const Peer& peer, const Request& r) const {
-  if (peer.posted >= static_cast<uint32_t>(max_send_wr_)) return false;
+  if (queue_pair_with_room(peer) < 0) return false;
   if (max_inflight_requests_ != 0 && nic_requests_ >= max_inflight_requests_) return false;
   return max_inflight_bytes_ == 0 || nic_bytes_ == 0 || nic_bytes_ + bytes_of(r) <= max_inflight_bytes_;
 }
@@ -420,14 +458,17 @@ void VerbsTransport::post_now(Peer& peer, const Request& r) {
     wr.wr.rdma.remote_addr = peer.remote_base + r.remote_offset;
     wr.wr.rdma.rkey = peer.rkey;
   }
+  // Requests take the queue pairs in turn (fits_in_flight found one with room).
+  const int index = queue_pair_with_room(peer);
   ibv_send_wr* bad = nullptr;
-  const int rc = ibv_post_send(peer.qp, &wr, &bad);
+  const int rc = ibv_post_send(peer.qps[static_cast<size_t>(index)], &wr, &bad);
   if (rc != 0) {
     fail(who() + ": ibv_post_send of request " + std::to_string(r.id) + " to rank " + std::to_string(r.peer) +
          " failed: " + std::strerror(rc));
     return;
   }
-  ++peer.posted;
+  ++peer.posted[static_cast<size_t>(index)];
+  peer.next_qp = (static_cast<size_t>(index) + 1) % peer.qps.size();
   nic_bytes_ += bytes_of(r);
   ++nic_requests_;
   peak_bytes_ = std::max(peak_bytes_, nic_bytes_);
@@ -444,9 +485,9 @@ void VerbsTransport::progress() {
     }
     for (int i = 0; i < n; ++i) {
       const ibv_wc& wc = wcs[i];
-      const auto found = peer_of_qp_.find(wc.qp_num);
-      const int peer = found == peer_of_qp_.end() ? -1 : found->second;
-      if (peer >= 0) --peers_[static_cast<size_t>(peer)].posted;
+      const auto found = owner_of_qp_.find(wc.qp_num);
+      const int peer = found == owner_of_qp_.end() ? -1 : found->second.peer;
+      if (peer >= 0) --peers_[static_cast<size_t>(peer)].posted[static_cast<size_t>(found->second.index)];
       const auto request = in_flight_.find(wc.wr_id);
       if (request == in_flight_.end()) {
         fail(who() + ": a completion for work request " + std::to_string(wc.wr_id) + " that was never posted");
@@ -474,19 +515,22 @@ void VerbsTransport::progress() {
     }
     for (int i = 0; i < n; ++i) {
       const ibv_wc& wc = wcs[i];
-      const auto found = peer_of_qp_.find(wc.qp_num);
-      if (found == peer_of_qp_.end()) continue;
+      const auto found = owner_of_qp_.find(wc.qp_num);
+      if (found == owner_of_qp_.end()) continue;
+      const QueuePairOwner owner = found->second;
       if (wc.status != IBV_WC_SUCCESS) {
         if (wc.status != IBV_WC_WR_FLUSH_ERR) {
-          fail(who() + ": a receive from rank " + std::to_string(found->second) + " failed: " +
+          fail(who() + ": a receive from rank " + std::to_string(owner.peer) + " failed: " +
                ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")");
         }
         continue;
       }
       if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-        immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(found->second), ntohl(wc.imm_data)});
+        immediates_.push_back(ImmediateEvent{static_cast<uint32_t>(owner.peer), ntohl(wc.imm_data)});
       }
-      if (failure_.empty()) post_recvs(peers_[static_cast<size_t>(found->second)].qp, 1);
+      if (failure_.empty()) {
+        post_recvs(peers_[static_cast<size_t>(owner.peer)].qps[static_cast<size_t>(owner.index)], 1);
+      }
     }
     if (n < kPollBatch) break;
   }
@@ -599,8 +643,8 @@ void VerbsTransport::close() {
 
 void VerbsTransport::release_resources() {
   for (Peer& peer : peers_) {
-    if (peer.qp != nullptr) (void)ibv_.destroy_qp(peer.qp);
-    peer.qp = nullptr;
+    for (ibv_qp* qp : peer.qps) (void)ibv_.destroy_qp(qp);
+    peer.qps.clear();
   }
   if (send_cq_ != nullptr) (void)ibv_.destroy_cq(send_cq_);
   if (recv_cq_ != nullptr) (void)ibv_.destroy_cq(recv_cq_);

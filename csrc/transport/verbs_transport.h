@@ -1,6 +1,8 @@
-// The `verbs` transport (DESIGN §6): RDMA over libibverbs (loaded at run time, verbs_library.h), one
-// reliable-connected (RC) queue pair per peer, for ConnectX (mlx5), Broadcom (bnxt_re), Pollara (ionic)
-// and soft-RoCE (rxe). The region is host memory, registered once.
+// The `verbs` transport (DESIGN §6): RDMA over libibverbs (loaded at run time, verbs_library.h),
+// reliable-connected (RC) queue pairs to each peer, for ConnectX (mlx5), Broadcom (bnxt_re), Pollara
+// (ionic) and soft-RoCE (rxe). The region is host memory, registered once. With several queue pairs
+// per peer, requests to a peer take them in turn (more paths through the network, more requests in
+// flight); requests on different queue pairs may land in any order, as the Transport contract allows.
 //
 //   post_write        RDMA WRITE, or WRITE_WITH_IMM: the peer's poll_immediates() reports the immediate
 //                     once the bytes are in its region (its receive completion follows the data).
@@ -12,13 +14,14 @@
 //                     atomic on a device without atomics. Either completes like any other request.
 //
 // Bootstrapping is the caller's, as for tcp: listen_address() is this rank's connection record (its
-// GID, LID, one QP number per peer, the region's address, size and key, as text), every rank
+// GID, LID, the QP numbers for each peer, the region's address, size and key, as text), every rank
 // all-gathers them over its own process group and calls connect(); after connect() every rank must
 // pass a barrier before it posts, so that no request reaches a queue pair not yet ready to receive.
 //
 // Settings (the constructor's options, else the environment): UCCL_IB_HCA (device name, optionally
 // ":port"; default the first device), UCCL_IB_GID_INDEX (-1 or unset: the first RoCE v2 IPv4 GID, or
-// none on InfiniBand), UCCL_IB_SL, UCCL_IB_TC. Every error completion is a TransportError naming this
+// none on InfiniBand), UCCL_IB_SL, UCCL_IB_TC, UCCL_IB_QPS_PER_PEER (1; every rank must use the same).
+// Every error completion is a TransportError naming this
 // rank, the peer, the request and the status in words; the transport then refuses new requests.
 #pragma once
 
@@ -53,6 +56,7 @@ struct VerbsTransportOptions {
   // UCCL_IB_MAX_INFLIGHT_NORMAL or _LOW_LATENCY).
   int64_t max_inflight_bytes = -1;
   int64_t max_inflight_requests = 0;
+  int qps_per_peer = 0;      // 0: UCCL_IB_QPS_PER_PEER, else 1
 };
 
 class VerbsTransport final : public Transport {
@@ -91,11 +95,12 @@ class VerbsTransport final : public Transport {
 
   const ReorderConfig& reorder_config() const { return reorder_; }
   // What was chosen: the device's name, its port, the GID index (-1: none, InfiniBand) and whether
-  // the device does atomics.
+  // the device does atomics, and the queue pairs to each peer.
   const std::string& device_name() const { return device_name_; }
   int port() const { return port_; }
   int gid_index() const { return gid_index_; }
   bool native_atomics() const { return native_atomics_; }
+  int qps_per_peer() const { return qps_per_peer_; }
   // The most bytes and requests this NIC had in flight at once so far (the caps' effect).
   uint64_t peak_inflight_bytes() const;
   uint64_t peak_inflight_requests() const;
@@ -112,12 +117,13 @@ class VerbsTransport final : public Transport {
     std::optional<uint32_t> imm;
   };
   struct Peer {
-    ibv_qp* qp = nullptr;
+    std::vector<ibv_qp*> qps;          // qps_per_peer_ of them
+    std::vector<uint32_t> posted;      // work requests on each one's send queue
+    size_t next_qp = 0;                // where the search for a queue pair with room starts
     uint64_t remote_base = 0;
     uint64_t remote_bytes = 0;
     uint32_t rkey = 0;
-    uint32_t posted = 0;              // work requests on the send queue
-    std::deque<Request> waiting;      // not posted yet: the send queue was full
+    std::deque<Request> waiting;      // not posted yet: every send queue was full
     ReorderWindow<Request> reorder;
   };
 
@@ -125,11 +131,15 @@ class VerbsTransport final : public Transport {
   void open_device(const VerbsTransportOptions& options);
   void pick_gid(int requested);
   void create_queue_pairs();
+  void create_queue_pair(int peer, int index);
+  // To ready-to-send, towards the peer's queue pair remote_qpn.
+  void connect_queue_pair(int peer, ibv_qp* qp, uint32_t remote_qpn, uint16_t lid, const ibv_gid& remote_gid);
   void post_recvs(ibv_qp* qp, int count);
   void submit(Request request);           // through the reorder window
   void post_or_wait(Request request);      // onto the send queue, or into `waiting`
   void post_now(Peer& peer, const Request& request);
   bool fits_in_flight(const Peer& peer, const Request& request) const;
+  int queue_pair_with_room(const Peer& peer) const;  // -1: none
   static uint64_t bytes_of(const Request& request) { return request.atomic ? 8 : request.length; }
   void apply_locally(const Request& request);
   void progress();                         // polls both CQs, posts what waited; lock held
@@ -165,7 +175,12 @@ class VerbsTransport final : public Transport {
   int max_recv_wr_ = 0;
   int max_rd_atomic_ = 1;
   std::vector<Peer> peers_;
-  std::unordered_map<uint32_t, int> peer_of_qp_;
+  int qps_per_peer_ = 1;
+  struct QueuePairOwner {
+    int peer;
+    int index;  // in the peer's qps
+  };
+  std::unordered_map<uint32_t, QueuePairOwner> owner_of_qp_;
 
   mutable std::mutex mutex_;
   bool connected_ = false;

@@ -78,6 +78,8 @@ _SPECS = (
             doc="InfiniBand service level"),
     KeySpec("UCCL_IB_TC", INT, minimum=0, maximum=255,
             doc="traffic class"),
+    KeySpec("UCCL_IB_QPS_PER_PEER", INT, minimum=1, maximum=64,
+            doc="RDMA queue pairs to each peer (requests take them in turn)"),
     KeySpec("UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC", FLAG, nullable=True,
             doc="aggressive atomics (null: 1 on AMD GPUs, 0 on CUDA)"),
     KeySpec("UCCL_RDMA_ADAPTIVE_SLEEP", FLAG,
