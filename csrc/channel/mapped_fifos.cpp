@@ -24,33 +24,35 @@ MappedFifos::MappedFifos(int num_fifos, int64_t capacity, int device, bool host_
   }
   check_fifo_capacity(capacity);
   int previous = 0;
-  UCCL_EP_GPU_CHECK(cudaGetDevice(&previous));
-  UCCL_EP_GPU_CHECK(cudaSetDevice(device));
+  UCCL_EP_GPU_CHECK(gpu_get_device(&previous));
+  UCCL_EP_GPU_CHECK(gpu_set_device(device));
   try {
     const size_t host_bytes = num_fifos_ * (capacity_ * sizeof(Command) + (host_producers_ ? 2 : 1) * kLine);
-    UCCL_EP_GPU_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), host_bytes, cudaHostAllocMapped));
+    UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(reinterpret_cast<void**>(&host_), reinterpret_cast<void**>(&host_on_device_),
+                                            host_bytes));
     std::memset(host_, 0, host_bytes);
-    UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_on_device_), host_, 0));
+
     const size_t head_bytes = host_producers_ ? 0 : num_fifos_ * kLine;
-    UCCL_EP_GPU_CHECK(cudaMalloc(reinterpret_cast<void**>(&device_memory_), head_bytes + num_fifos_ * sizeof(FifoView)));
-    if (head_bytes > 0) UCCL_EP_GPU_CHECK(cudaMemset(device_memory_, 0, head_bytes));
+    UCCL_EP_GPU_CHECK(
+        gpu_device_alloc(reinterpret_cast<void**>(&device_memory_), head_bytes + num_fifos_ * sizeof(FifoView)));
+    if (head_bytes > 0) UCCL_EP_GPU_CHECK(gpu_memset(device_memory_, 0, head_bytes));
     device_views_ = reinterpret_cast<FifoView*>(device_memory_ + head_bytes);
     std::vector<FifoView> views;
     for (int f = 0; f < num_fifos_; ++f) views.push_back(device_view(f));
-    UCCL_EP_GPU_CHECK(cudaMemcpy(device_views_, views.data(), views.size() * sizeof(FifoView), cudaMemcpyHostToDevice));
+    UCCL_EP_GPU_CHECK(gpu_copy(device_views_, views.data(), views.size() * sizeof(FifoView)));
   } catch (...) {
     release();
-    cudaSetDevice(previous);
+    gpu_set_device(previous);
     throw;
   }
-  UCCL_EP_GPU_CHECK(cudaSetDevice(previous));
+  UCCL_EP_GPU_CHECK(gpu_set_device(previous));
 }
 
 MappedFifos::~MappedFifos() { release(); }
 
 void MappedFifos::release() {
-  if (host_ != nullptr) cudaFreeHost(host_);
-  if (device_memory_ != nullptr) cudaFree(device_memory_);
+  if (host_ != nullptr) gpu_host_free(host_);
+  if (device_memory_ != nullptr) gpu_device_free(device_memory_);
   host_ = host_on_device_ = device_memory_ = nullptr;
   device_views_ = nullptr;
 }

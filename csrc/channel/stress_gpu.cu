@@ -94,27 +94,26 @@ struct ChannelRun {
   void* host = nullptr;
   void* host_on_device = nullptr;  // `host` as the GPU addresses it
   void* device = nullptr;
-  cudaStream_t stream = nullptr;
+  gpuStream_t stream = nullptr;
 
   // The device memory is cleared on `stream`: a non-blocking stream does not wait for the legacy
   // default stream, so work put there would not be ordered before the run's kernel.
   void acquire(uint32_t num_fifos, uint64_t capacity, size_t host_bytes, size_t device_bytes) {
     int current = 0;
-    UCCL_EP_GPU_CHECK(cudaGetDevice(&current));
+    UCCL_EP_GPU_CHECK(gpu_get_device(&current));
     fifos = std::make_unique<MappedFifos>(static_cast<int>(num_fifos), static_cast<int64_t>(capacity), current, false);
-    UCCL_EP_GPU_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    UCCL_EP_GPU_CHECK(gpu_stream_create_nonblocking(&stream));
     if (host_bytes > 0) {
-      UCCL_EP_GPU_CHECK(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped));
+      UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(&host, &host_on_device, host_bytes));
       std::memset(host, 0, host_bytes);
-      UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(&host_on_device, host, 0));
     }
-    UCCL_EP_GPU_CHECK(cudaMalloc(&device, device_bytes));
-    UCCL_EP_GPU_CHECK(cudaMemsetAsync(device, 0, device_bytes, stream));
+    UCCL_EP_GPU_CHECK(gpu_device_alloc(&device, device_bytes));
+    UCCL_EP_GPU_CHECK(gpu_memset_async(device, 0, device_bytes, stream));
   }
   ~ChannelRun() {
-    if (stream != nullptr) cudaStreamDestroy(stream);
-    if (host != nullptr) cudaFreeHost(host);
-    if (device != nullptr) cudaFree(device);
+    if (stream != nullptr) gpu_stream_destroy(stream);
+    if (host != nullptr) gpu_host_free(host);
+    if (device != nullptr) gpu_device_free(device);
   }
 };
 
@@ -210,13 +209,13 @@ ChannelStressResult run_gpu_channel_stress(uint32_t num_fifos, uint32_t blocks_p
   }
   channel_stress_push_kernel<<<num_fifos * blocks_per_fifo, threads_per_block, 0, run.stream>>>(
       device_views, blocks_per_fifo, commands_per_thread, timeout_ns(timeout_s), device_pushed, device_timed_out);
-  const cudaError_t launch = cudaGetLastError();
+  const gpuError_t launch = gpu_last_error();
   for (auto& t : consumers) t.join();
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   UCCL_EP_GPU_CHECK(launch);
-  UCCL_EP_GPU_CHECK(cudaStreamSynchronize(run.stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_synchronize(run.stream));
   unsigned long long pushed = 0;
-  UCCL_EP_GPU_CHECK(cudaMemcpy(&pushed, device_pushed, sizeof(pushed), cudaMemcpyDeviceToHost));
+  UCCL_EP_GPU_CHECK(gpu_copy(&pushed, device_pushed, sizeof(pushed)));
   result.pushed = pushed;
   for (const auto& checker : checkers) checker.merge_into(result);
   result.lost = result.expected - result.popped;
@@ -246,13 +245,13 @@ ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacit
   const auto start = std::chrono::steady_clock::now();
   channel_latency_kernel<<<1, 1, 0, run.stream>>>(run.fifos->device_view(0), device_ack, kLatencyWarmup,
                                                   timed, timeout_ns(timeout_s), device_samples, device_status);
-  UCCL_EP_GPU_CHECK(cudaGetLastError());  // nothing runs if the launch failed: no answers are awaited
+  UCCL_EP_GPU_CHECK(gpu_last_error());  // nothing runs if the launch failed: no answers are awaited
   answer_commands(run.fifos->host_view(0), host_ack, result.commands.expected, deadline, result.commands);
   result.commands.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  UCCL_EP_GPU_CHECK(cudaStreamSynchronize(run.stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_synchronize(run.stream));
 
   LatencyStatus status;
-  UCCL_EP_GPU_CHECK(cudaMemcpy(&status, device_status, sizeof(status), cudaMemcpyDeviceToHost));
+  UCCL_EP_GPU_CHECK(gpu_copy(&status, device_status, sizeof(status)));
   result.commands.pushed = status.pushed;
   result.commands.lost = result.commands.expected - result.commands.popped;
   result.loop_ns = status.loop_ns;
@@ -260,8 +259,7 @@ ChannelLatencyResult run_gpu_channel_latency(int64_t iterations, int64_t capacit
   const uint64_t completed = status.answered > kLatencyWarmup ? status.answered - kLatencyWarmup : 0;
   result.round_trip_ns.resize(completed);
   if (completed > 0)
-    UCCL_EP_GPU_CHECK(cudaMemcpy(result.round_trip_ns.data(), device_samples, completed * sizeof(uint64_t),
-                                 cudaMemcpyDeviceToHost));
+    UCCL_EP_GPU_CHECK(gpu_copy(result.round_trip_ns.data(), device_samples, completed * sizeof(uint64_t)));
   return result;
 }
 

@@ -31,6 +31,10 @@
 #else
 #include <cuda.h>  // driver API types and enums only (its functions are looked up at run time)
 #include <cuda_runtime.h>
+#if defined(UCCL_EP_DEVICE_COMPILER)
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#endif
 #endif
 #endif
 
@@ -44,6 +48,51 @@ inline void host_store_release(uint64_t* addr, uint64_t value) { __atomic_store_
 inline void host_store_relaxed(uint64_t* addr, uint64_t value) { __atomic_store_n(addr, value, __ATOMIC_RELAXED); }
 inline uint64_t host_fetch_add_relaxed(uint64_t* addr, uint64_t value) {
   return __atomic_fetch_add(addr, value, __ATOMIC_RELAXED);
+}
+
+// ---------------------------------------------------------------------------------------
+// Number formats in software (host and device), where a GPU's compiler has no conversion
+// instruction for them (ROCm before fp8 support); CUDA's device code uses its intrinsics.
+// ---------------------------------------------------------------------------------------
+UCCL_EP_HOST_DEVICE inline uint32_t float_bits(float value) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+UCCL_EP_HOST_DEVICE inline float float_from_bits(uint32_t bits) {
+  float value;
+  __builtin_memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// bf16 bits of `value`, rounded to nearest even (NaN: the quiet NaN 0x7fc0 with its sign).
+UCCL_EP_HOST_DEVICE inline uint16_t bf16_bits_from_float(float value) {
+  const uint32_t bits = float_bits(value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(((bits >> 16) & 0x8000u) | 0x7fc0u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// fp8 e4m3 (the OCP "fn" variant: no infinities, largest 448, NaN 0x7f) bits of `value`, rounded to
+// nearest even and saturated to +-448 (as CUDA's __NV_SATFINITE).
+UCCL_EP_HOST_DEVICE inline uint8_t fp8_e4m3_bits_from_float(float value) {
+  const uint32_t bits = float_bits(value);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);
+  if (magnitude < 0x3c800000u) {  // below 2^-6: a subnormal m * 2^-9 (m = 8 is the smallest normal)
+    const float scaled = float_from_bits(magnitude) * 512.0f;
+    uint32_t m = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    return static_cast<uint8_t>(sign | m);
+  }
+  if (magnitude >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7eu);  // 448 and above
+  const uint32_t exponent = (magnitude >> 23) - 127 + 7;                     // 1..8 + 7
+  uint32_t code = (exponent << 3) | ((magnitude >> 20) & 7u);
+  const uint32_t dropped = magnitude & 0xfffffu;
+  if (dropped > 0x80000u || (dropped == 0x80000u && (code & 1u))) ++code;
+  return static_cast<uint8_t>(sign | (code > 0x7eu ? 0x7eu : code));
 }
 
 #if defined(UCCL_EP_GPU_RUNTIME)
@@ -96,6 +145,46 @@ inline gpuError_t gpu_memset_async(void* pointer, int value, size_t bytes, gpuSt
   return hipMemsetAsync(pointer, value, bytes, stream);
 }
 inline gpuError_t gpu_stream_synchronize(gpuStream_t stream) { return hipStreamSynchronize(stream); }
+inline gpuError_t gpu_device_synchronize() { return hipDeviceSynchronize(); }
+inline gpuError_t gpu_device_count(int* count) { return hipGetDeviceCount(count); }
+inline gpuError_t gpu_event_query(gpuEvent_t event) { return hipEventQuery(event); }
+constexpr gpuError_t kGpuErrorNotReady = hipErrorNotReady;
+// A blocking copy between any two pointers of this process (the runtime tells them apart).
+inline gpuError_t gpu_copy(void* dst, const void* src, size_t bytes) {
+  return hipMemcpy(dst, src, bytes, hipMemcpyDefault);
+}
+// Pinned host memory the copy engines read and write (free with gpu_host_free).
+inline gpuError_t gpu_host_alloc(void** host, size_t bytes) { return hipHostMalloc(host, bytes, hipHostMallocDefault); }
+inline gpuError_t gpu_device_pci_bus_id(char* id, int length, int device) {
+  return hipDeviceGetPCIBusId(id, length, device);
+}
+// Where a pointer lives: 0 host (or unknown to the runtime), 1 device memory of *device, 2 managed memory.
+inline gpuError_t gpu_pointer_kind(const void* pointer, int* kind, int* device) {
+  hipPointerAttribute_t attributes{};
+  const gpuError_t status = hipPointerGetAttributes(&attributes, pointer);
+  *kind = 0;
+  *device = -1;
+  if (status != hipSuccess) return status;
+  if (attributes.isManaged) {
+    *kind = 2;
+  } else if (attributes.memoryType == hipMemoryTypeDevice) {
+    *kind = 1;
+    *device = attributes.device;
+  }
+  return status;
+}
+using gpuIpcMemHandle_t = hipIpcMemHandle_t;
+inline gpuError_t gpu_ipc_get_handle(gpuIpcMemHandle_t* handle, void* pointer) {
+  return hipIpcGetMemHandle(handle, pointer);
+}
+inline gpuError_t gpu_ipc_open_handle(void** pointer, gpuIpcMemHandle_t handle) {
+  return hipIpcOpenMemHandle(pointer, handle, hipIpcMemLazyEnablePeerAccess);
+}
+inline gpuError_t gpu_ipc_close_handle(void* pointer) { return hipIpcCloseMemHandle(pointer); }
+template <typename Kernel>
+gpuError_t gpu_set_max_dynamic_shared(Kernel kernel, int bytes) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 inline bool gpu_stream_waits_supported(int /*device*/) { return true; }
 // `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
 // kernel and no timeout: whoever gives up on the writer must raise the word itself.
@@ -163,6 +252,46 @@ inline gpuError_t gpu_memset_async(void* pointer, int value, size_t bytes, gpuSt
   return cudaMemsetAsync(pointer, value, bytes, stream);
 }
 inline gpuError_t gpu_stream_synchronize(gpuStream_t stream) { return cudaStreamSynchronize(stream); }
+inline gpuError_t gpu_device_synchronize() { return cudaDeviceSynchronize(); }
+inline gpuError_t gpu_device_count(int* count) { return cudaGetDeviceCount(count); }
+inline gpuError_t gpu_event_query(gpuEvent_t event) { return cudaEventQuery(event); }
+constexpr gpuError_t kGpuErrorNotReady = cudaErrorNotReady;
+// A blocking copy between any two pointers of this process (the runtime tells them apart).
+inline gpuError_t gpu_copy(void* dst, const void* src, size_t bytes) {
+  return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+}
+// Pinned host memory the copy engines read and write (free with gpu_host_free).
+inline gpuError_t gpu_host_alloc(void** host, size_t bytes) { return cudaHostAlloc(host, bytes, cudaHostAllocDefault); }
+inline gpuError_t gpu_device_pci_bus_id(char* id, int length, int device) {
+  return cudaDeviceGetPCIBusId(id, length, device);
+}
+// Where a pointer lives: 0 host (or unknown to the runtime), 1 device memory of *device, 2 managed memory.
+inline gpuError_t gpu_pointer_kind(const void* pointer, int* kind, int* device) {
+  cudaPointerAttributes attributes{};
+  const gpuError_t status = cudaPointerGetAttributes(&attributes, pointer);
+  *kind = 0;
+  *device = -1;
+  if (status != cudaSuccess) return status;
+  if (attributes.type == cudaMemoryTypeManaged) {
+    *kind = 2;
+  } else if (attributes.type == cudaMemoryTypeDevice) {
+    *kind = 1;
+    *device = attributes.device;
+  }
+  return status;
+}
+using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
+inline gpuError_t gpu_ipc_get_handle(gpuIpcMemHandle_t* handle, void* pointer) {
+  return cudaIpcGetMemHandle(handle, pointer);
+}
+inline gpuError_t gpu_ipc_open_handle(void** pointer, gpuIpcMemHandle_t handle) {
+  return cudaIpcOpenMemHandle(pointer, handle, cudaIpcMemLazyEnablePeerAccess);
+}
+inline gpuError_t gpu_ipc_close_handle(void* pointer) { return cudaIpcCloseMemHandle(pointer); }
+template <typename Kernel>
+gpuError_t gpu_set_max_dynamic_shared(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 // Stream memory operations come from the driver API, looked up at run time: the extension links
 // only the static runtime.
 namespace detail {
@@ -412,6 +541,32 @@ __device__ __forceinline__ uint32_t lanes_below_mask() {
   uint32_t mask;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
   return mask;
+#endif
+}
+
+// A 32-bit word of two bf16 values (the first in the low half, as in memory) as floats.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t pair) {
+  return make_float2(float_from_bits(pair << 16), float_from_bits(pair & 0xffff0000u));
+}
+
+// Two floats as two bf16 values in one 32-bit word (rounded to nearest even; `lo` first).
+__device__ __forceinline__ uint32_t float2_to_bf16x2(float lo, float hi) {
+#if defined(UCCL_EP_HIP)
+  return bf16_bits_from_float(lo) | (static_cast<uint32_t>(bf16_bits_from_float(hi)) << 16);
+#else
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  uint32_t word;
+  __builtin_memcpy(&word, &pair, sizeof(word));
+  return word;
+#endif
+}
+
+// Two floats as fp8 e4m3 in 16 bits (saturated to +-448, rounded to nearest even; `lo` first).
+__device__ __forceinline__ uint16_t float2_to_fp8x2_e4m3(float lo, float hi) {
+#if defined(UCCL_EP_HIP)
+  return static_cast<uint16_t>(fp8_e4m3_bits_from_float(lo) | (fp8_e4m3_bits_from_float(hi) << 8));
+#else
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 #endif
 }
 

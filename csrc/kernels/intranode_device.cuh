@@ -3,7 +3,6 @@
 // work both paths share.
 #pragma once
 
-#include <cuda_bf16.h>
 
 #include "kernels/intranode.h"
 
@@ -221,9 +220,9 @@ struct CombineSources {
 };
 
 __device__ __forceinline__ void add_bf16_vector(float (&sum)[kBf16PerVector], int4 vector) {
-  const auto* values = reinterpret_cast<const __nv_bfloat162*>(&vector);
+  const auto* values = reinterpret_cast<const uint32_t*>(&vector);
   for (int i = 0; i < kBf16PerVector / 2; ++i) {
-    const float2 pair = __bfloat1622float2(values[i]);
+    const float2 pair = bf16x2_to_float2(values[i]);
     sum[2 * i] += pair.x;
     sum[2 * i + 1] += pair.y;
   }
@@ -277,9 +276,9 @@ __device__ __forceinline__ void sum_token_rows(const NormalCombineArgs& a, int64
       if (a.bias0 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias0)[token * vectors + v]);
       if (a.bias1 != nullptr) add_bf16_vector(sum[u], reinterpret_cast<const int4*>(a.bias1)[token * vectors + v]);
       int4 packed;
-      auto* out = reinterpret_cast<__nv_bfloat162*>(&packed);
+      auto* out = reinterpret_cast<uint32_t*>(&packed);
       for (int i = 0; i < kBf16PerVector / 2; ++i) {
-        out[i] = __floats2bfloat162_rn(sum[u][2 * i], sum[u][2 * i + 1]);
+        out[i] = float2_to_bf16x2(sum[u][2 * i], sum[u][2 * i + 1]);
       }
       reinterpret_cast<int4*>(a.combined_x)[token * vectors + v] = packed;
     }

@@ -33,8 +33,6 @@
 
 #include "channel/fifo_device.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -334,17 +332,17 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
 // Eight floats rounded to bf16, packed as one 16-byte store.
 __device__ __forceinline__ int4 float_to_bf16x8(const float* values) {
   int4 packed;
-  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+  auto* pairs = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(values[2 * i], values[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) pairs[i] = float2_to_bf16x2(values[2 * i], values[2 * i + 1]);
   return packed;
 }
 
 __device__ __forceinline__ void bf16x8_to_float(const int4& packed, float* out) {
-  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+  const auto* pairs = reinterpret_cast<const uint32_t*>(&packed);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
+    const float2 f = bf16x2_to_float2(pairs[i]);
     out[2 * i] = f.x;
     out[2 * i + 1] = f.y;
   }
@@ -445,12 +443,12 @@ __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, ui
     float scale, scale_inv;
     fp8_scales(amax, a.round_scale, scale, scale_inv);
     int4 packed;
-    auto* pairs = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+    auto* pairs = reinterpret_cast<uint16_t*>(&packed);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float lo = fminf(fmaxf(__fmul_rn(values[2 * i], scale), -kFp8Max), kFp8Max);
       const float hi = fminf(fmaxf(__fmul_rn(values[2 * i + 1], scale), -kFp8Max), kFp8Max);
-      pairs[i] = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+      pairs[i] = float2_to_fp8x2_e4m3(lo, hi);
     }
     *reinterpret_cast<int4*>(message + 16 + channel) = packed;
     if (g.thread % 8 == 0) scales[channel / kChannels] = scale_inv;
@@ -1081,7 +1079,7 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
   }
   group_sync(g);
   const uint8_t* area = rank_base(r, r.rank);
-  auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
+  auto* out = reinterpret_cast<uint16_t*>(a.out) + static_cast<int64_t>(token) * a.hidden;
   for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
     float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     // kSumBatch experts' rows in flight at once; the sum keeps top-k order.
@@ -1148,7 +1146,7 @@ __device__ void combine_recv_partials(const LowLatencyCombineArgs& a, GroupShare
   }
   group_sync(g);
   const uint8_t* area = rank_base(r, r.rank);
-  auto* out = reinterpret_cast<__nv_bfloat16*>(a.out) + static_cast<int64_t>(token) * a.hidden;
+  auto* out = reinterpret_cast<uint16_t*>(a.out) + static_cast<int64_t>(token) * a.hidden;
   for (int chunk = slice * kGroupThreads + g.thread; chunk < a.hidden / 8; chunk += slices * kGroupThreads) {
     float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int k = 0; k < a.num_topk; ++k) {
@@ -1292,7 +1290,7 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t st
   UCCL_EP_GPU_CHECK(gpu_get_device(&device));
   if (static_cast<int>(staging_allowed.size()) <= device) staging_allowed.resize(device + 1, 0);
   if (staging > staging_allowed[device]) {
-    UCCL_EP_GPU_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(staging)));
+    UCCL_EP_GPU_CHECK(gpu_set_max_dynamic_shared(kernel, static_cast<int>(staging)));
     staging_allowed[device] = staging;
   }
   kernel<<<grid_size(units, a.num_sms), kBlockThreads, staging, stream>>>(a);

@@ -5,10 +5,10 @@
 namespace uccl_ep {
 
 LowLatencyState::LowLatencyState(int device) : device_(device) {
-  UCCL_EP_GPU_CHECK(cudaSetDevice(device));
-  UCCL_EP_GPU_CHECK(cudaMalloc(&control_, 2 * kControlWords * sizeof(uint64_t)));
-  UCCL_EP_GPU_CHECK(cudaHostAlloc(&status_host_, sizeof(LowLatencyStatus), cudaHostAllocMapped));
-  UCCL_EP_GPU_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_device_), status_host_, 0));
+  UCCL_EP_GPU_CHECK(gpu_set_device(device));
+  UCCL_EP_GPU_CHECK(gpu_device_alloc(reinterpret_cast<void**>(&control_), 2 * kControlWords * sizeof(uint64_t)));
+  UCCL_EP_GPU_CHECK(gpu_host_alloc_mapped(reinterpret_cast<void**>(&status_host_),
+                                          reinterpret_cast<void**>(&status_device_), sizeof(LowLatencyStatus)));
   reset();
 }
 
@@ -41,24 +41,24 @@ LowLatencyStatus LowLatencyState::status() const {
 
 void LowLatencyState::reset() {
   if (control_ == nullptr) throw std::runtime_error("LowLatencyState: released");
-  UCCL_EP_GPU_CHECK(cudaSetDevice(device_));
-  UCCL_EP_GPU_CHECK(cudaDeviceSynchronize());
-  UCCL_EP_GPU_CHECK(cudaMemset(control_, 0, 2 * kControlWords * sizeof(uint64_t)));
-  UCCL_EP_GPU_CHECK(cudaDeviceSynchronize());
+  UCCL_EP_GPU_CHECK(gpu_set_device(device_));
+  UCCL_EP_GPU_CHECK(gpu_device_synchronize());
+  UCCL_EP_GPU_CHECK(gpu_memset(control_, 0, 2 * kControlWords * sizeof(uint64_t)));
+  UCCL_EP_GPU_CHECK(gpu_device_synchronize());
   *status_host_ = LowLatencyStatus{};
 }
 
 void LowLatencyState::release() {
   if (control_ == nullptr && status_host_ == nullptr) return;
-  UCCL_EP_GPU_CHECK(cudaSetDevice(device_));
-  cudaError_t first = cudaDeviceSynchronize();
+  UCCL_EP_GPU_CHECK(gpu_set_device(device_));
+  gpuError_t first = gpu_device_synchronize();
   if (control_ != nullptr) {
-    const cudaError_t status = cudaFree(control_);
-    if (first == cudaSuccess) first = status;
+    const gpuError_t status = gpu_device_free(control_);
+    if (first == kGpuSuccess) first = status;
   }
   if (status_host_ != nullptr) {
-    const cudaError_t status = cudaFreeHost(status_host_);
-    if (first == cudaSuccess) first = status;
+    const gpuError_t status = gpu_host_free(status_host_);
+    if (first == kGpuSuccess) first = status;
   }
   control_ = nullptr;
   status_host_ = status_device_ = nullptr;

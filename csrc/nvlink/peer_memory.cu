@@ -7,18 +7,18 @@ namespace uccl_ep {
 namespace {
 
 // The runtime of this extension keeps its own current device: make it the buffer's.
-void use_device(int device) { UCCL_EP_GPU_CHECK(cudaSetDevice(device)); }
+void use_device(int device) { UCCL_EP_GPU_CHECK(gpu_set_device(device)); }
 
 }  // namespace
 
 PeerMemory::PeerMemory(int64_t num_bytes, int device) : num_bytes_(num_bytes), device_(device) {
   if (num_bytes <= 0) throw std::invalid_argument("PeerMemory: num_bytes must be positive");
   use_device(device);
-  UCCL_EP_GPU_CHECK(cudaMalloc(&base_, static_cast<size_t>(num_bytes)));
+  UCCL_EP_GPU_CHECK(gpu_device_alloc(&base_, static_cast<size_t>(num_bytes)));
   // Zeroed before any peer can see it: a flag left from an earlier allocation must not
   // look like a current one.
-  UCCL_EP_GPU_CHECK(cudaMemset(base_, 0, static_cast<size_t>(num_bytes)));
-  UCCL_EP_GPU_CHECK(cudaDeviceSynchronize());
+  UCCL_EP_GPU_CHECK(gpu_memset(base_, 0, static_cast<size_t>(num_bytes)));
+  UCCL_EP_GPU_CHECK(gpu_device_synchronize());
 }
 
 PeerMemory::~PeerMemory() {
@@ -31,14 +31,14 @@ PeerMemory::~PeerMemory() {
 
 std::string PeerMemory::ipc_handle() const {
   if (base_ == nullptr) throw std::runtime_error("PeerMemory: the buffer was released");
-  cudaIpcMemHandle_t handle;
-  UCCL_EP_GPU_CHECK(cudaIpcGetMemHandle(&handle, base_));
+  gpuIpcMemHandle_t handle;
+  UCCL_EP_GPU_CHECK(gpu_ipc_get_handle(&handle, base_));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
 std::string PeerMemory::pci_bus_id() const {
   char id[64] = {0};
-  UCCL_EP_GPU_CHECK(cudaDeviceGetPCIBusId(id, sizeof(id), device_));
+  UCCL_EP_GPU_CHECK(gpu_device_pci_bus_id(id, sizeof(id), device_));
   return std::string(id);
 }
 
@@ -57,19 +57,18 @@ void PeerMemory::open_peers(const std::vector<std::string>& handles, int rank) {
         bases[peer] = reinterpret_cast<uint64_t>(base_);
         continue;
       }
-      if (handles[peer].size() != sizeof(cudaIpcMemHandle_t)) {
+      if (handles[peer].size() != sizeof(gpuIpcMemHandle_t)) {
         throw std::invalid_argument("PeerMemory.open_peers: handle of rank " + std::to_string(peer) + " has " +
                                     std::to_string(handles[peer].size()) + " bytes, expected " +
-                                    std::to_string(sizeof(cudaIpcMemHandle_t)));
+                                    std::to_string(sizeof(gpuIpcMemHandle_t)));
       }
-      cudaIpcMemHandle_t handle;
+      gpuIpcMemHandle_t handle;
       std::memcpy(&handle, handles[peer].data(), sizeof(handle));
-      UCCL_EP_GPU_CHECK(cudaIpcOpenMemHandle(&opened_[peer], handle, cudaIpcMemLazyEnablePeerAccess));
+      UCCL_EP_GPU_CHECK(gpu_ipc_open_handle(&opened_[peer], handle));
       bases[peer] = reinterpret_cast<uint64_t>(opened_[peer]);
     }
-    UCCL_EP_GPU_CHECK(cudaMalloc(&peer_bases_device_, bases.size() * sizeof(uint64_t)));
-    UCCL_EP_GPU_CHECK(cudaMemcpy(peer_bases_device_, bases.data(), bases.size() * sizeof(uint64_t),
-                                 cudaMemcpyHostToDevice));
+    UCCL_EP_GPU_CHECK(gpu_device_alloc(reinterpret_cast<void**>(&peer_bases_device_), bases.size() * sizeof(uint64_t)));
+    UCCL_EP_GPU_CHECK(gpu_copy(peer_bases_device_, bases.data(), bases.size() * sizeof(uint64_t)));
   } catch (...) {
     release();
     throw;
@@ -90,18 +89,18 @@ void PeerMemory::release() {
   if (base_ == nullptr && opened_.empty()) return;
   use_device(device_);
   // Kernels that still use the mappings must be done before they go.
-  cudaError_t first = cudaDeviceSynchronize();
+  gpuError_t first = gpu_device_synchronize();
   for (void* mapping : opened_) {
     if (mapping == nullptr) continue;
-    const cudaError_t status = cudaIpcCloseMemHandle(mapping);
-    if (first == cudaSuccess) first = status;
+    const gpuError_t status = gpu_ipc_close_handle(mapping);
+    if (first == kGpuSuccess) first = status;
   }
   opened_.clear();
-  if (peer_bases_device_ != nullptr) cudaFree(peer_bases_device_);
+  if (peer_bases_device_ != nullptr) gpu_device_free(peer_bases_device_);
   peer_bases_device_ = nullptr;
   if (base_ != nullptr) {
-    const cudaError_t status = cudaFree(base_);
-    if (first == cudaSuccess) first = status;
+    const gpuError_t status = gpu_device_free(base_);
+    if (first == kGpuSuccess) first = status;
   }
   base_ = nullptr;
   UCCL_EP_GPU_CHECK(first);

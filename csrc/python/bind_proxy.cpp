@@ -254,7 +254,7 @@ class PyProxy {
     if (t.region_is_host_memory()) return __atomic_load_n(reinterpret_cast<const int64_t*>(address), __ATOMIC_ACQUIRE);
 #if defined(UCCL_EP_WITH_CUDA)
     int64_t value = 0;
-    UCCL_EP_GPU_CHECK(cudaMemcpy(&value, address, sizeof(value), cudaMemcpyDeviceToHost));
+    UCCL_EP_GPU_CHECK(uccl_ep::gpu_copy(&value, address, sizeof(value)));
     return value;
 #else
     throw std::runtime_error("the region is not host memory");

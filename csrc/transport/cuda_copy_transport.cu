@@ -86,7 +86,7 @@ void CudaCopyTransport::create_streams() {
   ScopedDevice device(device_, name(), rank_);
   load_region_ops_kernels();
   for (int r = 0; r < num_ranks_; ++r) {
-    const gpuError_t status = cudaStreamCreateWithFlags(&peers_[r].stream, cudaStreamNonBlocking);
+    const gpuError_t status = gpu_stream_create_nonblocking(&peers_[r].stream);
     if (status != kGpuSuccess) {
       peers_[r].stream = nullptr;
       release_gpu_resources();  // the destructor does not run for a constructor that throws
@@ -179,7 +179,7 @@ void CudaCopyTransport::post(int peer, Request&& request) {
 
 void CudaCopyTransport::issue(int peer, const Request& request) {
   Peer& p = peers_[peer];
-  cudaEvent_t done = acquire_event(peer, request.id);
+  gpuEvent_t done = acquire_event(peer, request.id);
   gpuError_t status = wait_for_fences(peer);
   const char* what = "cudaStreamWaitEvent (after a fence)";
   if (status == kGpuSuccess) {
@@ -187,7 +187,7 @@ void CudaCopyTransport::issue(int peer, const Request& request) {
     what = request.op == Op::kWrite ? "cudaMemcpyAsync" : "launching the atomic add kernel";
   }
   if (status == kGpuSuccess) {
-    status = cudaEventRecord(done, p.stream);
+    status = gpu_event_record(done, p.stream);
     what = "cudaEventRecord";
   }
   if (status != kGpuSuccess) {
@@ -203,7 +203,7 @@ gpuError_t CudaCopyTransport::wait_for_fences(int peer) {
   for (int r = 0; r < num_ranks_; ++r) {
     const Peer& other = peers_[r];
     if (r == peer || other.fence_number <= p.fences_waited[r]) continue;
-    const gpuError_t status = cudaStreamWaitEvent(p.stream, other.fence_event, 0);
+    const gpuError_t status = gpu_stream_wait_event(p.stream, other.fence_event);
     if (status != kGpuSuccess) return status;
     p.fences_waited[r] = other.fence_number;
   }
@@ -216,17 +216,17 @@ gpuError_t CudaCopyTransport::enqueue(const Peer& p, const Request& request) {
   }
   if (request.length == 0) return kGpuSuccess;  // an immediate alone: only the event is recorded
   const uint8_t* source = static_cast<const uint8_t*>(local_base_) + request.local_offset;
-  return cudaMemcpyAsync(p.base + request.remote_offset, source, request.length, cudaMemcpyDeviceToDevice, p.stream);
+  return gpu_copy_async(p.base + request.remote_offset, source, request.length, p.stream);
 }
 
-cudaEvent_t CudaCopyTransport::acquire_event(int peer, uint64_t request_id) {
+gpuEvent_t CudaCopyTransport::acquire_event(int peer, uint64_t request_id) {
   if (!spare_events_.empty()) {
-    cudaEvent_t event = spare_events_.back();
+    gpuEvent_t event = spare_events_.back();
     spare_events_.pop_back();
     return event;
   }
-  cudaEvent_t event = nullptr;
-  const gpuError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  gpuEvent_t event = nullptr;
+  const gpuError_t status = gpu_event_create(&event);
   if (status != kGpuSuccess) throw TransportError(failure(peer, request_id, "cudaEventCreateWithFlags", status));
   return event;
 }
@@ -267,8 +267,8 @@ void CudaCopyTransport::release_expired_window(int peer) {
 void CudaCopyTransport::retire_finished(int peer) {
   Peer& p = peers_[peer];
   while (!p.issued.empty()) {
-    const gpuError_t status = cudaEventQuery(p.issued.front().done);
-    if (status == cudaErrorNotReady) {
+    const gpuError_t status = gpu_event_query(p.issued.front().done);
+    if (status == kGpuErrorNotReady) {
       // Not an error, but the runtime may still record it as the thread's last error, which
       // the next kernel launch's check would then report.
       (void)gpu_last_error();
@@ -433,8 +433,8 @@ bool CudaCopyTransport::fence() {
     Peer& p = peers_[r];
     if (!p.written_since_fence) continue;
     gpuError_t status = kGpuSuccess;
-    if (p.fence_event == nullptr) status = cudaEventCreateWithFlags(&p.fence_event, cudaEventDisableTiming);
-    if (status == kGpuSuccess) status = cudaEventRecord(p.fence_event, p.stream);
+    if (p.fence_event == nullptr) status = gpu_event_create(&p.fence_event);
+    if (status == kGpuSuccess) status = gpu_event_record(p.fence_event, p.stream);
     if (status != kGpuSuccess) {
       throw TransportError(who() + ": a fence on the stream to peer " + std::to_string(r) + " failed: " +
                            gpu_error_text(status));
@@ -476,15 +476,15 @@ void CudaCopyTransport::release_gpu_resources() {
   // exit the runtime may be unloading already).
   ScopedDevice device(device_);
   for (Peer& p : peers_) {
-    for (const Issued& issued : p.issued) cudaEventDestroy(issued.done);
+    for (const Issued& issued : p.issued) gpu_event_destroy(issued.done);
     p.issued.clear();
     p.window.discard();
-    if (p.fence_event != nullptr) cudaEventDestroy(p.fence_event);
+    if (p.fence_event != nullptr) gpu_event_destroy(p.fence_event);
     p.fence_event = nullptr;
-    if (p.stream != nullptr) cudaStreamDestroy(p.stream);
+    if (p.stream != nullptr) gpu_stream_destroy(p.stream);
     p.stream = nullptr;
   }
-  for (cudaEvent_t event : spare_events_) cudaEventDestroy(event);
+  for (gpuEvent_t event : spare_events_) gpu_event_destroy(event);
   spare_events_.clear();
   (void)gpu_last_error();  // none of those failures concerns later calls of this thread
 }

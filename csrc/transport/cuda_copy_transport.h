@@ -130,7 +130,7 @@ class CudaCopyTransport final : public Transport {
   // A request handed to the copy engine; `done` completes after it.
   struct Issued {
     Request request;
-    cudaEvent_t done = nullptr;
+    gpuEvent_t done = nullptr;
     std::chrono::steady_clock::time_point issued_at;
   };
 
@@ -142,7 +142,7 @@ class CudaCopyTransport final : public Transport {
     std::deque<Issued> issued;     // in stream order, so they complete front first
     // fence(): this stream's latest fence event and its number (0: none yet), whether a copy was
     // issued on it since, and per other peer the number of the fence this stream already waits for.
-    cudaEvent_t fence_event = nullptr;
+    gpuEvent_t fence_event = nullptr;
     uint64_t fence_number = 0;
     bool written_since_fence = false;
     std::vector<uint64_t> fences_waited;
@@ -156,7 +156,7 @@ class CudaCopyTransport final : public Transport {
   void issue(int peer, const Request& request);
   gpuError_t enqueue(const Peer& p, const Request& request);
   gpuError_t wait_for_fences(int peer);
-  cudaEvent_t acquire_event(int peer, uint64_t request_id);
+  gpuEvent_t acquire_event(int peer, uint64_t request_id);
   void flush_windows();
   void progress();
   void release_expired_window(int peer);
@@ -187,7 +187,7 @@ class CudaCopyTransport final : public Transport {
   mutable std::mutex mu_;
   std::vector<Peer> peers_;  // [num_ranks]
   std::unique_ptr<DeviceRegionWriter> writer_;  // on the stream of our copies to ourselves
-  std::vector<cudaEvent_t> spare_events_;
+  std::vector<gpuEvent_t> spare_events_;
   uint64_t fences_ = 0;
   uint64_t unordered_requests_ = 0;  // posted with an immediate or as an atomic add, not yet off the stream
   std::deque<uint64_t> completions_;  // requests without an immediate

@@ -63,7 +63,7 @@ class ScopedDevice {
   // A failure leaves the current device as it was, and status() says why.
   explicit ScopedDevice(int device) : status_(switch_to(device)) {}
   ~ScopedDevice() {
-    if (switched_) cudaSetDevice(previous_);
+    if (switched_) gpu_set_device(previous_);
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
@@ -72,9 +72,9 @@ class ScopedDevice {
 
  private:
   gpuError_t switch_to(int device) {
-    gpuError_t status = cudaGetDevice(&previous_);
+    gpuError_t status = gpu_get_device(&previous_);
     if (status == kGpuSuccess && previous_ != device) {
-      status = cudaSetDevice(device);
+      status = gpu_set_device(device);
       switched_ = status == kGpuSuccess;
     }
     return status;
@@ -89,20 +89,20 @@ class ScopedDevice {
 // (the proxy runs while the application captures graphs). A failure is left for the next
 // ScopedDevice of that thread to report, with the transport's name.
 inline void bind_thread_to_device(int device) {
-  if (cudaSetDevice(device) != kGpuSuccess || gpu_relax_stream_capture() != kGpuSuccess) (void)gpu_last_error();
+  if (gpu_set_device(device) != kGpuSuccess || gpu_relax_stream_capture() != kGpuSuccess) (void)gpu_last_error();
 }
 
 // Polls `event` until the work before it is done. Returns kGpuSuccess, that work's failure, or
-// cudaErrorNotReady once `deadline` has passed. Polls rather than blocks: no runtime wait has a
+// kGpuErrorNotReady once `deadline` has passed. Polls rather than blocks: no runtime wait has a
 // timeout.
-inline gpuError_t wait_for_event(cudaEvent_t event, std::chrono::steady_clock::time_point deadline) {
+inline gpuError_t wait_for_event(gpuEvent_t event, std::chrono::steady_clock::time_point deadline) {
   for (;;) {
-    const gpuError_t status = cudaEventQuery(event);
-    if (status != cudaErrorNotReady) return status;
+    const gpuError_t status = gpu_event_query(event);
+    if (status != kGpuErrorNotReady) return status;
     // Not a failure, but the runtime may keep it as the thread's last error, which the next
     // launch's check would then report.
     (void)gpu_last_error();
-    if (std::chrono::steady_clock::now() >= deadline) return cudaErrorNotReady;
+    if (std::chrono::steady_clock::now() >= deadline) return kGpuErrorNotReady;
     std::this_thread::yield();
   }
 }

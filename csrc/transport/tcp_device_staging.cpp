@@ -27,7 +27,7 @@ constexpr const char* kTransport = "tcp";
 // A stream, and the event recorded on it where a wait ends.
 struct Lane {
   gpuStream_t stream = nullptr;
-  cudaEvent_t done = nullptr;
+  gpuEvent_t done = nullptr;
 };
 
 std::string failed(const char* what, gpuError_t status) {
@@ -36,7 +36,7 @@ std::string failed(const char* what, gpuError_t status) {
 
 void check_device(int device, int rank) {
   int count = 0;
-  const gpuError_t status = cudaGetDeviceCount(&count);
+  const gpuError_t status = gpu_device_count(&count);
   if (status != kGpuSuccess) {
     (void)gpu_last_error();
     throw TransportError(transport_label(kTransport, rank) + ": device=" + std::to_string(device) +
@@ -51,14 +51,11 @@ void check_device(int device, int rank) {
 // The region must be memory of `device`: the copies and kernels address it there.
 void check_region(int device, MemoryRegion region) {
   if (region.bytes == 0) return;
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, region.base) != kGpuSuccess) {
-    (void)gpu_last_error();
-    attributes.type = cudaMemoryTypeUnregistered;
-  }
-  if (attributes.type == cudaMemoryTypeDevice && attributes.device == device) return;
-  std::string what = attributes.type == cudaMemoryTypeManaged ? "managed memory" : "host memory";
-  if (attributes.type == cudaMemoryTypeDevice) what = "memory of device " + std::to_string(attributes.device);
+  int kind = 0, owner = -1;  // gpu_pointer_kind's
+  if (gpu_pointer_kind(region.base, &kind, &owner) != kGpuSuccess) (void)gpu_last_error();  // host memory
+  if (kind == 1 && owner == device) return;
+  std::string what = kind == 2 ? "managed memory" : "host memory";
+  if (kind == 1) what = "memory of device " + std::to_string(owner);
   throw std::invalid_argument("region_ptr is " + what + ", not memory of device=" + std::to_string(device) +
                               " (give no device for a host region)");
 }
@@ -77,7 +74,7 @@ class DeviceStagedRegion final : public StagedRegion {
     load_region_ops_kernels();
     try {
       for (Lane* lane : lanes()) create(*lane, rank);
-      const gpuError_t status = cudaHostAlloc(reinterpret_cast<void**>(&staging_), staging_bytes, cudaHostAllocDefault);
+      const gpuError_t status = gpu_host_alloc(reinterpret_cast<void**>(&staging_), staging_bytes);
       if (status != kGpuSuccess) {
         staging_ = nullptr;
         throw TransportError(transport_label(kTransport, rank) + ": cannot allocate " + std::to_string(staging_bytes) +
@@ -96,21 +93,21 @@ class DeviceStagedRegion final : public StagedRegion {
   RegionWriter& writer() override { return *writer_; }
 
   std::string stage(uint8_t* staged, const uint8_t* source, uint64_t bytes) override {
-    return copy(send_, staged, source, bytes, cudaMemcpyDeviceToHost, "copying a write out of device memory");
+    return copy(send_, staged, source, bytes, "copying a write out of device memory");
   }
   void bind_thread() noexcept override { bind_thread_to_device(device_); }
 
   std::string wait_staged() override { return wait(send_, "copying writes out of device memory"); }
 
   std::string land(uint8_t* dest, const uint8_t* staged, uint64_t bytes) override {
-    return copy(receive_, dest, staged, bytes, cudaMemcpyHostToDevice, "copying a write into device memory");
+    return copy(receive_, dest, staged, bytes, "copying a write into device memory");
   }
   std::string add(uint8_t* target, int64_t value) override { return launch_add(receive_, target, value); }
   std::string wait_landed() override { return wait(receive_, "applying writes and atomic adds to device memory"); }
 
   std::string copy_local(uint8_t* dest, const uint8_t* source, uint64_t bytes) override {
     const char* what = "a copy within device memory";
-    const std::string error = copy(local_, dest, source, bytes, cudaMemcpyDeviceToDevice, what);
+    const std::string error = copy(local_, dest, source, bytes, what);
     return error.empty() ? wait(local_, what) : error;
   }
   std::string add_local(uint8_t* target, int64_t value) override {
@@ -121,16 +118,16 @@ class DeviceStagedRegion final : public StagedRegion {
   void release() override {
     ScopedDevice current(device_);
     // The staging is freed only once no copy uses it: one that never finishes (a hung GPU) keeps it.
-    const bool copying = drain(send_) == cudaErrorNotReady || drain(receive_) == cudaErrorNotReady;
+    const bool copying = drain(send_) == kGpuErrorNotReady || drain(receive_) == kGpuErrorNotReady;
     for (Lane* lane : lanes()) {
-      if (lane->done != nullptr) cudaEventDestroy(lane->done);
-      if (lane->stream != nullptr) cudaStreamDestroy(lane->stream);  // safe with kernels still queued
+      if (lane->done != nullptr) gpu_event_destroy(lane->done);
+      if (lane->stream != nullptr) gpu_stream_destroy(lane->stream);  // safe with kernels still queued
       *lane = Lane{};
     }
     if (staging_ != nullptr && copying) {
       std::fprintf(stderr, "[uccl-ep] tcp transport: a staging copy never finished; its pinned memory stays\n");
     } else if (staging_ != nullptr) {
-      cudaFreeHost(staging_);
+      gpu_host_free(staging_);
     }
     staging_ = nullptr;
     (void)gpu_last_error();  // none of those failures concerns later calls of this thread
@@ -140,18 +137,18 @@ class DeviceStagedRegion final : public StagedRegion {
   std::array<Lane*, 3> lanes() { return {&send_, &receive_, &local_}; }
 
   static void create(Lane& lane, int rank) {
-    gpuError_t status = cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking);
-    if (status == kGpuSuccess) status = cudaEventCreateWithFlags(&lane.done, cudaEventDisableTiming);
+    gpuError_t status = gpu_stream_create_nonblocking(&lane.stream);
+    if (status == kGpuSuccess) status = gpu_event_create(&lane.done);
     if (status != kGpuSuccess) {
       throw TransportError(transport_label(kTransport, rank) + ": cannot create a stream for staging: " +
                            gpu_error_text(status));
     }
   }
 
-  std::string copy(Lane& lane, void* dest, const void* source, uint64_t bytes, cudaMemcpyKind kind, const char* what) {
+  std::string copy(Lane& lane, void* dest, const void* source, uint64_t bytes, const char* what) {
     const ScopedDevice current(device_);
     gpuError_t status = current.status();
-    if (status == kGpuSuccess) status = cudaMemcpyAsync(dest, source, bytes, kind, lane.stream);
+    if (status == kGpuSuccess) status = gpu_copy_async(dest, source, bytes, lane.stream);
     return status == kGpuSuccess ? std::string() : failed(what, status);
   }
 
@@ -163,19 +160,19 @@ class DeviceStagedRegion final : public StagedRegion {
   }
 
   // Waits (up to the timeout) for everything queued on `lane` so far: kGpuSuccess, the failure of
-  // that work, or cudaErrorNotReady when it is still running at the deadline.
+  // that work, or kGpuErrorNotReady when it is still running at the deadline.
   gpuError_t drain(Lane& lane) {
     if (lane.stream == nullptr || lane.done == nullptr) return kGpuSuccess;
     const ScopedDevice current(device_);
     gpuError_t status = current.status();
-    if (status == kGpuSuccess) status = cudaEventRecord(lane.done, lane.stream);
+    if (status == kGpuSuccess) status = gpu_event_record(lane.done, lane.stream);
     if (status == kGpuSuccess) status = wait_for_event(lane.done, std::chrono::steady_clock::now() + timeout_);
     return status;
   }
 
   std::string wait(Lane& lane, const char* what) {
     const gpuError_t status = drain(lane);
-    if (status == cudaErrorNotReady) {
+    if (status == kGpuErrorNotReady) {
       return std::string(what) + " did not finish within " + timeout_text_ + kStalledCopyHint;
     }
     return status == kGpuSuccess ? std::string() : failed(what, status);
