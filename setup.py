@@ -9,13 +9,20 @@ Build modes of ``uccl_ep_plugin._C`` (it never links libtorch):
   * CUDA: nvcc was found and ``UCCL_EP_CPU_ONLY`` is not set. The ``*.cu`` files under
     csrc/ are compiled by nvcc and linked together with the C++ sources; cudart is
     linked statically, so importing ``_C`` works without a GPU or driver.
-  * CPU only: no nvcc, or ``UCCL_EP_CPU_ONLY=1``. Only the C++ sources are built.
+  * HIP (AMD GPUs): ``UCCL_EP_HIP=1``, or hipcc was found and nvcc was not. The same ``*.cu``
+    files are compiled by hipcc for AMD GPUs (csrc/common/portability.h maps CUDA to HIP)
+    and linked against libamdhip64.
+  * CPU only: no GPU compiler, or ``UCCL_EP_CPU_ONLY=1``. Only the C++ sources are built.
 
 Environment variables:
   CUDA_HOME / CUDA_PATH   CUDA toolkit root (else ``nvcc`` on PATH, else /usr/local/cuda)
-  UCCL_EP_CPU_ONLY=1      build without CUDA even when nvcc exists
+  UCCL_EP_CPU_ONLY=1      build without a GPU even when nvcc or hipcc exists
   UCCL_EP_CUDA_ARCH       SM architectures, comma separated, e.g. ``90`` or ``80,90``
                           (default: what nvidia-smi reports for the local GPUs, else 90)
+  UCCL_EP_HIP=1           build for AMD GPUs with hipcc (ROCM_PATH / HIP_PATH, else hipcc on PATH,
+                          else /opt/rocm)
+  UCCL_EP_HIP_ARCH        AMD GPU architectures, e.g. ``gfx942`` or ``gfx90a,gfx940``
+                          (default: what rocminfo reports for the local GPUs, else gfx90a)
 """
 
 import concurrent.futures
@@ -38,6 +45,7 @@ except ImportError:  # pragma: no cover
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
 DEFAULT_CUDA_ARCH = "90"
+DEFAULT_HIP_ARCH = "gfx90a"
 TRUE_WORDS = ("1", "true", "yes", "on")
 
 
@@ -139,6 +147,41 @@ def _cuda_archs():
     return [DEFAULT_CUDA_ARCH], "default (no UCCL_EP_CUDA_ARCH, no GPU seen by nvidia-smi)"
 
 
+def _find_hipcc():
+    """(path to hipcc or None, how it was found)."""
+    for var in ("ROCM_PATH", "HIP_PATH"):
+        home = os.environ.get(var)
+        if home and (Path(home) / "bin" / "hipcc").is_file():
+            return Path(home) / "bin" / "hipcc", f"${var}={home}"
+    on_path = shutil.which("hipcc")
+    if on_path:
+        return Path(on_path), "hipcc on PATH"
+    default = Path("/opt/rocm/bin/hipcc")
+    if default.is_file():
+        return default, "/opt/rocm"
+    return None, "no hipcc in $ROCM_PATH, $HIP_PATH, PATH or /opt/rocm"
+
+
+def _hip_archs():
+    """(list of AMD GPU architectures such as ['gfx90a'], where they came from)."""
+    env = os.environ.get("UCCL_EP_HIP_ARCH", "").strip()
+    if env:
+        archs = [e for e in re.split(r"[,;\s]+", env) if e]
+        for arch in archs:
+            if not re.fullmatch(r"gfx[0-9a-f]+(:[a-z+-]+)*", arch):
+                raise SystemExit(f"[uccl-ep build] error: bad AMD GPU architecture {arch!r} in UCCL_EP_HIP_ARCH; "
+                                 "expected names such as gfx90a or gfx942")
+        return archs, f"UCCL_EP_HIP_ARCH={env}"
+    try:
+        out = subprocess.run(["rocminfo"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    found = sorted(set(re.findall(r"\b(gfx[0-9a-f]{3,4})\b", out)) - {"gfx000"})
+    if found:
+        return found, "the local GPUs (rocminfo)"
+    return [DEFAULT_HIP_ARCH], "default (no UCCL_EP_HIP_ARCH, no GPU seen by rocminfo)"
+
+
 def _verbs_include():
     """(the folder holding rdma-core's infiniband/verbs.h or None, why): UCCL_EP_VERBS_INCLUDE, else the system's.
     UCCL_EP_WITHOUT_VERBS=1 leaves the verbs transport out."""
@@ -159,8 +202,10 @@ class BuildConfig:
     def __init__(self):
         self.verbs_include, self.verbs_reason = _verbs_include()
         self.cuda = False
+        self.hip = False
         self.reason = ""
         self.nvcc = None
+        self.hipcc = None
         self.cuda_include = None
         self.cuda_lib = None
         self.archs = []
@@ -168,9 +213,18 @@ class BuildConfig:
         if os.environ.get("UCCL_EP_CPU_ONLY", "").strip().lower() in TRUE_WORDS:
             self.reason = "UCCL_EP_CPU_ONLY is set"
             return
-        nvcc, how = _find_nvcc()
+        want_hip = os.environ.get("UCCL_EP_HIP", "").strip().lower() in TRUE_WORDS
+        nvcc, how = (None, "UCCL_EP_HIP is set") if want_hip else _find_nvcc()
         if nvcc is None:
-            self.reason = how
+            hipcc, hip_how = _find_hipcc()
+            if hipcc is not None:
+                self.hip, self.hipcc = True, hipcc
+                self.reason = f"hipcc found: {hipcc} ({hip_how}; {how})"
+                self.archs, self.arch_reason = _hip_archs()
+            elif want_hip:
+                raise SystemExit(f"[uccl-ep build] error: UCCL_EP_HIP is set but {hip_how}")
+            else:
+                self.reason = f"{how}; {hip_how}"
             return
         include, lib = _find_cuda_dirs(nvcc)
         if include is None:
@@ -183,10 +237,16 @@ class BuildConfig:
         self.reason = f"nvcc found: {nvcc} ({how})"
         self.archs, self.arch_reason = _cuda_archs()
 
+    @property
+    def gpu(self):
+        return self.cuda or self.hip
+
     def describe(self):
         verbs = f"verbs transport: {'yes' if self.verbs_include else 'no'} ({self.verbs_reason})"
+        if self.hip:
+            return [f"mode: HIP ({self.reason})", f"AMD GPU archs: {','.join(self.archs)} ({self.arch_reason})", verbs]
         if not self.cuda:
-            return [f"mode: CPU only ({self.reason}); building the C++ parts without CUDA", verbs]
+            return [f"mode: CPU only ({self.reason}); building the C++ parts without a GPU", verbs]
         return [
             f"mode: CUDA ({self.reason})",
             f"CUDA archs: {','.join(self.archs)} ({self.arch_reason})",
@@ -204,7 +264,7 @@ def _relative_files(pattern):
 
 def make_extension(config):
     cpp_sources = _relative_files("*.cpp")
-    cu_sources = _relative_files("*.cu") if config.cuda else []
+    cu_sources = _relative_files("*.cu") if config.gpu else []
     headers = _relative_files("*.h") + _relative_files("*.cuh")
     macros = [("UCCL_EP_VERSION", f'"{project_version()}"')]
     include_dirs = [CSRC]
@@ -215,6 +275,18 @@ def make_extension(config):
         macros.append(("UCCL_EP_WITH_VERBS", "1"))
         include_dirs.append(config.verbs_include)
         libraries.append("dl")
+    if config.gpu:
+        macros.append(("UCCL_EP_WITH_GPU", "1"))
+    if config.hip:
+        # The C++ sources include the HIP runtime's headers too (for the host compiler: the AMD platform).
+        macros += [("UCCL_EP_WITH_HIP", "1"), ("__HIP_PLATFORM_AMD__", "1"),
+                   ("UCCL_EP_HIP_ARCH_LIST", '"{}"'.format(",".join(config.archs)))]
+        rocm = config.hipcc.resolve().parent.parent
+        if (rocm / "include" / "hip").is_dir():
+            include_dirs.append(str(rocm / "include"))
+        if (rocm / "lib").is_dir():
+            library_dirs.append(str(rocm / "lib"))
+        libraries += ["amdhip64", "dl", "pthread"]
     if config.cuda:
         macros += [("UCCL_EP_WITH_CUDA", "1"),
                    ("UCCL_EP_CUDA_ARCH_LIST", '"{}"'.format(",".join(config.archs)))]
@@ -224,7 +296,7 @@ def make_extension(config):
     return Pybind11Extension(
         "uccl_ep_plugin._C",
         sources=cpp_sources + cu_sources,
-        depends=headers + (_relative_files("*.cu") if config.cuda else []),
+        depends=headers + (_relative_files("*.cu") if config.gpu else []),
         include_dirs=include_dirs,
         define_macros=macros,
         library_dirs=library_dirs,
@@ -233,20 +305,22 @@ def make_extension(config):
     )
 
 
-def _run_nvcc(job):
-    """(source, command, the error or None, seconds) of one nvcc run."""
+def _run_gpu_compiler(job):
+    """(source, command, the error or None, seconds) of one nvcc or hipcc run."""
     source, command = job
     start = time.monotonic()
+    # Without HIP_PLATFORM, hipcc hands the job to nvcc where nvcc exists.
+    env = dict(os.environ, HIP_PLATFORM="amd") if CONFIG.hip else None
     try:
-        subprocess.run(command, check=True)
+        subprocess.run(command, check=True, env=env)
         error = None
     except (OSError, subprocess.CalledProcessError) as exc:
         error = exc
     return source, command, error, time.monotonic() - start
 
 
-class BuildExtWithCuda(build_ext):
-    """build_ext that compiles ``*.cu`` sources with nvcc and links their objects in."""
+class BuildExtWithGpu(build_ext):
+    """build_ext that compiles ``*.cu`` sources with nvcc or hipcc and links their objects in."""
 
     def build_extensions(self):
         for line in CONFIG.describe():
@@ -276,9 +350,9 @@ class BuildExtWithCuda(build_ext):
         cu_sources = [s for s in sources if s.endswith(".cu")]
         extra_objects = list(ext.extra_objects or [])
         if cu_sources:
-            if not CONFIG.cuda:
+            if not CONFIG.gpu:
                 raise SystemExit("[uccl-ep build] error: .cu sources in a CPU-only build")
-            ext.extra_objects = extra_objects + self._compile_cuda(ext, cu_sources)
+            ext.extra_objects = extra_objects + self._compile_gpu_sources(ext, cu_sources)
         ext.sources = [s for s in sources if not s.endswith(".cu")]
         target = Path(self.get_ext_fullpath(ext.name))
         before = target.stat().st_mtime_ns if target.exists() else None
@@ -300,14 +374,23 @@ class BuildExtWithCuda(build_ext):
         compiler = getattr(self.compiler, "compiler_so", None) or []
         return compiler[0] if compiler and shutil.which(compiler[0]) else None
 
-    def _compile_cuda(self, ext, cu_sources):
-        nvcc = str(CONFIG.nvcc)
+    def _gpu_flags(self):
+        """The compiler and its flags for the mode: nvcc with the host compiler, or hipcc (clang, whose C++
+        library is the host's libstdc++)."""
+        if CONFIG.hip:
+            flags = ["-x", "hip", "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden"]
+            return str(CONFIG.hipcc), flags + [f"--offload-arch={arch}" for arch in CONFIG.archs]
         flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden"]
         host_compiler = self._host_compiler()
         if host_compiler is not None:
             flags += ["-ccbin", host_compiler]
         for arch in CONFIG.archs:
             flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        return str(CONFIG.nvcc), flags
+
+    def _compile_gpu_sources(self, ext, cu_sources):
+        compiler, flags = self._gpu_flags()
+        tool = Path(compiler).name
         for include in ext.include_dirs:
             flags.append(f"-I{include}")
         for name, value in ext.define_macros:
@@ -317,20 +400,20 @@ class BuildExtWithCuda(build_ext):
             obj = Path(self.build_temp) / (os.path.splitext(source)[0] + ".cu.o")
             objects.append(str(obj))
             if not (self.force or newer_group([source] + list(ext.depends), str(obj))):
-                log(f"nvcc: {source} is up to date")
+                log(f"{tool}: {source} is up to date")
                 continue
             obj.parent.mkdir(parents=True, exist_ok=True)
-            commands.append((source, [nvcc, "-c", source, "-o", str(obj)] + flags))
+            commands.append((source, [compiler] + flags + ["-c", source, "-o", str(obj)]))
         # The sources compile side by side, as the C++ ones do (UCCL_EP_BUILD_JOBS, default one per core).
         jobs = int(os.environ.get("UCCL_EP_BUILD_JOBS") or 0) or os.cpu_count() or 1
-        log(f"nvcc: {len(commands)} source(s), {min(jobs, max(len(commands), 1))} at a time "
+        log(f"{tool}: {len(commands)} source(s), {min(jobs, max(len(commands), 1))} at a time "
             f"(archs {','.join(CONFIG.archs)})")
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            for source, command, error, seconds in pool.map(_run_nvcc, commands):
+            for source, command, error, seconds in pool.map(_run_gpu_compiler, commands):
                 if error is not None:
-                    raise SystemExit(f"[uccl-ep build] error: nvcc failed on {source}: {error}\n"
+                    raise SystemExit(f"[uccl-ep build] error: {tool} failed on {source}: {error}\n"
                                      f"command: {' '.join(command)}")
-                log(f"nvcc: {source} took {seconds:.1f}s")
+                log(f"{tool}: {source} took {seconds:.1f}s")
         return objects
 
 
@@ -359,6 +442,6 @@ setup(
     package_dir=FOLDER_PACKAGES,
     package_data={"uccl_ep_plugin.configs": ["*.yaml"]},
     ext_modules=[make_extension(CONFIG)],
-    cmdclass={"build_ext": BuildExtWithCuda},
+    cmdclass={"build_ext": BuildExtWithGpu},
     zip_safe=False,
 )

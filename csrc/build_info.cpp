@@ -1,6 +1,6 @@
 #include "build_info.h"
 
-#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#if defined(UCCL_EP_WITH_GPU)
 #include "common/portability.h"
 #endif
 
@@ -10,6 +10,9 @@
 #endif
 #ifndef UCCL_EP_CUDA_ARCH_LIST
 #define UCCL_EP_CUDA_ARCH_LIST ""
+#endif
+#ifndef UCCL_EP_HIP_ARCH_LIST
+#define UCCL_EP_HIP_ARCH_LIST ""
 #endif
 
 namespace uccl_ep {
@@ -53,19 +56,18 @@ BuildInfo get_build_info() {
 #if defined(UCCL_EP_WITH_HIP)
   info.hip = true;
 #endif
+  info.hip_archs = split_commas(UCCL_EP_HIP_ARCH_LIST);  // "" without HIP
 #if defined(UCCL_EP_WITH_VERBS)
   info.verbs = true;
   info.features.push_back("verbs_transport");
 #endif
-#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#if defined(UCCL_EP_WITH_GPU)
   info.features.push_back("dispatch_layout");
   info.features.push_back("gpu_channel");
   info.features.push_back("low_latency_nvlink");
   info.features.push_back("cuda_copy_transport");
   info.features.push_back("tcp_device_memory");
-#endif
-#if defined(UCCL_EP_WITH_CUDA)
-  info.features.push_back("normal_nvlink");  // csrc/kernels/intranode.cu: CUDA only so far
+  info.features.push_back("normal_nvlink");
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");

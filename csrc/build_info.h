@@ -12,6 +12,7 @@ struct BuildInfo {
   int cuda_runtime_version = 0;       // CUDART_VERSION built against (e.g. 13000); 0 without CUDA
   std::vector<std::string> cuda_archs;  // SM architectures compiled, e.g. {"80", "90"}
   bool hip = false;                   // HIP kernels compiled in
+  std::vector<std::string> hip_archs;  // AMD GPU architectures compiled, e.g. {"gfx90a", "gfx940"}
   bool verbs = false;                 // the RDMA verbs transport compiled in (rdma-core headers found)
   std::vector<std::string> features;  // native operations available, e.g. "dispatch_layout"
   std::string compiler;               // host C++ compiler that built this file

@@ -57,6 +57,7 @@ EXPECTED_TYPES = {
     "cuda_static_runtime": bool,
     "cuda_archs": list,
     "hip": bool,
+    "hip_archs": list,
     "verbs": bool,
     "features": list,
     "compiler": str,
@@ -77,7 +78,7 @@ def test_build_info_keys_and_types(ext):
     assert info["verbs"] == ("verbs_transport" in info["features"]) == hasattr(ext, "VerbsTransport")
     if os.environ.get("CI") == "true":   # CI installs the headers first (tests/soft_roce/install.sh)
         assert info["verbs"], "the CI build has no verbs transport"
-    assert info["hip"] is False
+    assert info["hip"] is False and info["hip_archs"] == []   # tests/amd_build checks a HIP build
     assert info["version"] == "0.1.0"
     if info["cuda"]:
         assert isinstance(info["cuda_runtime_version"], int)

@@ -42,7 +42,7 @@ MappedFifos::MappedFifos(int num_fifos, int64_t capacity, int device, bool host_
     UCCL_EP_GPU_CHECK(gpu_copy(device_views_, views.data(), views.size() * sizeof(FifoView)));
   } catch (...) {
     release();
-    gpu_set_device(previous);
+    (void)gpu_set_device(previous);
     throw;
   }
   UCCL_EP_GPU_CHECK(gpu_set_device(previous));
@@ -51,8 +51,8 @@ MappedFifos::MappedFifos(int num_fifos, int64_t capacity, int device, bool host_
 MappedFifos::~MappedFifos() { release(); }
 
 void MappedFifos::release() {
-  if (host_ != nullptr) gpu_host_free(host_);
-  if (device_memory_ != nullptr) gpu_device_free(device_memory_);
+  if (host_ != nullptr) (void)gpu_host_free(host_);
+  if (device_memory_ != nullptr) (void)gpu_device_free(device_memory_);
   host_ = host_on_device_ = device_memory_ = nullptr;
   device_views_ = nullptr;
 }

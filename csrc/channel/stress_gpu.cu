@@ -111,9 +111,9 @@ struct ChannelRun {
     UCCL_EP_GPU_CHECK(gpu_memset_async(device, 0, device_bytes, stream));
   }
   ~ChannelRun() {
-    if (stream != nullptr) gpu_stream_destroy(stream);
-    if (host != nullptr) gpu_host_free(host);
-    if (device != nullptr) gpu_device_free(device);
+    if (stream != nullptr) (void)gpu_stream_destroy(stream);
+    if (host != nullptr) (void)gpu_host_free(host);
+    if (device != nullptr) (void)gpu_device_free(device);
   }
 };
 

@@ -24,7 +24,7 @@
 
 // The GPU runtime is there in GPU builds; CPU-only builds use only what does not need it
 // (UCCL_EP_HOST_DEVICE, the host memory-order helpers).
-#if defined(UCCL_EP_DEVICE_COMPILER) || defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#if defined(UCCL_EP_DEVICE_COMPILER) || defined(UCCL_EP_WITH_GPU)
 #define UCCL_EP_GPU_RUNTIME 1
 #if defined(UCCL_EP_HIP)
 #include <hip/hip_runtime.h>
@@ -533,14 +533,77 @@ __device__ __forceinline__ void group_barrier(int id, int num_threads) {
 #endif
 }
 
-// Lanes below this one, as a bit mask (for ballot-based compaction).
-__device__ __forceinline__ uint32_t lanes_below_mask() {
+// ---------------------------------------------------------------------------------------
+// Whole-warp (NVIDIA, 32 lanes) or whole-wavefront (CDNA, 64 lanes) operations: every lane of
+// the warp takes part. A lane mask has a bit per lane.
+// ---------------------------------------------------------------------------------------
 #if defined(UCCL_EP_HIP)
-  return static_cast<uint32_t>((1ull << (threadIdx.x % kWarpSize)) - 1);
+using LaneMask = uint64_t;
 #else
-  uint32_t mask;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-  return mask;
+using LaneMask = uint32_t;
+#endif
+
+__device__ __forceinline__ void warp_sync() {
+#if defined(UCCL_EP_HIP)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
+// `value` as lane `lane` holds it.
+template <typename T>
+__device__ __forceinline__ T warp_shuffle(T value, int lane) {
+#if defined(UCCL_EP_HIP)
+  return __shfl(value, lane);
+#else
+  return __shfl_sync(0xffffffffu, value, lane);
+#endif
+}
+
+// `value` as the lane `delta` below holds it (its own where there is none).
+template <typename T>
+__device__ __forceinline__ T warp_shuffle_up(T value, unsigned delta) {
+#if defined(UCCL_EP_HIP)
+  return __shfl_up(value, delta);
+#else
+  return __shfl_up_sync(0xffffffffu, value, delta);
+#endif
+}
+
+// `value` as the lane whose index differs from this one's by the bits of `mask` holds it.
+template <typename T>
+__device__ __forceinline__ T warp_shuffle_xor(T value, int mask) {
+#if defined(UCCL_EP_HIP)
+  return __shfl_xor(value, mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, value, mask);
+#endif
+}
+
+__device__ __forceinline__ bool warp_all(bool predicate) {
+#if defined(UCCL_EP_HIP)
+  return __all(predicate) != 0;
+#else
+  return __all_sync(0xffffffffu, predicate) != 0;
+#endif
+}
+
+// The lanes whose `predicate` holds.
+__device__ __forceinline__ LaneMask warp_ballot(bool predicate) {
+#if defined(UCCL_EP_HIP)
+  return __ballot(predicate);
+#else
+  return __ballot_sync(0xffffffffu, predicate);
+#endif
+}
+
+// The lowest lane in a non-empty mask.
+__device__ __forceinline__ int lowest_lane(LaneMask mask) {
+#if defined(UCCL_EP_HIP)
+  return __ffsll(static_cast<unsigned long long>(mask)) - 1;
+#else
+  return __ffs(mask) - 1;
 #endif
 }
 
@@ -570,15 +633,18 @@ __device__ __forceinline__ uint16_t float2_to_fp8x2_e4m3(float lo, float hi) {
 #endif
 }
 
-// 16-byte load that skips the SM's L1: for data a peer GPU wrote into this GPU's memory,
-// read after an acquire of the flag that announced it.
-__device__ __forceinline__ int4 load_l2_16(const void* addr) {
+// A load that skips the SM's L1: for data a peer GPU (or the host) wrote into memory this GPU
+// reads, after an acquire of the flag that announced it.
+template <typename T>
+__device__ __forceinline__ T load_l2(const T* addr) {
 #if defined(UCCL_EP_HIP)
-  return *reinterpret_cast<const int4*>(addr);  // the acquire before it invalidated the CU's L1 already
+  return *addr;  // the acquire before it invalidated the CU's L1 already
 #else
-  return __ldcg(reinterpret_cast<const int4*>(addr));
+  return __ldcg(addr);
 #endif
 }
+
+__device__ __forceinline__ int4 load_l2_16(const void* addr) { return load_l2(reinterpret_cast<const int4*>(addr)); }
 
 // A byte another agent may change while this thread polls it.
 __device__ __forceinline__ uint8_t load_volatile_u8(const uint8_t* addr) {

@@ -48,7 +48,7 @@ __device__ int32_t block_exclusive_sum(int32_t value, int32_t* warp_totals, int3
   const int num_warps = blockDim.x / kWarpSize;
   int32_t inclusive = value;
   for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    const int32_t below = warp_shuffle_up(inclusive, offset);
     if (lane >= offset) inclusive += below;
   }
   if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
@@ -56,7 +56,7 @@ __device__ int32_t block_exclusive_sum(int32_t value, int32_t* warp_totals, int3
   if (warp == 0) {
     int32_t sum = lane < num_warps ? warp_totals[lane] : 0;
     for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-      const int32_t below = __shfl_up_sync(0xffffffffu, sum, offset);
+      const int32_t below = warp_shuffle_up(sum, offset);
       if (lane >= offset) sum += below;
     }
     if (lane < num_warps) warp_totals[lane] = sum;
@@ -150,7 +150,7 @@ __device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
   const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows);
   const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
   for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
-    const int32_t theirs = __ldcg(words + src);
+    const int32_t theirs = load_l2(words + src);
     if (theirs != mine) record_failure(r, kNormalSettingsDiffer, kNormalNotifyRecv, src, theirs);
   }
   __syncthreads();
@@ -169,7 +169,7 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     int32_t running = 0;
     for (int src = 0; src < num_ranks; ++src) {
-      running += __ldcg(slots + src * slot_ints + dst);
+      running += load_l2(slots + src * slot_ints + dst);
       a.rank_prefix_matrix[src * num_ranks + dst] = running;
     }
     // Every rank sees the same counts, so every rank records this and all stop together.
@@ -180,11 +180,11 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
   for (int i = threadIdx.x; i < num_ranks * num_channels; i += blockDim.x) {
     const int src = i / num_channels, channel = i % num_channels;
     a.recv_channel_prefix_matrix[i] =
-        channel == 0 ? 0 : __ldcg(slots + src * slot_ints + num_ranks + channel - 1);
+        channel == 0 ? 0 : load_l2(slots + src * slot_ints + num_ranks + channel - 1);
   }
   for (int expert = threadIdx.x; expert < local; expert += blockDim.x) {
     int32_t total = 0;
-    for (int src = 0; src < num_ranks; ++src) total += __ldcg(slots + src * slot_ints + num_ranks + num_channels + expert);
+    for (int src = 0; src < num_ranks; ++src) total += load_l2(slots + src * slot_ints + num_ranks + num_channels + expert);
     a.recv_tokens_per_expert[expert] = (total + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
   }
   __syncthreads();  // every output written, the slots read
@@ -198,7 +198,7 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
     }
     int32_t* source_tokens = a.host_counts + normal_host_source_tokens_index(num_ranks, num_channels, local);
     for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
-      source_tokens[src] = __ldcg(slots + src * slot_ints + slot_ints - 1);
+      source_tokens[src] = load_l2(slots + src * slot_ints + slot_ints - 1);
     }
   }
   return true;
@@ -300,12 +300,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs 
       }
       if (a.recv_topk_idx != nullptr && w.lane < k) {
         a.recv_topk_idx[row * k + w.lane] =
-            __ldcg(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
+            load_l2(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
         a.recv_topk_weights[row * k + w.lane] =
-            __ldcg(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
+            load_l2(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
       }
       if (a.recv_src_idx != nullptr && w.lane == 0) {
-        a.recv_src_idx[row] = __ldcg(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
+        a.recv_src_idx[row] = load_l2(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
       }
     } else {  // padding rows, as the reference pads them
       warp_zero(x_out, a.x_row_bytes, w.lane);

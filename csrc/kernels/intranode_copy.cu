@@ -51,7 +51,7 @@ __global__ void wait_source_arrived(NormalRegion r, int32_t source) {
 __device__ inline void announce_gathered(const NormalRegion& r, const bool* pushed, uint32_t* warps_done,
                                          uint64_t value, int lane) {
   __threadfence_system();
-  __syncwarp();
+  warp_sync();
   const uint32_t warps = gridDim.x * (blockDim.x / kWarpSize);
   if (lane != 0 || atomicAdd(warps_done, 1u) != warps - 1) return;
   *warps_done = 0;  // the next gather, after this kernel, counts from zero
@@ -175,12 +175,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       }
       if (a.recv_topk_idx != nullptr && w.lane < k) {
         a.recv_topk_idx[(b.first + row) * k + w.lane] =
-            __ldcg(reinterpret_cast<const long long*>(b.base + b.area.topk_idx) + row * k + w.lane);
+            load_l2(reinterpret_cast<const long long*>(b.base + b.area.topk_idx) + row * k + w.lane);
         a.recv_topk_weights[(b.first + row) * k + w.lane] =
-            __ldcg(reinterpret_cast<const float*>(b.base + b.area.topk_weights) + row * k + w.lane);
+            load_l2(reinterpret_cast<const float*>(b.base + b.area.topk_weights) + row * k + w.lane);
       }
       if (a.recv_src_idx != nullptr && w.lane == 0) {
-        a.recv_src_idx[b.first + row] = __ldcg(reinterpret_cast<const int32_t*>(b.base + b.area.src_idx) + row);
+        a.recv_src_idx[b.first + row] = load_l2(reinterpret_cast<const int32_t*>(b.base + b.area.src_idx) + row);
       }
     }
   }
@@ -211,7 +211,7 @@ __device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percen
     }
   }
   __threadfence_system();
-  __syncwarp();
+  warp_sync();
   const uint32_t warps = gridDim.x * (blockDim.x / kWarpSize);
   if (w.lane != 0 || atomicAdd(warps_done, 1u) != warps - 1) return;
   *warps_done = 0;  // the next combine counts from zero
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         ready = pushed = wait_at_least(r, sm_pushed_word(r, me, dst), epoch, kNormalCombineRecv, dst);
       }
     }
-    return __all_sync(0xffffffffu, ready) != 0;
+    return warp_all(ready);
   });
 }
 

@@ -146,7 +146,7 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
     for (; i < vectors; i += kWarpSize) to[i] = load_l2_16(from + i);
   } else {
     for (int64_t i = lane; i < bytes / 4; i += kWarpSize) {
-      reinterpret_cast<int32_t*>(dst)[i] = __ldcg(reinterpret_cast<const int32_t*>(src) + i);
+      reinterpret_cast<int32_t*>(dst)[i] = load_l2(reinterpret_cast<const int32_t*>(src) + i);
     }
   }
 }
@@ -260,7 +260,7 @@ __device__ __forceinline__ void sum_token_rows(const NormalCombineArgs& a, int64
   constexpr int kUnroll = kSumUnroll;
   const int64_t vectors = a.hidden / kBf16PerVector;
   const auto row_at = [&](int i) {
-    const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_row), i % kWarpSize);
+    const auto address = warp_shuffle(reinterpret_cast<unsigned long long>(my_row), i % kWarpSize);
     return i < count ? reinterpret_cast<const uint8_t*>(address) : nullptr;
   };
   const uint8_t* row0 = row_at(0);
@@ -303,12 +303,12 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
     const int64_t position = has ? pos[dst] : 0;
     if (!rows_ready(dst, has, position)) return;
     // Lane i takes the address of the token's i-th row: each present row in turn, ranks ascending.
-    const uint32_t present = __ballot_sync(0xffffffffu, has);
+    const LaneMask present = warp_ballot(has);
     const uint8_t* row = has ? from.x[dst] + position * row_bytes : nullptr;
     const uint8_t* my_row = nullptr;
     int count = 0;
-    for (uint32_t left = present; left != 0; left &= left - 1, ++count) {
-      const auto address = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), __ffs(left) - 1);
+    for (LaneMask left = present; left != 0; left &= left - 1, ++count) {
+      const auto address = warp_shuffle(reinterpret_cast<unsigned long long>(row), lowest_lane(left));
       if (w.lane == count) my_row = reinterpret_cast<const uint8_t*>(address);
     }
     sum_token_rows(a, token, my_row, count, w.lane);
@@ -316,7 +316,7 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
       float sum = 0.0f;
       for (int dst = 0; dst < num_ranks; ++dst) {
         if (!in_rank[dst]) continue;
-        sum += __ldcg(from.topk_weights[dst] + static_cast<int64_t>(pos[dst]) * a.num_topk + w.lane);
+        sum += load_l2(from.topk_weights[dst] + static_cast<int64_t>(pos[dst]) * a.num_topk + w.lane);
       }
       a.combined_topk_weights[token * a.num_topk + w.lane] = sum;
     }

@@ -438,7 +438,7 @@ __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, ui
       for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(values[i]));
     }
 #pragma unroll
-    for (int mask = 1; mask < 8; mask <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
+    for (int mask = 1; mask < 8; mask <<= 1) amax = fmaxf(amax, warp_shuffle_xor(amax, mask));
     if (!active) continue;
     float scale, scale_inv;
     fp8_scales(amax, a.round_scale, scale, scale_inv);
@@ -457,7 +457,7 @@ __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, ui
 
 __device__ __forceinline__ int warp_sum(int value) {
 #pragma unroll
-  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) value += __shfl_xor_sync(0xffffffffu, value, mask);
+  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) value += warp_shuffle_xor(value, mask);
   return value;
 }
 
@@ -590,7 +590,7 @@ __device__ void dispatch_recv_row(const LowLatencyDispatchArgs& a, int local, in
   const int64_t slots_per_expert = static_cast<int64_t>(r.num_ranks) * a.num_max_tokens;
   const int64_t row_bytes = a.use_fp8 ? a.hidden : 2LL * a.hidden;
   const int num_scales = a.hidden / kChannels;
-  const int token = __ldcg(dispatch_index_at(a, r.rank, local, src, index));
+  const int token = load_l2(dispatch_index_at(a, r.rank, local, src, index));
   const uint8_t* msg = dispatch_message_at(a, r.rank, src, token);
   const int64_t out_row = local * slots_per_expert + row;
   if (lane == 0) a.src_info[out_row] = token;
@@ -633,11 +633,11 @@ __device__ void dispatch_recv_slice(const LowLatencyDispatchArgs& a, int local, 
       count = max(wait_flag(r, dispatch_flag_at(a, r.rank, src, local), epoch, src, kLowLatencyDispatchRecv, local,
                             slice == 0 ? a.wait_cost_stats : nullptr), 0);
     }
-    __syncwarp();  // orders each lane's acquire before the other lanes' reads of that source's rows
+    warp_sync();  // orders each lane's acquire before the other lanes' reads of that source's rows
     int inclusive = count;
 #pragma unroll
     for (int shift = 1; shift < kWarpSize; shift <<= 1) {
-      const int below = __shfl_up_sync(0xffffffffu, inclusive, shift);
+      const int below = warp_shuffle_up(inclusive, shift);
       if (lane >= shift) inclusive += below;
     }
     const int first_row = begin + inclusive - count;
@@ -646,13 +646,13 @@ __device__ void dispatch_recv_slice(const LowLatencyDispatchArgs& a, int local, 
     }
 #pragma unroll 1
     for (int s = 0; s < kWarpSize && chunk + s < r.num_ranks; ++s) {
-      const int rows = __shfl_sync(0xffffffffu, count, s);
-      const int first = __shfl_sync(0xffffffffu, first_row, s);
+      const int rows = warp_shuffle(count, s);
+      const int first = warp_shuffle(first_row, s);
       for (int row = first + (slice - first % slices + slices) % slices; row < first + rows; row += slices) {
         dispatch_recv_row(a, local, chunk + s, row - first, row, lane);
       }
     }
-    begin += __shfl_sync(0xffffffffu, inclusive, kWarpSize - 1);
+    begin += warp_shuffle(inclusive, kWarpSize - 1);
   }
   if (slice == 0 && lane == 0) {
     a.recv_count[local] = begin;
@@ -734,8 +734,8 @@ __device__ void send_logfmt_row(const uint8_t* row, uint8_t* msg, int hidden, in
     }
 #pragma unroll
     for (int mask = 1; mask < 16; mask <<= 1) {
-      mag_max = fmaxf(mag_max, __shfl_xor_sync(0xffffffffu, mag_max, mask));
-      mag_min = fminf(mag_min, __shfl_xor_sync(0xffffffffu, mag_min, mask));
+      mag_max = fmaxf(mag_max, warp_shuffle_xor(mag_max, mask));
+      mag_min = fminf(mag_min, warp_shuffle_xor(mag_min, mask));
     }
     if (!active) continue;
     uint8_t* payload = msg + static_cast<int64_t>(group) * kLogfmtGroupBytes;
@@ -780,7 +780,7 @@ __device__ __forceinline__ void read_logfmt_chunk(const uint8_t* msg, int hidden
   const int group = chunk / 16;
   const int quarter = chunk % 16;
   const uint8_t* payload = msg + static_cast<int64_t>(group) * kLogfmtGroupBytes;
-  const float2 header = __ldcg(reinterpret_cast<const float2*>(msg + 2LL * hidden) + group);
+  const float2 header = load_l2(reinterpret_cast<const float2*>(msg + 2LL * hidden) + group);
   if (header.y == 0.0f) {
     bf16x8_to_float(load_l2_16(payload + quarter * 16), out);
     return;
@@ -788,8 +788,8 @@ __device__ __forceinline__ void read_logfmt_chunk(const uint8_t* msg, int hidden
   const auto* words = reinterpret_cast<const uint16_t*>(payload + quarter * kLogfmtLaneBytes);
   uint64_t low64 = 0;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) low64 |= static_cast<uint64_t>(__ldcg(words + w)) << (16 * w);
-  const uint32_t top = __ldcg(words + 4);
+  for (int w = 0; w < 4; ++w) low64 |= static_cast<uint64_t>(load_l2(words + w)) << (16 * w);
+  const uint32_t top = load_l2(words + 4);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     uint32_t code;
@@ -968,7 +968,7 @@ __device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, co
   if (g.thread < a.num_topk) {
     const CombineRecords records = combine_records_at(a, r.rank, src);
     const int64_t entry = static_cast<int64_t>(token) * a.num_topk + g.thread;
-    const int2 held = __ldcg(records.rows + entry);   // a peer wrote them (not through this SM's L1)
+    const int2 held = load_l2(records.rows + entry);   // a peer wrote them (not through this SM's L1)
     int64_t offset = -1;
     if (held.x >= 0 && held.x < local_experts) {
       const int64_t range = a.layout_range[static_cast<int64_t>(held.x) * r.num_ranks + src];
@@ -978,7 +978,7 @@ __device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, co
       }
     }
     sh.messages[g.thread] = offset;
-    sh.weights[g.thread] = held.x >= 0 ? __ldcg(records.weights + entry) : 0.0f;
+    sh.weights[g.thread] = held.x >= 0 ? load_l2(records.weights + entry) : 0.0f;
   }
   group_sync(g);
   if (g.thread == 0) {   // the entries this rank holds, in top-k order (every thread has read sh.found)

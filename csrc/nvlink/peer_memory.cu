@@ -96,7 +96,7 @@ void PeerMemory::release() {
     if (first == kGpuSuccess) first = status;
   }
   opened_.clear();
-  if (peer_bases_device_ != nullptr) gpu_device_free(peer_bases_device_);
+  if (peer_bases_device_ != nullptr) (void)gpu_device_free(peer_bases_device_);
   peer_bases_device_ = nullptr;
   if (base_ != nullptr) {
     const gpuError_t status = gpu_device_free(base_);

@@ -1,6 +1,6 @@
 // Python bindings of the NVLink low-latency path: PeerMemory (CUDA IPC buffers),
 // LowLatencyState and the two kernel launchers. Pointers and streams are plain integers.
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -234,4 +234,4 @@ void bind_low_latency(py::module_& m) {
       .def("receive", &LowLatencyLauncher::receive, py::arg("send"),
            "A hook: the receive of `send` on its stream -> the failure code recorded before (nothing launched) or 0.");
 }
-#endif  // UCCL_EP_WITH_CUDA
+#endif  // UCCL_EP_WITH_GPU

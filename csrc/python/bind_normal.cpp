@@ -1,7 +1,7 @@
 // Python bindings of the NVLink normal-mode path: NormalRegion, the copy engines (intranode_copy.h)
 // and NormalLauncher (intranode_launcher.h), which makes each operation one call, plus the layout
 // facts tests check. Pointers and streams are plain integers; 0 is null.
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -421,4 +421,4 @@ void bind_normal(py::module_& m) {
            "send_pos, num_tokens, bias0, bias1, num_channels, host_counts, stream) -> (status, [combined_x, "
            "combined_topk_weights or None] when DONE).");
 }
-#endif  // UCCL_EP_WITH_CUDA
+#endif  // UCCL_EP_WITH_GPU

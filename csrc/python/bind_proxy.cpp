@@ -30,7 +30,7 @@
 #include "proxy/ordering.h"
 #include "proxy/proxy.h"
 #include "transport/tcp_transport.h"
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 #include "channel/mapped_fifos.h"
 #include "nvlink/peer_memory.h"
 #include "transport/cuda_copy_transport.h"
@@ -132,7 +132,7 @@ class HostFifo {
   uccl_ep::FifoView view_{};
 };
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 // FIFOs in pinned mapped host memory (channel/mapped_fifos.h): GPU kernels push, a proxy pops;
 // with host_producers, Python pushes (tests of the proxy over device memory).
 class PyMappedFifos {
@@ -170,11 +170,11 @@ class PyMappedFifos {
  private:
   std::unique_ptr<uccl_ep::MappedFifos> impl_;
 };
-#endif  // UCCL_EP_WITH_CUDA
+#endif  // UCCL_EP_WITH_GPU
 
 // The consumer views of `fifos`: a list of HostFifo objects, or (GPU builds) a MappedFifos.
 std::vector<uccl_ep::FifoView> consumer_views(const py::object& fifos) {
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
   if (py::isinstance<PyMappedFifos>(fifos)) return fifos.cast<PyMappedFifos&>().host_views();
 #endif
   require(py::isinstance<py::list>(fifos), "fifos must be a list of HostFifo objects or a MappedFifos");
@@ -197,7 +197,7 @@ class PyProxy {
  public:
   // The transports a proxy may own; each bootstraps the same way (listen_address, connect).
   using OwnedTransport = std::variant<std::unique_ptr<uccl_ep::TcpTransport>
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
                                       ,
                                       std::unique_ptr<uccl_ep::CudaCopyTransport>
 #endif
@@ -252,7 +252,7 @@ class PyProxy {
     uccl_ep::Transport& t = transport();
     const auto* address = static_cast<const uint8_t*>(t.region().base) + offset;
     if (t.region_is_host_memory()) return __atomic_load_n(reinterpret_cast<const int64_t*>(address), __ATOMIC_ACQUIRE);
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
     int64_t value = 0;
     UCCL_EP_GPU_CHECK(uccl_ep::gpu_copy(&value, address, sizeof(value)));
     return value;
@@ -461,7 +461,7 @@ kAtomicAdd `value` is the signed amount (or, with FLAG_COUNT, the announced toke
       .def_property_readonly_static("FLAG_BUFFER", [](py::object) { return uccl_ep::kCommandFlagBuffer; })
       .def_property_readonly_static("FLAG_COUNT", [](py::object) { return uccl_ep::kCommandFlagCountFlag; });
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
   py::class_<PyMappedFifos>(m, "MappedFifos", R"doc(
 num_fifos command FIFOs of `capacity` slots in pinned host memory mapped into `device`'s address
 space: kernels push (device_views: the address of a device array of FifoView), a Proxy pops. With
@@ -540,7 +540,7 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
            py::arg("region_bytes"), py::arg("fifos"), py::arg("num_threads") = 1, py::arg("config") = py::none(),
            py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0, py::arg("device") = py::none(),
            py::arg("_stage_host_region") = false)
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
       .def_static(
           "over_cuda_copy",
           [](int rank, int num_ranks, py::object peer_memory, py::object fifos, int num_threads,

@@ -21,7 +21,7 @@
 #include "transport/verbs_devices.h"
 #include "transport/verbs_transport.h"
 #endif
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 #include "nvlink/peer_memory.h"
 #include "transport/cuda_copy_transport.h"
 #endif
@@ -149,7 +149,7 @@ class PyTcpTransport : public PyTransport<uccl_ep::TcpTransport> {
   }
 };
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 class PyCudaCopyTransport : public PyTransport<uccl_ep::CudaCopyTransport> {
  public:
   PyCudaCopyTransport(int rank, int num_ranks, const uccl_ep::PeerMemory& peer_memory, int64_t reorder_seed,
@@ -323,7 +323,7 @@ posts requests out of order. Blocking calls release the GIL.)doc");
       "without libibverbs.");
 #endif
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
   py::class_<PyCudaCopyTransport> cuda_copy(m, "CudaCopyTransport", R"doc(
 The cuda-copy transport: writes go through the copy engines (cudaMemcpyAsync into the peers'
 buffers, which peer_memory has mapped with CUDA IPC), atomic adds through a one-thread kernel,

@@ -12,7 +12,7 @@
 #include "build_info.h"
 #include "channel/stress.h"
 #include "python/torch_tensors.h"
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 #include "kernels/intranode.h"
 #include "kernels/intranode_copy.h"
 #include "kernels/layout.h"
@@ -22,7 +22,7 @@
 namespace py = pybind11;
 void bind_transport(py::module_& m);  // bind_transport.cpp
 void bind_proxy(py::module_& m);      // bind_proxy.cpp
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 void bind_low_latency(py::module_& m);  // bind_low_latency.cpp
 void bind_normal(py::module_& m);       // bind_normal.cpp
 #endif
@@ -39,6 +39,7 @@ py::dict build_info_dict() {
   out["cuda_archs"] = py::cast(info.cuda_archs);
   out["cuda_static_runtime"] = info.cuda;
   out["hip"] = info.hip;
+  out["hip_archs"] = py::cast(info.hip_archs);
   out["verbs"] = info.verbs;
   out["features"] = py::cast(info.features);
   out["compiler"] = info.compiler;
@@ -69,7 +70,7 @@ py::dict channel_stress_host(uint32_t num_producers, uint64_t commands_per_produ
   return stress_result_dict(result);
 }
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
 py::dict channel_stress_gpu(uint32_t num_fifos, uint32_t blocks_per_fifo, uint32_t threads_per_block,
                             uint64_t commands_per_thread, uint64_t capacity, double timeout_s) {
   uccl_ep::ChannelStressResult result;
@@ -173,7 +174,7 @@ PYBIND11_MODULE(_C, m) {
         "Host threads push numbered commands through one FIFO while this thread takes and checks them; "
         "returns counts of lost, out-of-order and torn commands and the elapsed seconds.");
 
-#if defined(UCCL_EP_WITH_CUDA)
+#if defined(UCCL_EP_WITH_GPU)
   bind_low_latency(m);
   bind_normal(m);
   m.def("load_kernels", &load_engine_kernels,

@@ -476,15 +476,15 @@ void CudaCopyTransport::release_gpu_resources() {
   // exit the runtime may be unloading already).
   ScopedDevice device(device_);
   for (Peer& p : peers_) {
-    for (const Issued& issued : p.issued) gpu_event_destroy(issued.done);
+    for (const Issued& issued : p.issued) (void)gpu_event_destroy(issued.done);
     p.issued.clear();
     p.window.discard();
-    if (p.fence_event != nullptr) gpu_event_destroy(p.fence_event);
+    if (p.fence_event != nullptr) (void)gpu_event_destroy(p.fence_event);
     p.fence_event = nullptr;
-    if (p.stream != nullptr) gpu_stream_destroy(p.stream);
+    if (p.stream != nullptr) (void)gpu_stream_destroy(p.stream);
     p.stream = nullptr;
   }
-  for (gpuEvent_t event : spare_events_) gpu_event_destroy(event);
+  for (gpuEvent_t event : spare_events_) (void)gpu_event_destroy(event);
   spare_events_.clear();
   (void)gpu_last_error();  // none of those failures concerns later calls of this thread
 }

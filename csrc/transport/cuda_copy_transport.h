@@ -54,7 +54,7 @@
 #include "transport/transport.h"
 
 #if !defined(UCCL_EP_GPU_RUNTIME)
-#error "cuda_copy_transport.h needs the GPU runtime: include it only in CUDA builds (UCCL_EP_WITH_CUDA)"
+#error "cuda_copy_transport.h needs the GPU runtime: include it only in GPU builds (UCCL_EP_WITH_GPU)"
 #endif
 
 namespace uccl_ep {

@@ -15,7 +15,7 @@
 #include "transport/transport.h"
 
 #if !defined(UCCL_EP_GPU_RUNTIME)
-#error "device_region_ops.h needs the GPU runtime: include it only in CUDA builds (UCCL_EP_WITH_CUDA)"
+#error "device_region_ops.h needs the GPU runtime: include it only in GPU builds (UCCL_EP_WITH_GPU)"
 #endif
 
 namespace uccl_ep {
@@ -63,7 +63,7 @@ class ScopedDevice {
   // A failure leaves the current device as it was, and status() says why.
   explicit ScopedDevice(int device) : status_(switch_to(device)) {}
   ~ScopedDevice() {
-    if (switched_) gpu_set_device(previous_);
+    if (switched_) (void)gpu_set_device(previous_);
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;

@@ -120,14 +120,14 @@ class DeviceStagedRegion final : public StagedRegion {
     // The staging is freed only once no copy uses it: one that never finishes (a hung GPU) keeps it.
     const bool copying = drain(send_) == kGpuErrorNotReady || drain(receive_) == kGpuErrorNotReady;
     for (Lane* lane : lanes()) {
-      if (lane->done != nullptr) gpu_event_destroy(lane->done);
-      if (lane->stream != nullptr) gpu_stream_destroy(lane->stream);  // safe with kernels still queued
+      if (lane->done != nullptr) (void)gpu_event_destroy(lane->done);
+      if (lane->stream != nullptr) (void)gpu_stream_destroy(lane->stream);  // safe with kernels still queued
       *lane = Lane{};
     }
     if (staging_ != nullptr && copying) {
       std::fprintf(stderr, "[uccl-ep] tcp transport: a staging copy never finished; its pinned memory stays\n");
     } else if (staging_ != nullptr) {
-      gpu_host_free(staging_);
+      (void)gpu_host_free(staging_);
     }
     staging_ = nullptr;
     (void)gpu_last_error();  // none of those failures concerns later calls of this thread

@@ -299,7 +299,8 @@ def _built_for(build: Dict[str, Any]) -> str:
         archs = ", ".join("sm_%s" % arch for arch in build.get("cuda_archs") or []) or "no architecture"
         return "built with CUDA for %s (runtime %s, linked statically)" % (archs, build.get("cuda_runtime_version"))
     if build.get("hip"):
-        return "built with HIP"
+        archs = ", ".join(build.get("hip_archs") or []) or "no architecture"
+        return "built with HIP for %s (compiled in CI with ROCm 5.2; not yet run on an AMD GPU)" % archs
     return "built without GPU code (CPU parts only)"
 
 
