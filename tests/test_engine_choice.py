@@ -66,3 +66,45 @@ def test_unknown_proxy_transport_is_named(monkeypatch):
 def test_reference_mode_gives_no_native_reasons():
     choice = engines.choose("reference", torch.device("cuda"))
     assert set(choice.by_operation.values()) == {"reference"} and choice.reasons == {}
+
+
+class _BuiltFor(FakeExtension):
+    """A fake extension built for CUDA or for HIP, with every native feature."""
+
+    def __init__(self, platform):
+        super().__init__(["dispatch_layout", "normal_nvlink", "low_latency_nvlink"])
+        self.platform = platform
+
+    def build_info(self):
+        return {"features": self.features, "cuda": self.platform == "cuda", "hip": self.platform == "hip"}
+
+
+@pytest.mark.parametrize("build,torch_hip", [("cuda", "6.2.0"), ("hip", None)], ids=["cuda-build-rocm-torch",
+                                                                                       "hip-build-cuda-torch"])
+def test_a_build_for_the_other_gpu_vendor_is_refused_with_the_reason(monkeypatch, build, torch_hip):
+    from uccl_ep_plugin.engines import native
+    monkeypatch.setattr(native, "_load_extension", lambda: _BuiltFor(build))
+    monkeypatch.setattr(torch.version, "hip", torch_hip, raising=False)
+    choice = engines.choose("auto", torch.device("cuda"))
+    assert set(choice.by_operation.values()) == {"reference"}
+    wanted = "rebuild it with UCCL_EP_HIP=1" if build == "cuda" else "is for AMD GPUs (HIP) and torch is not a ROCm"
+    assert all(wanted in choice.reasons[op] for op in engines.OPERATIONS), choice.reasons
+
+
+def test_the_hip_build_serves_only_when_asked(monkeypatch):
+    """On ROCm torch a HIP build could run natively, but its kernels have not been validated on an AMD GPU: auto
+    picks the reference engine and says how to try them; UCCL_EP_ENGINE=native uses them."""
+    from uccl_ep_plugin.engines import native
+    monkeypatch.setattr(native, "_load_extension", lambda: _BuiltFor("hip"))
+    monkeypatch.setattr(native, "use_torch_shim", lambda extension: None)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    auto = engines.choose("auto", torch.device("cuda"))
+    assert set(auto.by_operation.values()) == {"reference"}
+    assert all("not been validated" in auto.reasons[op] and "UCCL_EP_ENGINE=native" in auto.reasons[op]
+               for op in engines.OPERATIONS)
+    explicit = engines.choose("native", torch.device("cuda"))
+    assert set(explicit.by_operation.values()) == {"native"} and not explicit.reasons
+    monkeypatch.setattr(native, "_load_extension", lambda: _BuiltFor("cuda"))
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    cuda = engines.choose("auto", torch.device("cuda"))
+    assert set(cuda.by_operation.values()) == {"native"} and not cuda.reasons

@@ -41,8 +41,9 @@ def choose(mode: str, device: torch.device) -> EngineChoice:
     choice = EngineChoice(mode)
     if mode == "native" and device.type != "cuda":
         raise RuntimeError(f"{ENGINE_ENV}=native: {native.unsupported_reason('dispatch', device)}")
+    unvalidated = native.unvalidated_reason() if mode == "auto" and device.type == "cuda" else None
     for operation in OPERATIONS:
-        reason = None if mode == "reference" else native.unsupported_reason(operation, device)
+        reason = None if mode == "reference" else native.unsupported_reason(operation, device) or unvalidated
         if mode == "reference":
             choice.by_operation[operation] = "reference"
         elif reason is None or mode == "native":

@@ -29,6 +29,30 @@ def _load_extension():
     return _C
 
 
+def _platform_mismatch(info) -> Optional[str]:
+    """Why a build of _C cannot serve this torch's GPUs (AMD code with a CUDA torch, or the reverse), or None."""
+    torch_on_rocm = getattr(torch.version, "hip", None) is not None
+    if info.get("hip") and not torch_on_rocm:
+        return "this build of uccl_ep_plugin._C is for AMD GPUs (HIP) and torch is not a ROCm build"
+    if info.get("cuda") and torch_on_rocm:
+        return ("this build of uccl_ep_plugin._C is for NVIDIA GPUs (CUDA) and torch is a ROCm build: rebuild it with "
+                "UCCL_EP_HIP=1")
+    return None
+
+
+def unvalidated_reason() -> Optional[str]:
+    """Why ``auto`` does not pick the native engine where it could run but has not been validated (the HIP build:
+    it compiles in CI but has never run on an AMD GPU), or None."""
+    try:
+        info = _load_extension().build_info()
+    except ImportError:
+        return None
+    if info.get("hip"):
+        return ("the native kernels compile for AMD GPUs but have not been validated on one yet; "
+                "UCCL_EP_ENGINE=native tries them")
+    return None
+
+
 def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     """None if the native engine can run ``operation`` on ``device``, else the reason it cannot."""
     if device.type != "cuda":
@@ -40,9 +64,13 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
         extension = _load_extension()
     except ImportError as error:
         return f"the native extension is not importable ({error})"
-    features = extension.build_info().get("features", [])
+    info = extension.build_info()
+    features = info.get("features", [])
     if feature not in features:
-        return f"this build of uccl_ep_plugin._C was compiled without CUDA ({feature} missing)"
+        return f"this build of uccl_ep_plugin._C was compiled without GPU code ({feature} missing)"
+    mismatch = _platform_mismatch(info)
+    if mismatch is not None:
+        return mismatch
     shim_problem = use_torch_shim(extension)
     if shim_problem is not None:
         return shim_problem
