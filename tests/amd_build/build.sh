@@ -1,26 +1,15 @@
 #!/usr/bin/env bash
 # Compiles the whole extension for AMD GPUs (HIP) with Debian's ROCm 5.2 toolchain (hipcc, libamdhip64 and the
 # device libraries) for gfx90a (MI200-class) and gfx940 (CDNA3) into a scratch folder, then imports that build and
-# checks what build_info() reports. Nothing runs on an AMD GPU (none is needed). Installs the packages as root with
-# apt-get; without either it says what is missing and skips (in CI, where CI=true, that is an error).
+# checks what build_info() reports. Nothing runs on an AMD GPU (none is needed). Installs the packages as root
+# (tests/debian_packages.sh); without root or apt-get it says what is missing and skips (in CI that is an error).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 archs=${UCCL_EP_HIP_ARCH:-gfx90a,gfx940}
-packages="hipcc libamdhip64-dev rocm-device-libs"
-missing=""
-for package in $packages; do
-    dpkg-query -W -f='${Status}' "$package" 2> /dev/null | grep -q "install ok installed" || missing="$missing $package"
-done
-if [ -n "$missing" ]; then
-    if [ "$(id -u)" != 0 ] || ! command -v apt-get > /dev/null; then
-        echo "amd_build: missing Debian packages:$missing (needs root and apt-get to install them)" >&2
-        [ "${CI:-}" = true ] && exit 1
-        exit 0
-    fi
-    echo "amd_build: installing$missing"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing > /dev/null
-fi
+status=0
+bash tests/debian_packages.sh amd_build hipcc libamdhip64-dev rocm-device-libs || status=$?
+[ "$status" = 3 ] && exit 0   # said what is missing
+[ "$status" = 0 ] || exit "$status"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 start=$(date +%s)
