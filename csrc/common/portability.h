@@ -527,7 +527,7 @@ __device__ __forceinline__ void group_barrier(int id, int num_threads) {
 #if defined(UCCL_EP_HIP)
   (void)id;
   (void)num_threads;
-  __syncthreads();  // HIP has no named barriers: callers keep their groups in step
+  __syncthreads();  // HIP has no named barriers: a block that needs them has one group there
 #else
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 #endif

@@ -43,7 +43,12 @@ namespace uccl_ep {
 namespace kernels {
 
 constexpr int kWarpsPerGroup = 8;
+// HIP has no named barriers (group_barrier is the block's barrier there), so a block is one group.
+#if defined(UCCL_EP_HIP)
+constexpr int kGroupsPerBlock = 1;
+#else
 constexpr int kGroupsPerBlock = 2;
+#endif
 constexpr int kGroupThreads = kWarpsPerGroup * kWarpSize;
 constexpr int kBlockThreads = kGroupsPerBlock * kGroupThreads;
 constexpr int kChannels = kLowLatencyChannelsPerScale;
