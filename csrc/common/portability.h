@@ -96,6 +96,10 @@ UCCL_EP_HOST_DEVICE inline uint8_t fp8_e4m3_bits_from_float(float value) {
 }
 
 #if defined(UCCL_EP_GPU_RUNTIME)
+// Where a pointer lives (gpu_pointer_kind): host memory (or memory the runtime does not know), a
+// device's memory, or managed memory.
+enum class GpuMemory { kHost, kDevice, kManaged };
+
 // ---------------------------------------------------------------------------------------
 // Runtime API names that differ between CUDA and HIP.
 // ---------------------------------------------------------------------------------------
@@ -158,17 +162,16 @@ inline gpuError_t gpu_host_alloc(void** host, size_t bytes) { return hipHostMall
 inline gpuError_t gpu_device_pci_bus_id(char* id, int length, int device) {
   return hipDeviceGetPCIBusId(id, length, device);
 }
-// Where a pointer lives: 0 host (or unknown to the runtime), 1 device memory of *device, 2 managed memory.
-inline gpuError_t gpu_pointer_kind(const void* pointer, int* kind, int* device) {
+inline gpuError_t gpu_pointer_kind(const void* pointer, GpuMemory* kind, int* device) {
   hipPointerAttribute_t attributes{};
   const gpuError_t status = hipPointerGetAttributes(&attributes, pointer);
-  *kind = 0;
+  *kind = GpuMemory::kHost;
   *device = -1;
   if (status != hipSuccess) return status;
   if (attributes.isManaged) {
-    *kind = 2;
+    *kind = GpuMemory::kManaged;
   } else if (attributes.memoryType == hipMemoryTypeDevice) {
-    *kind = 1;
+    *kind = GpuMemory::kDevice;
     *device = attributes.device;
   }
   return status;
@@ -265,17 +268,16 @@ inline gpuError_t gpu_host_alloc(void** host, size_t bytes) { return cudaHostAll
 inline gpuError_t gpu_device_pci_bus_id(char* id, int length, int device) {
   return cudaDeviceGetPCIBusId(id, length, device);
 }
-// Where a pointer lives: 0 host (or unknown to the runtime), 1 device memory of *device, 2 managed memory.
-inline gpuError_t gpu_pointer_kind(const void* pointer, int* kind, int* device) {
+inline gpuError_t gpu_pointer_kind(const void* pointer, GpuMemory* kind, int* device) {
   cudaPointerAttributes attributes{};
   const gpuError_t status = cudaPointerGetAttributes(&attributes, pointer);
-  *kind = 0;
+  *kind = GpuMemory::kHost;
   *device = -1;
   if (status != cudaSuccess) return status;
   if (attributes.type == cudaMemoryTypeManaged) {
-    *kind = 2;
+    *kind = GpuMemory::kManaged;
   } else if (attributes.type == cudaMemoryTypeDevice) {
-    *kind = 1;
+    *kind = GpuMemory::kDevice;
     *device = attributes.device;
   }
   return status;

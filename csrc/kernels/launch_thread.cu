@@ -72,9 +72,9 @@ void LaunchThread::run_on(gpuStream_t caller, const char* operation, Work work) 
   {
     std::lock_guard<std::mutex> lock(mutex_);
     work_ = std::move(work);
-    operation_ = operation;
     submitted_.store(sequence, std::memory_order_release);
   }
+  operation_ = operation;
   woken_.notify_one();
   UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(caller, word_, sequence));
 }
@@ -97,7 +97,7 @@ void LaunchThread::join() {
     std::rethrow_exception(error);
   } catch (const std::exception& e) {
     throw std::runtime_error("rank " + std::to_string(rank_) + ": queuing the GPU work of the last " +
-                             failed_operation_ + " failed: " + e.what());
+                             operation_ + " failed: " + e.what());
   }
 }
 
@@ -127,7 +127,6 @@ void LaunchThread::serve() {
         continue;  // a wake(): stay awake for the work it announces
       }
       work = std::move(work_);
-      failed_operation_ = operation_;
       done = submitted_.load(std::memory_order_relaxed);
     }
     queue(start_error ? Work() : work, done);

@@ -76,12 +76,11 @@ class LaunchThread {
   bool stop_ = false;     // under mutex_
   bool wake_ = false;     // under mutex_: a wake() since the thread last looked
   Work work_;             // under mutex_: the work of handover submitted_
-  const char* operation_ = "";
+  const char* operation_ = "";  // the last handover's (the caller's thread only: for its errors)
   std::atomic<uint64_t> submitted_{0};  // handovers so far (written under mutex_)
   std::atomic<uint64_t> queued_{0};     // handovers whose work is queued
   std::atomic<bool> awake_{false};      // the thread is looking for work without sleeping
-  std::exception_ptr error_;            // what the work of handover queued_ raised (read after join)
-  const char* failed_operation_ = "";
+  std::exception_ptr error_;            // what the work of the last handover raised (read after join)
 };
 
 }  // namespace uccl_ep

@@ -47,6 +47,15 @@ py::dict build_info_dict() {
   return out;
 }
 
+// Each value's bits in a number format, converted by `convert`.
+template <typename Bits, Bits (*convert)(float)>
+std::vector<Bits> bits_of_each(const std::vector<float>& values) {
+  std::vector<Bits> bits;
+  bits.reserve(values.size());
+  for (float value : values) bits.push_back(convert(value));
+  return bits;
+}
+
 py::dict stress_result_dict(const uccl_ep::ChannelStressResult& r) {
   py::dict out;
   out["expected"] = r.expected;
@@ -161,24 +170,11 @@ PYBIND11_MODULE(_C, m) {
         "Compile-time facts: version, cuda, cuda_runtime_version, cuda_archs, "
         "cuda_static_runtime, hip, hip_archs, verbs, features, compiler.");
   // The software number formats the HIP kernels use (portability.h), for tests against torch's.
-  m.def(
-      "float_to_bf16_bits",
-      [](const std::vector<float>& values) {
-        std::vector<uint16_t> bits;
-        for (float value : values) bits.push_back(uccl_ep::bf16_bits_from_float(value));
-        return bits;
-      },
-      py::arg("values"), "bf16 bits of each value (round to nearest even), as the HIP kernels compute them.");
-  m.def(
-      "float_to_fp8_e4m3_bits",
-      [](const std::vector<float>& values) {
-        std::vector<uint8_t> bits;
-        for (float value : values) bits.push_back(uccl_ep::fp8_e4m3_bits_from_float(value));
-        return bits;
-      },
-      py::arg("values"),
-      "fp8 e4m3 (fn) bits of each value (round to nearest even, saturated to +-448), as the HIP kernels compute "
-      "them.");
+  m.def("float_to_bf16_bits", &bits_of_each<uint16_t, uccl_ep::bf16_bits_from_float>, py::arg("values"),
+        "bf16 bits of each value (round to nearest even), as the HIP kernels compute them.");
+  m.def("float_to_fp8_e4m3_bits", &bits_of_each<uint8_t, uccl_ep::fp8_e4m3_bits_from_float>, py::arg("values"),
+        "fp8 e4m3 (fn) bits of each value (round to nearest even, saturated to +-448), as the HIP kernels compute "
+        "them.");
   bind_transport(m);
   bind_proxy(m);
   m.def("use_torch_shim", &uccl_ep::bindings::use_torch_shim, py::arg("libtorch_path"), py::arg("to_tensors"),

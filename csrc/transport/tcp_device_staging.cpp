@@ -51,11 +51,12 @@ void check_device(int device, int rank) {
 // The region must be memory of `device`: the copies and kernels address it there.
 void check_region(int device, MemoryRegion region) {
   if (region.bytes == 0) return;
-  int kind = 0, owner = -1;  // gpu_pointer_kind's
+  GpuMemory kind = GpuMemory::kHost;
+  int owner = -1;
   if (gpu_pointer_kind(region.base, &kind, &owner) != kGpuSuccess) (void)gpu_last_error();  // host memory
-  if (kind == 1 && owner == device) return;
-  std::string what = kind == 2 ? "managed memory" : "host memory";
-  if (kind == 1) what = "memory of device " + std::to_string(owner);
+  if (kind == GpuMemory::kDevice && owner == device) return;
+  std::string what = kind == GpuMemory::kManaged ? "managed memory" : "host memory";
+  if (kind == GpuMemory::kDevice) what = "memory of device " + std::to_string(owner);
   throw std::invalid_argument("region_ptr is " + what + ", not memory of device=" + std::to_string(device) +
                               " (give no device for a host region)");
 }

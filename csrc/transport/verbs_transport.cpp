@@ -412,14 +412,18 @@ void VerbsTransport::post_or_wait(Request r) {
     return;
   }
   Peer& peer = peers_[static_cast<size_t>(r.peer)];
-  if (!peer.waiting.empty() || !fits_in_flight(peer, r)) {
+  const int index = peer.waiting.empty() ? queue_pair_for(peer, r) : -1;
+  if (index < 0) {
     peer.waiting.push_back(std::move(r));
     return;
   }
-  post_now(peer, r);
+  post_now(peer, r, index);
 }
 
-int VerbsTransport::queue_pair_with_room(const Peer& peer) const {
+int VerbsTransport::queue_pair_for(const Peer& peer, const Request& r) const {
+  if (max_inflight_requests_ != 0 && nic_requests_ >= max_inflight_requests_) return -1;
+  if (max_inflight_bytes_ != 0 && nic_bytes_ != 0 && nic_bytes_ + bytes_of(r) > max_inflight_bytes_) return -1;
+  // The queue pairs in turn, from the one after the last used, skipping full send queues.
   for (size_t step = 0; step < peer.qps.size(); ++step) {
     const size_t index = (peer.next_qp + step) % peer.qps.size();
     if (peer.posted[index] < static_cast<uint32_t>(max_send_wr_)) return static_cast<int>(index);
@@ -427,13 +431,7 @@ int VerbsTransport::queue_pair_with_room(const Peer& peer) const {
   return -1;
 }
 
-bool VerbsTransport::fits_in_flight(const Peer& peer, const Request& r) const {
-  if (queue_pair_with_room(peer) < 0) return false;
-  if (max_inflight_requests_ != 0 && nic_requests_ >= max_inflight_requests_) return false;
-  return max_inflight_bytes_ == 0 || nic_bytes_ == 0 || nic_bytes_ + bytes_of(r) <= max_inflight_bytes_;
-}
-
-void VerbsTransport::post_now(Peer& peer, const Request& r) {
+void VerbsTransport::post_now(Peer& peer, const Request& r, int index) {
   ibv_sge sge{};
   ibv_send_wr wr{};
   wr.wr_id = r.serial;  // the caller's ids need not be unique
@@ -458,8 +456,6 @@ void VerbsTransport::post_now(Peer& peer, const Request& r) {
     wr.wr.rdma.remote_addr = peer.remote_base + r.remote_offset;
     wr.wr.rdma.rkey = peer.rkey;
   }
-  // Requests take the queue pairs in turn (fits_in_flight found one with room).
-  const int index = queue_pair_with_room(peer);
   ibv_send_wr* bad = nullptr;
   const int rc = ibv_post_send(peer.qps[static_cast<size_t>(index)], &wr, &bad);
   if (rc != 0) {
@@ -537,8 +533,10 @@ void VerbsTransport::progress() {
   const auto now = std::chrono::steady_clock::now();
   for (Peer& peer : peers_) {
     if (peer.reorder.expired(now)) peer.reorder.flush([this](Request r) { post_or_wait(std::move(r)); });
-    while (!peer.waiting.empty() && fits_in_flight(peer, peer.waiting.front()) && failure_.empty()) {
-      post_now(peer, peer.waiting.front());
+    while (!peer.waiting.empty() && failure_.empty()) {
+      const int index = queue_pair_for(peer, peer.waiting.front());
+      if (index < 0) break;
+      post_now(peer, peer.waiting.front(), index);
       peer.waiting.pop_front();
     }
   }

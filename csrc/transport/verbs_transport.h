@@ -137,9 +137,10 @@ class VerbsTransport final : public Transport {
   void post_recvs(ibv_qp* qp, int count);
   void submit(Request request);           // through the reorder window
   void post_or_wait(Request request);      // onto the send queue, or into `waiting`
-  void post_now(Peer& peer, const Request& request);
-  bool fits_in_flight(const Peer& peer, const Request& request) const;
-  int queue_pair_with_room(const Peer& peer) const;  // -1: none
+  void post_now(Peer& peer, const Request& request, int queue_pair);
+  // The queue pair `request` goes on now, or -1 while it must wait (the NIC's in-flight caps, or every send
+  // queue to the peer full).
+  int queue_pair_for(const Peer& peer, const Request& request) const;
   static uint64_t bytes_of(const Request& request) { return request.atomic ? 8 : request.length; }
   void apply_locally(const Request& request);
   void progress();                         // polls both CQs, posts what waited; lock held
