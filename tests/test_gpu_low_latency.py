@@ -23,6 +23,7 @@ import pytest
 from tests import gpu_low_latency_cases as ll
 from tests.multiprocess import SHARE_GPU_ENV, environment, needs_gpus, ranks_share_gpus
 from tests.reference_checks import SectionCache, SectionResults, assert_section
+from uccl_ep_plugin.platform_config.loader import AUTO_ATOMIC_KEY as AGGRESSIVE_ATOMIC_KEY
 from uccl_ep_plugin.proxies import MODULE_LOADING_ENV
 
 CANDIDATE = os.environ.get("UCCL_EP_TEST_CANDIDATE", "native")
@@ -67,6 +68,21 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
     with environment(MODULE_LOADING_ENV, "EAGER"):  # the spawned ranks inherit it (uccl_ep_plugin/proxies.py)
         results = _PROXY[transport_order].get(RANKS)
     assert_section(results, section)
+
+
+# The same comparison with the kernels' flags as relaxed accesses between explicit fences
+# (UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC=1, AMD's default; CUDA's is the release/acquire pair).
+_AGGRESSIVE = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
+                           mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES,
+                           environment={AGGRESSIVE_ATOMIC_KEY: "1"})
+
+
+@pytest.mark.gpu
+@needs_rank_gpus
+@needs_native
+@pytest.mark.parametrize("section", ll.SECTIONS)
+def test_low_latency_with_aggressive_atomics_matches_reference(section):
+    assert_section(_AGGRESSIVE.get(RANKS), section)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multiprocess import environment, needs_gpus, rank_device, run_ranks
+from uccl_ep_plugin.platform_config.loader import AUTO_ATOMIC_KEY as AGGRESSIVE_ATOMIC_KEY
 
 FEATURE = "normal_nvlink"
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
@@ -616,6 +617,14 @@ def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks,
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,
               pull_chunks=pull_chunks, sm_pull=sm_pull, sm_push=sm_push, own_rows=own_rows,
               dispatch_rows=dispatch_rows)
+
+
+def test_native_normal_with_aggressive_atomics_matches_reference():
+    """The kernels' flags as relaxed accesses between explicit fences (AMD's default), on both row paths."""
+    with environment(AGGRESSIVE_ATOMIC_KEY, "1"):   # the spawned ranks inherit it
+        for copy_mode in ("engine", "sm"):
+            run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks="", pull_chunks="",
+                      sm_pull="", sm_push="", own_rows="", dispatch_rows="")
 
 
 def test_native_normal_cuda_graph_with_worst_tokens():

@@ -185,7 +185,7 @@ def native_buffer(group, monkeypatch):
     engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its low-latency part, set up by hand
     engine.normal = None
     engine.low_latency = native_low_latency.NativeLowLatency(extension, PeerBuffer(size), 0, 1, torch.device("cpu"),
-                                                             5.0, 4)
+                                                             5.0, 4, False)
     engine.low_latency_dispatch = engine.low_latency.low_latency_dispatch
     engine.low_latency_combine = engine.low_latency.low_latency_combine
     buffer._native = engine
@@ -310,7 +310,7 @@ def normal_buffer(group, monkeypatch):
     monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
     engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its normal part, set up by hand
     engine._C, engine.num_ranks, engine.device, engine.low_latency = extension, 1, torch.device("cpu"), None
-    engine.normal = NativeNormal(extension, PeerBuffer(size), 0, 1, torch.device("cpu"), 5.0)
+    engine.normal = NativeNormal(extension, PeerBuffer(size), 0, 1, torch.device("cpu"), 5.0, False)
     engine.dispatch, engine.combine = engine.normal.dispatch, engine.normal.combine
     buffer._native = engine
     for operation in ("get_dispatch_layout", "dispatch", "combine"):
@@ -378,3 +378,26 @@ def test_normal_checked_signature_still_refuses_bad_input(normal_buffer):
         buffer.combine(recv_x[1:], handle)
     with pytest.raises(ValueError, match=r"bias\[0\] must have shape"):
         buffer.combine(recv_x, handle, bias=recv_x[:, 1:].contiguous())
+
+
+def test_kernels_take_the_flag_style_the_platform_config_resolves(monkeypatch):
+    """UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC reaches both modes' kernel arguments (auto: on only with a ROCm torch)."""
+    from uccl_ep_plugin.dispatch_config import low_latency_layout
+    from uccl_ep_plugin.engines.native import aggressive_atomics
+    from uccl_ep_plugin.engines.native.low_latency import NativeLowLatency
+    from uccl_ep_plugin.engines.native.normal import NativeNormal
+    from uccl_ep_plugin.platform_config.loader import AUTO_ATOMIC_KEY
+
+    monkeypatch.delenv("UCCL_EP_CONFIG", raising=False)
+    monkeypatch.delenv(AUTO_ATOMIC_KEY, raising=False)
+    assert aggressive_atomics() is (torch.version.hip is not None)
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv(AUTO_ATOMIC_KEY, value)
+        assert aggressive_atomics() is expected
+    extension = NormalRecordingExtension()
+    monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
+    for style in (True, False):
+        normal = NativeNormal(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, style)
+        assert normal.region["aggressive_atomics"] is style
+        low_latency = NativeLowLatency(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, 4, style)
+        assert low_latency._new_region(low_latency_layout(T, H, 1, E), 0, None)["aggressive_atomics"] is style

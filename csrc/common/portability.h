@@ -468,6 +468,50 @@ __device__ __forceinline__ void store_relaxed_system(uint64_t* addr, uint64_t va
 #endif
 }
 
+__device__ __forceinline__ uint64_t load_relaxed_system(const uint64_t* addr) {
+#if defined(UCCL_EP_HIP)
+  return __hip_atomic_load(addr, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+  return value;
+#endif
+}
+
+// Flags that another agent polls (a peer GPU, the CPU), in one of two styles chosen at run time by
+// UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC (`aggressive`; the platform config's default: on for AMD GPUs).
+// Off: a release store publishes, every poll is an acquire load. On: relaxed stores and polls, with
+// an explicit wait before the store (this thread's earlier writes complete first) and one acquire
+// fence after the poll that saw the flag. UCCL-EP reports CDNA receivers that, polling with acquire
+// loads, missed a producer's updates over XGMI and hung at scale; on CUDA both styles are correct and
+// the default keeps the release/acquire pair.
+__device__ __forceinline__ void publish_flag(uint64_t* addr, uint64_t value, bool aggressive) {
+  if (!aggressive) {
+    store_release_system(addr, value);
+    return;
+  }
+#if defined(UCCL_EP_HIP)
+  asm volatile("s_waitcnt vmcnt(0)" ::: "memory");
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+  store_relaxed_system(addr, value);
+}
+
+__device__ __forceinline__ uint64_t poll_flag(const uint64_t* addr, bool aggressive) {
+  return aggressive ? load_relaxed_system(addr) : load_acquire_system(addr);
+}
+
+// After poll_flag saw what it waited for: the writes the flag announced are visible from here on.
+__device__ __forceinline__ void acquire_polled_flag(bool aggressive) {
+  if (!aggressive) return;
+#if defined(UCCL_EP_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "");  // system scope
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
+
 // Nanoseconds of a device-wide clock (for deadlines, not for comparing with the host).
 __device__ __forceinline__ uint64_t device_time_ns() {
 #if defined(UCCL_EP_HIP)

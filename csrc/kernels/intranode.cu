@@ -22,7 +22,7 @@ __device__ void block_announce_arrival(const NormalRegion& r) {
   if (skip) return;
   const uint64_t epoch = exchanges_done(r) + 1;
   for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    store_release_system(arrived_word(r, peer, r.rank), epoch);
+    publish_flag(arrived_word(r, peer, r.rank), epoch, r.aggressive_atomics);
   }
   __syncthreads();
   if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
@@ -33,7 +33,7 @@ __device__ void block_announce_freed(const NormalRegion& r) {
   if (aborted(r)) return;
   const uint64_t epoch = exchanges_done(r);
   for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    store_release_system(freed_word(r, peer, r.rank), epoch);
+    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
   }
 }
 
@@ -46,19 +46,11 @@ __global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 __device__ int32_t block_exclusive_sum(int32_t value, int32_t* warp_totals, int32_t& total) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  int32_t inclusive = value;
-  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-    const int32_t below = warp_shuffle_up(inclusive, offset);
-    if (lane >= offset) inclusive += below;
-  }
+  const int32_t inclusive = warp_inclusive_sum(DeviceWarp{}, value);
   if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    int32_t sum = lane < num_warps ? warp_totals[lane] : 0;
-    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-      const int32_t below = warp_shuffle_up(sum, offset);
-      if (lane >= offset) sum += below;
-    }
+    const int32_t sum = warp_inclusive_sum(DeviceWarp{}, lane < num_warps ? warp_totals[lane] : 0);
     if (lane < num_warps) warp_totals[lane] = sum;
   }
   __syncthreads();

@@ -157,6 +157,7 @@ struct NormalRegion {
   int64_t timeout_ns;
   int32_t rank;
   int32_t num_ranks;
+  bool aggressive_atomics;     // flags as relaxed accesses between explicit fences (portability.h publish_flag)
 };
 
 UCCL_EP_HOST_DEVICE inline int64_t normal_align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }

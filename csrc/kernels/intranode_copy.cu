@@ -217,7 +217,7 @@ __device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percen
   *warps_done = 0;  // the next combine counts from zero
   __threadfence_system();
   for (int owner = 0; owner < num_ranks; ++owner) {
-    if (owner != me) store_release_system(sm_pushed_word(r, owner, me), epoch);
+    if (owner != me) publish_flag(sm_pushed_word(r, owner, me), epoch, r.aggressive_atomics);
   }
 }
 

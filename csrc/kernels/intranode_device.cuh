@@ -5,6 +5,7 @@
 
 
 #include "kernels/intranode.h"
+#include "kernels/lanes.h"
 
 namespace uccl_ep {
 namespace normal_kernels {
@@ -69,16 +70,18 @@ __device__ inline void record_failure(const NormalRegion& r, int32_t code, int32
 template <typename Ready>
 __device__ inline bool wait_until(const NormalRegion& r, const uint64_t* word, Ready ready, int32_t phase,
                                   int32_t peer) {
-  if (ready(load_acquire_system(word))) return true;
-  const uint64_t start = device_time_ns();
-  while (!ready(load_acquire_system(word))) {
-    if (aborted(r)) return false;
-    if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
-      record_failure(r, kNormalTimeout, phase, peer, 0);
-      return false;
+  if (!ready(poll_flag(word, r.aggressive_atomics))) {
+    const uint64_t start = device_time_ns();
+    while (!ready(poll_flag(word, r.aggressive_atomics))) {
+      if (aborted(r)) return false;
+      if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
+        record_failure(r, kNormalTimeout, phase, peer, 0);
+        return false;
+      }
+      device_pause();
     }
-    device_pause();
   }
+  acquire_polled_flag(r.aggressive_atomics);
   return true;
 }
 __device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word, uint64_t target, int32_t phase,
@@ -112,17 +115,8 @@ __device__ inline bool wait_sources_arrived(const NormalRegion& r, int32_t phase
 }
 
 // ------------------------------------------------------------------------------ copies
-struct WarpPosition {
-  int lane;
-  int first;   // first unit of this warp
-  int stride;  // warps in the grid
-};
-
 __device__ __forceinline__ WarpPosition warp_position() {
-  const int warps_per_block = static_cast<int>(blockDim.x) / kWarpSize;
-  return WarpPosition{static_cast<int>(threadIdx.x % kWarpSize),
-                      static_cast<int>(blockIdx.x * warps_per_block + threadIdx.x / kWarpSize),
-                      static_cast<int>(gridDim.x * warps_per_block)};
+  return warp_position_of(threadIdx.x, blockIdx.x, gridDim.x, blockDim.x, kWarpSize);
 }
 
 // A warp copies `bytes` (a multiple of 4) through L2: in 16-byte vectors, kUnroll loads in flight
@@ -303,14 +297,10 @@ __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& 
     const int64_t position = has ? pos[dst] : 0;
     if (!rows_ready(dst, has, position)) return;
     // Lane i takes the address of the token's i-th row: each present row in turn, ranks ascending.
-    const LaneMask present = warp_ballot(has);
-    const uint8_t* row = has ? from.x[dst] + position * row_bytes : nullptr;
-    const uint8_t* my_row = nullptr;
-    int count = 0;
-    for (LaneMask left = present; left != 0; left &= left - 1, ++count) {
-      const auto address = warp_shuffle(reinterpret_cast<unsigned long long>(row), lowest_lane(left));
-      if (w.lane == count) my_row = reinterpret_cast<const uint8_t*>(address);
-    }
+    const auto row = reinterpret_cast<unsigned long long>(has ? from.x[dst] + position * row_bytes : nullptr);
+    unsigned long long my_address = 0;
+    const int count = warp_compact(DeviceWarp{}, has, row, my_address);
+    const auto* my_row = reinterpret_cast<const uint8_t*>(my_address);
     sum_token_rows(a, token, my_row, count, w.lane);
     if (w.lane < a.num_topk) {
       float sum = 0.0f;

@@ -30,6 +30,7 @@
 // starts receiving after all its sends, so a grid no larger than the SM count cannot
 // deadlock on itself.
 #include "kernels/low_latency.h"
+#include "kernels/lanes.h"
 
 #include "channel/fifo_device.cuh"
 
@@ -81,24 +82,8 @@ __host__ __device__ __forceinline__ int64_t fp8_message_bytes(int hidden) {
 }
 __host__ __device__ __forceinline__ int64_t staging_bytes(int hidden) { return (fp8_message_bytes(hidden) + 15) / 16 * 16; }
 
-struct GroupPosition {
-  int index;   // group in the block
-  int thread;  // thread in the group
-  int warp;    // warp in the group
-  int lane;
-  int first;   // first unit of this group
-  int stride;  // groups in the grid
-};
-
 __device__ __forceinline__ GroupPosition group_position() {
-  GroupPosition g;
-  g.index = threadIdx.x / kGroupThreads;
-  g.thread = threadIdx.x % kGroupThreads;
-  g.warp = g.thread / kWarpSize;
-  g.lane = threadIdx.x % kWarpSize;
-  g.first = g.index * gridDim.x + blockIdx.x;  // one group per SM first, then the blocks' second groups
-  g.stride = gridDim.x * kGroupsPerBlock;
-  return g;
+  return group_position_of(threadIdx.x, blockIdx.x, gridDim.x, kWarpSize, kGroupThreads, kGroupsPerBlock);
 }
 
 __device__ __forceinline__ void group_sync(const GroupPosition& g) { group_barrier(1 + g.index, kGroupThreads); }
@@ -172,7 +157,7 @@ __device__ bool wait_for(const LowLatencyRegion& r, const uint64_t* addr, Ready 
                          int32_t detail, int64_t* wait_cost_stats, uint64_t& value) {
   if (is_masked(r, peer)) return false;
   const uint64_t start = device_time_ns();
-  value = load_acquire_system(addr);
+  value = poll_flag(addr, r.aggressive_atomics);
   while (!ready(value)) {
     if (is_masked(r, peer) || aborted(r)) return false;
     if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
@@ -183,8 +168,9 @@ __device__ bool wait_for(const LowLatencyRegion& r, const uint64_t* addr, Ready 
       }
       return false;
     }
-    value = load_acquire_system(addr);
+    value = poll_flag(addr, r.aggressive_atomics);
   }
+  acquire_polled_flag(r.aggressive_atomics);
   if (wait_cost_stats != nullptr) {
     atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + peer),
               static_cast<unsigned long long>(device_time_ns() - start));
@@ -460,12 +446,6 @@ __device__ void stage_fp8_message(const LowLatencyDispatchArgs& a, int token, ui
   }
 }
 
-__device__ __forceinline__ int warp_sum(int value) {
-#pragma unroll
-  for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) value += warp_shuffle_xor(value, mask);
-  return value;
-}
-
 // Expert of entry `entry`, or -1 for none, out of range, or on a masked rank.
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& a, int64_t entry, int local_experts) {
   const int64_t expert = a.topk_idx[entry];
@@ -497,9 +477,9 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
       earlier += expert == chosen && entry < mine;
       smaller += expert >= rank_first && expert < chosen;
     }
-    same = warp_sum(same);
-    earlier = warp_sum(earlier);
-    smaller = warp_sum(smaller);
+    same = warp_total(DeviceWarp{}, same);
+    earlier = warp_total(DeviceWarp{}, earlier);
+    smaller = warp_total(DeviceWarp{}, smaller);
     if (g.lane == 0) {
       sh.chosen[k] = same;
       sh.before[k] = earlier;
@@ -553,8 +533,8 @@ __device__ void dispatch_send_token(const LowLatencyDispatchArgs& a, GroupShared
       if (done == sh.chosen[k]) {
         __threadfence();
         sent_counters[expert] = 0;
-        store_release_system(dispatch_flag_at(a, dst, r.rank, local),
-                             (epoch << 32) | static_cast<uint32_t>(min(sh.chosen[k], a.num_max_tokens)));
+        publish_flag(dispatch_flag_at(a, dst, r.rank, local),
+                     (epoch << 32) | static_cast<uint32_t>(min(sh.chosen[k], a.num_max_tokens)), r.aggressive_atomics);
       }
     }
   }
@@ -576,7 +556,7 @@ __device__ void dispatch_send_empty_expert(const LowLatencyDispatchArgs& a, Grou
   if (found) sh.found = 1;
   group_sync(g);
   if (g.thread == 0 && sh.found == 0) {
-    store_release_system(dispatch_flag_at(a, dst, r.rank, local), epoch << 32);
+    publish_flag(dispatch_flag_at(a, dst, r.rank, local), epoch << 32, r.aggressive_atomics);
   }
   group_sync(g);
   if (g.thread == 0 && via_proxy(r, dst)) dispatch_staged(a, dst);
@@ -639,12 +619,7 @@ __device__ void dispatch_recv_slice(const LowLatencyDispatchArgs& a, int local, 
                             slice == 0 ? a.wait_cost_stats : nullptr), 0);
     }
     warp_sync();  // orders each lane's acquire before the other lanes' reads of that source's rows
-    int inclusive = count;
-#pragma unroll
-    for (int shift = 1; shift < kWarpSize; shift <<= 1) {
-      const int below = warp_shuffle_up(inclusive, shift);
-      if (lane >= shift) inclusive += below;
-    }
+    const int inclusive = warp_inclusive_sum(DeviceWarp{}, count);
     const int first_row = begin + inclusive - count;
     if (slice == 0 && src < r.num_ranks) {
       a.layout_range[static_cast<int64_t>(local) * r.num_ranks + src] = (static_cast<int64_t>(first_row) << 32) | count;
@@ -873,8 +848,8 @@ __device__ void combine_send_expert(const LowLatencyCombineArgs& a, GroupShared&
   group_sync(g);
   for (int src = g.thread; src < r.num_ranks; src += kGroupThreads) {
     if (!is_masked(r, src)) {
-      store_release_system(count_flag_at(r, src, r.rank, local, local_experts),
-                           (epoch << 32) | static_cast<uint32_t>(sh.counts[src]));
+      publish_flag(count_flag_at(r, src, r.rank, local, local_experts),
+                   (epoch << 32) | static_cast<uint32_t>(sh.counts[src]), r.aggressive_atomics);
     }
   }
   group_sync(g);
@@ -952,7 +927,9 @@ __device__ void send_combine_records(const LowLatencyCombineArgs& a, const Group
     }
   }
   group_sync(g);
-  if (g.thread == 0) store_release_system(records.flag, (epoch << 32) | static_cast<uint32_t>(a.num_tokens));
+  if (g.thread == 0) {
+    publish_flag(records.flag, (epoch << 32) | static_cast<uint32_t>(a.num_tokens), r.aggressive_atomics);
+  }
 }
 
 // The sum of source `src`'s token `token` over this rank's experts, into the token's slot at `src`:
@@ -1050,7 +1027,8 @@ __device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, co
   }
   group_sync(g);
   if (held > 0 && g.thread == 0) {
-    store_release_system(partial_flag_at(a, src, r.rank, token), (epoch << 32) | static_cast<uint32_t>(held));
+    publish_flag(partial_flag_at(a, src, r.rank, token), (epoch << 32) | static_cast<uint32_t>(held),
+                 r.aggressive_atomics);
   }
 }
 

@@ -81,6 +81,7 @@ struct LowLatencyRegion {
   int64_t timeout_ns;
   int32_t rank;
   int32_t num_ranks;
+  bool aggressive_atomics;     // flags as relaxed accesses between explicit fences (portability.h publish_flag)
   // Peers reached through the CPU proxy (another host, or UCCL_EP_FORCE_PROXY): what this rank
   // would store into such a peer's block is staged in its outbox (same layout as the block), and
   // the unit that completes a phase pushes the writes. via_proxy null: every peer is mapped.

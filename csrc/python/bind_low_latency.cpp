@@ -26,10 +26,10 @@ uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_
                                       int64_t release_offset, int64_t recv_offset, std::uintptr_t control,
                                       std::uintptr_t other_half_control, int64_t other_half_release_offset,
                                       std::uintptr_t masked, std::uintptr_t status, int64_t timeout_ns, int32_t rank,
-                                      int32_t num_ranks, std::uintptr_t via_proxy, std::uintptr_t fifos,
-                                      int32_t num_fifos, int64_t outbox_offset, int64_t other_half_outbox_offset,
-                                      int64_t outbox_peer_bytes, int64_t outbox_index_pos, int64_t outbox_flags_pos,
-                                      int64_t outbox_release_pos) {
+                                      int32_t num_ranks, bool aggressive_atomics, std::uintptr_t via_proxy,
+                                      std::uintptr_t fifos, int32_t num_fifos, int64_t outbox_offset,
+                                      int64_t other_half_outbox_offset, int64_t outbox_peer_bytes,
+                                      int64_t outbox_index_pos, int64_t outbox_flags_pos, int64_t outbox_release_pos) {
   if (via_proxy != 0 && (fifos == 0 || num_fifos < 1)) {
     throw std::invalid_argument("LowLatencyRegion: via_proxy needs fifos and num_fifos >= 1");
   }
@@ -46,6 +46,7 @@ uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_
                                    timeout_ns,
                                    rank,
                                    num_ranks,
+                                   aggressive_atomics,
                                    ptr<const uint8_t>(via_proxy),
                                    ptr<const uccl_ep::FifoView>(fifos),
                                    num_fifos,
@@ -198,10 +199,10 @@ void bind_low_latency(py::module_& m) {
       .def(py::init(&make_region), py::arg("peer_bases"), py::arg("signal_offset"), py::arg("counters_offset"),
            py::arg("release_offset"), py::arg("recv_offset"), py::arg("control"), py::arg("other_half_control"),
            py::arg("other_half_release_offset"), py::arg("masked"), py::arg("status"), py::arg("timeout_ns"),
-           py::arg("rank"), py::arg("num_ranks"), py::arg("via_proxy") = 0, py::arg("fifos") = 0,
-           py::arg("num_fifos") = 0, py::arg("outbox_offset") = 0, py::arg("other_half_outbox_offset") = 0,
-           py::arg("outbox_peer_bytes") = 0, py::arg("outbox_index_pos") = 0, py::arg("outbox_flags_pos") = 0,
-           py::arg("outbox_release_pos") = 0);
+           py::arg("rank"), py::arg("num_ranks"), py::arg("aggressive_atomics") = false, py::arg("via_proxy") = 0,
+           py::arg("fifos") = 0, py::arg("num_fifos") = 0, py::arg("outbox_offset") = 0,
+           py::arg("other_half_outbox_offset") = 0, py::arg("outbox_peer_bytes") = 0, py::arg("outbox_index_pos") = 0,
+           py::arg("outbox_flags_pos") = 0, py::arg("outbox_release_pos") = 0);
 
   m.attr("LOW_LATENCY_MAX_TOPK") = uccl_ep::kLowLatencyMaxTopk;
   m.attr("LOW_LATENCY_MAX_RANKS") = uccl_ep::kLowLatencyMaxRanks;

@@ -30,9 +30,11 @@ using uccl_ep::bindings::TensorDevice;
 using uccl_ep::bindings::TensorDtype;
 
 uccl_ep::NormalRegion make_region(std::uintptr_t peer_bases, std::uintptr_t control, std::uintptr_t status,
-                                  int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks) {
+                                  int64_t data_bytes, int64_t timeout_ns, int32_t rank, int32_t num_ranks,
+                                  bool aggressive_atomics) {
   return uccl_ep::NormalRegion{ptr<const uint64_t>(peer_bases), ptr<uint64_t>(control),
-                               ptr<uccl_ep::LowLatencyStatus>(status), data_bytes, timeout_ns, rank, num_ranks};
+                               ptr<uccl_ep::LowLatencyStatus>(status), data_bytes, timeout_ns, rank, num_ranks,
+                               aggressive_atomics};
 }
 
 // A dispatch's send layout and notify on their own, for normal_layout_and_notify: the first half of a
@@ -234,7 +236,8 @@ struct NormalLauncherCalls {
 void bind_normal(py::module_& m) {
   py::class_<uccl_ep::NormalRegion>(m, "NormalRegion", "The normal-mode buffers of all ranks, seen from here.")
       .def(py::init(&make_region), py::arg("peer_bases"), py::arg("control"), py::arg("status"),
-           py::arg("data_bytes"), py::arg("timeout_ns"), py::arg("rank"), py::arg("num_ranks"));
+           py::arg("data_bytes"), py::arg("timeout_ns"), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("aggressive_atomics") = false);
 
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;

@@ -13,6 +13,8 @@ from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
+from ...platform_config import resolve_config
+from ...platform_config.loader import AUTO_ATOMIC_KEY
 from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, VERBS_HOST_ONLY, proxy_transport
 from .proxy_path import ProxyPath
 from .torch_tensors import use_torch_shim
@@ -51,6 +53,13 @@ def unvalidated_reason() -> Optional[str]:
         return ("the native kernels compile for AMD GPUs but have not been validated on one yet; "
                 "UCCL_EP_ENGINE=native tries them")
     return None
+
+
+def aggressive_atomics() -> bool:
+    """How the kernels publish and poll flags (csrc/common/portability.h, publish_flag): as relaxed accesses
+    between explicit fences where UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC resolves to 1 in the platform config (its
+    default: 1 with a ROCm torch, else 0), else as release stores and acquire loads."""
+    return bool(resolve_config().values[AUTO_ATOMIC_KEY])
 
 
 def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
@@ -94,6 +103,7 @@ class NativeEngine:
             raise RuntimeError(shim_problem)
         self.num_ranks = num_ranks
         self.device = device
+        self.aggressive_atomics = aggressive_atomics()
         self.low_latency: Optional[NativeLowLatency] = None
         self.normal: Optional[NativeNormal] = None
         # Before any of our kernels spins on a peer or the proxy (see _C.load_kernels).
@@ -114,7 +124,8 @@ class NativeEngine:
             peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
             if peer_buffer is None:
                 return dict.fromkeys(NORMAL_OPERATIONS, reason)
-            self.normal = NativeNormal(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s)
+            self.normal = NativeNormal(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
+                                       self.aggressive_atomics)
         # The operations themselves (the extension makes the Buffer's device current for its calls).
         self.dispatch = self.normal.dispatch
         self.combine = self.normal.combine
@@ -151,7 +162,7 @@ class NativeEngine:
                                        timeout_s)
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
                                                 torch.cuda.get_device_properties(self.device).multi_processor_count,
-                                                proxy_path)
+                                                self.aggressive_atomics, proxy_path)
         # The operations themselves, not wrappers: a call from the Buffer goes straight to them (the extension
         # makes the Buffer's device current for its own calls).
         self.low_latency_dispatch = self.low_latency.low_latency_dispatch

@@ -61,7 +61,7 @@ class NativeLowLatency:
     None (all mapped)."""
 
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float, num_sms: int, proxy_path=None) -> None:
+                 timeout_s: float, num_sms: int, aggressive_atomics: bool, proxy_path=None) -> None:
         self._C = extension
         self.peer_buffer = peer_buffer
         self.proxy_path = proxy_path
@@ -69,6 +69,7 @@ class NativeLowLatency:
         self.num_ranks = num_ranks
         self.device = device
         self.timeout_s = timeout_s
+        self.aggressive_atomics = aggressive_atomics
         self.state = extension.LowLatencyState(device.index)
         self.num_sms = num_sms   # the kernels' grid: every SM
         self._launchers = {}   # (T, hidden, experts, half, mask address) -> LowLatencyLauncher
@@ -152,7 +153,8 @@ class NativeLowLatency:
             other_half_control=self.state.control(1 - buffer_idx),
             other_half_release_offset=layout.release_offset(1 - buffer_idx),
             masked=_ptr(masked_ranks), status=self.state.status_device,
-            timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks, **proxy)
+            timeout_ns=int(self.timeout_s * 1e9), rank=self.rank, num_ranks=self.num_ranks,
+            aggressive_atomics=self.aggressive_atomics, **proxy)
 
     def _raise_failure(self, code: int) -> None:
         """A launcher call found a failure recorded before it (code != 0): raise it."""

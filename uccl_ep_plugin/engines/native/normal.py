@@ -123,7 +123,7 @@ class NativeNormal:
     """``data_bytes``: the data area of every rank's buffer (the same on all ranks)."""
 
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, aggressive_atomics: bool) -> None:
         self._C = extension
         self.peer_buffer = peer_buffer
         self.rank = rank
@@ -136,7 +136,8 @@ class NativeNormal:
         self.state = extension.LowLatencyState(device.index)
         self.region = extension.NormalRegion(
             peer_bases=peer_buffer.peer_bases, control=self.state.control(0), status=self.state.status_device,
-            data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks)
+            data_bytes=self.data_bytes, timeout_ns=int(timeout_s * 1e9), rank=rank, num_ranks=num_ranks,
+            aggressive_atomics=aggressive_atomics)
         self.sm_push_percent = sm_share(SM_PUSH_ENV, extension)
         # Reads every dispatch's counts; carries the rows too unless UCCL_EP_NORMAL_COPY=sm.
         self.copy_engine = extension.NormalCopyEngine(
