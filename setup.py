@@ -426,7 +426,7 @@ PACKAGES = [
     name for name in find_namespace_packages(include=["uccl_ep_plugin", "uccl_ep_plugin.*"])
     if not name.endswith("__pycache__")
 ]
-# Top-level folders installed as subpackages of uccl_ep_plugin (see DESIGN's layout).
+# Top-level folders installed as subpackages of uccl_ep_plugin.
 FOLDER_PACKAGES = {
     "uccl_ep_plugin.bench_serving": "bench_serving",
     "uccl_ep_plugin.configs": "configs",

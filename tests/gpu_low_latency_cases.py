@@ -775,11 +775,16 @@ def _graph_outputs(dispatched, combined):
 # ---------------------------------------------------------------------------------------- the body
 def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, cases: Sequence[Case],
                     mask_cases: Sequence[Case], graph_cases: Sequence[Case],
-                    tampers: Sequence[Optional[str]] = (None,), environment: Optional[Dict[str, str]] = None) -> None:
+                    tampers: Sequence[Optional[str]] = (None,), environment: Optional[Dict[str, str]] = None,
+                    two_hosts: bool = False) -> None:
     """Every section of :data:`SECTIONS` for each tamper (None: untampered; section names get a
     ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine. ``environment``
-    is set in this rank's process first (e.g. UCCL_EP_FORCE_PROXY=1 for the proxy path)."""
+    is set in this rank's process first (e.g. UCCL_EP_FORCE_PROXY=1 for the proxy path); ``two_hosts``
+    gives the first half of the ranks one host identity and the second half another (UCCL_EP_HOST_ID),
+    so each half reaches the other through the proxies and its own ranks over NVLink."""
     os.environ.update(environment or {})
+    if two_hosts:
+        os.environ["UCCL_EP_HOST_ID"] = f"host-{2 * rank // num_ranks}"
     h = Harness(rec, group, rank, num_ranks, candidate, cases)
     # A second Buffer, with enable_shrink, only where mask cases ask for it.
     shrink = Harness(rec, group, rank, num_ranks, candidate, mask_cases, enable_shrink=True) if mask_cases else None

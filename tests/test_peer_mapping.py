@@ -2,6 +2,7 @@
 IPC: every rank must reach the same answer, and a failed attempt must release what it allocated.
 The extension is replaced by a stand-in, so the decision logic runs on CPU ranks over gloo."""
 
+import pytest
 import torch
 
 from tests.multiprocess import run_ranks
@@ -12,6 +13,7 @@ class _FakePeerMemory:
     """Records what map_peer_buffer does with the buffer; open_peers fails on the ranks told to."""
 
     released = []
+    local_base = peer_bases = 0
 
     def __init__(self, num_bytes, device, fail_open):
         self.num_bytes, self.device, self.fail_open = num_bytes, device, fail_open
@@ -60,9 +62,73 @@ def _ranks_on_two_hosts(rank, num_ranks, group):
     assert reason.startswith(expected), reason
 
 
+def _ranks_on_two_hosts_map_their_own(rank, num_ranks, group):
+    """Where other hosts are allowed, a rank maps its own host's buffers only and learns which ranks are remote."""
+    import os
+    os.environ["UCCL_EP_HOST_ID"] = f"host-{rank // 2}"    # ranks 0-1 on one host, 2-3 on the other
+    peers.device_bytes = lambda owner, address, num_bytes, device: torch.empty(num_bytes, dtype=torch.uint8)
+    extension = _FakeExtension(fail_open=False)
+    buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", rank), 1 << 20,
+                                           other_hosts=True)
+    assert reason is None and buffer is not None
+    mine = rank // 2
+    assert buffer.remote_ranks == [peer for peer in range(num_ranks) if peer // 2 != mine]
+    (memory,) = extension.created
+    assert memory.handles == [b"handle-of-%d" % peer if peer // 2 == mine else b"" for peer in range(num_ranks)]
+
+
+def _reasons_of_some_ranks(rank, num_ranks, group):
+    mine = f"rank {rank} says no" if rank in (1, 2) else None
+    assert peers.first_reason(group, mine) == "rank 1 says no"
+    assert peers.first_reason(group, None) is None
+
+
 def test_failed_ipc_open_on_one_rank_falls_back_on_every_rank():
     run_ranks(2, _open_fails_on_rank_1)
 
 
 def test_peers_on_another_host_are_not_mapped():
     run_ranks(3, _ranks_on_two_hosts)
+
+
+def test_ranks_on_two_hosts_map_only_their_own_host():
+    run_ranks(4, _ranks_on_two_hosts_map_their_own)
+
+
+def test_every_rank_takes_the_first_ranks_reason():
+    run_ranks(3, _reasons_of_some_ranks)
+
+
+def test_host_id_can_be_set(monkeypatch):
+    monkeypatch.setenv(peers.HOST_ID_ENV, "rack7-node3")
+    assert peers._host_id() == "rack7-node3"
+    monkeypatch.delenv(peers.HOST_ID_ENV)
+    assert peers._host_id().startswith(__import__("socket").gethostname())
+
+
+class _Verbs:
+    def __init__(self, library, devices):
+        self.verbs_available = lambda: library
+        self.verbs_devices = lambda: devices
+
+
+@pytest.mark.parametrize("transport,ifname,library,devices,expected", [
+    ("", "", True, [{"name": "mlx5_0"}], "set UCCL_EP_PROXY_TRANSPORT=verbs"),
+    ("cuda-copy", "", True, [{"name": "mlx5_0"}], "set UCCL_EP_PROXY_TRANSPORT=verbs"),
+    ("tcp", "", True, [], "needs UCCL_SOCKET_IFNAME"),
+    ("tcp", "eth0", False, [], None),
+    ("verbs", "", False, [], "libibverbs.so.1 cannot be loaded"),
+    ("verbs", "", True, [], "this host has no RDMA device"),
+    ("verbs", "", True, [{"name": "mlx5_0"}], None),
+])
+def test_which_transport_reaches_other_hosts(monkeypatch, transport, ifname, library, devices, expected):
+    """Ranks on other hosts need a transport named explicitly: verbs with an RDMA device, or tcp on a routable
+    interface; without one the reference engine serves and the reason says what to set."""
+    from uccl_ep_plugin.proxies import cross_host_reason
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
+    monkeypatch.setenv("UCCL_SOCKET_IFNAME", ifname)
+    reason = cross_host_reason(_Verbs(library, devices))
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason, reason

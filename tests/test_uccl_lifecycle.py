@@ -85,6 +85,46 @@ def test_initialize_uccl_moves_bytes_and_destroy_uccl_leaks_nothing(transport):
     run_ranks(2, _exchange_body, transport=transport)
 
 
+def _one_rank_fails_body(rank: int, num_ranks: int, group, transport: str) -> None:
+    """The last rank cannot start its proxy (tcp: an interface that does not exist; verbs: a GID index past the
+    table): it raises its own error, every other rank an error naming it, and nobody waits for anybody."""
+    import torch.distributed as dist
+    os.environ["UCCL_EP_PROXY_TRANSPORT"] = transport
+    failing = rank == num_ranks - 1
+    if transport == "verbs":
+        os.environ["UCCL_IB_HCA"] = rdma_devices()[rank % len(rdma_devices())]
+        if failing:
+            os.environ["UCCL_IB_GID_INDEX"] = "4000"
+    elif failing:
+        os.environ["UCCL_SOCKET_IFNAME"] = "nosuchif9"
+    own = "GID index 4000" if transport == "verbs" else "nosuchif9"
+    before = fds_and_threads()
+    scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)
+    message = str(raised.value)
+    if failing:
+        assert own in message, message
+    else:
+        assert f"rank {num_ranks - 1}: " in message and own in message and "could not start" in message, message
+    assert time.monotonic() - started < 20, "a rank waited for the one that failed"
+    _assert_nothing_left(before, "a proxy that could not start")
+    dist.barrier(group=group)
+    os.environ.pop("UCCL_SOCKET_IFNAME", None)
+    os.environ.pop("UCCL_IB_GID_INDEX", None)
+    proxies, workers = initialize_uccl(scratch, SCRATCH, rank, num_ranks, group)   # nothing was left registered
+    destroy_uccl(proxies, workers)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "verbs"])
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_a_rank_whose_proxy_cannot_start_fails_every_rank(transport, num_ranks):
+    if transport == "verbs":
+        skip_without("verbs", 0)
+    run_ranks(num_ranks, _one_rank_fails_body, transport=transport)
+
+
 def _drain_body(rank: int, num_ranks: int, group) -> None:
     import torch.distributed as dist
     os.environ["UCCL_EP_TRANSPORT_REORDER"] = "3"          # the window holds the writes ...

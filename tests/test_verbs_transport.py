@@ -7,6 +7,9 @@ argument errors, requests to itself, four ranks, several queue pairs per peer, a
 a host without RDMA says.
 """
 
+import errno
+import os
+
 import pytest
 import torch
 
@@ -31,6 +34,31 @@ def test_without_an_rdma_device_the_error_says_what_to_do():
     region = torch.zeros(4096, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="no RDMA device found.*UCCL_EP_PROXY_TRANSPORT=tcp"):
         _C.VerbsTransport(0, 1, region.data_ptr(), region.numel())
+
+
+@pytest.mark.parametrize("peer_errno,advice", [
+    (errno.EINVAL, ["nvidia_peermem", "efa_nv_peermem", "amdgpu", "DMA-BUF (CUDA 11.7+"]),
+    (errno.EFAULT, ["nvidia_peermem"]),
+    (errno.ENOMEM, ["ulimit -l"]),
+    (errno.EIO, ["peer-to-peer"]),
+])
+def test_gpu_memory_that_cannot_be_registered_is_explained(peer_errno, advice):
+    """What each way said (DMA-BUF, peer memory with the errno in words) and what to do about it."""
+    dmabuf = "the GPU driver does not export DMA-BUF (it needs CUDA 11.7+ with the open kernel modules)"
+    message = _C.verbs_gpu_registration_failure(1 << 20, dmabuf, peer_errno)
+    assert "1048576 bytes of GPU memory" in message and dmabuf in message
+    assert f"{os.strerror(peer_errno)} (errno {peer_errno})" in message
+    assert all(words in message for words in advice), message
+    assert message.endswith("or choose UCCL_EP_PROXY_TRANSPORT=tcp")
+
+
+def test_a_gpu_region_must_be_that_gpus_memory():
+    """gpu >= 0 names the GPU whose memory the region is: host memory is refused before any device is opened."""
+    region = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises((ValueError, RuntimeError), match="no GPU support|no GPU can be used|not memory of device=0"):
+        _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), gpu=0)
+    with pytest.raises(ValueError, match="gpu must be >= 0, or -1"):
+        _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), gpu=-2)
 
 
 def test_bad_arguments_name_the_argument():
@@ -121,7 +149,6 @@ def _connected(rank, num_ranks, group, region, **kwargs):
 
 
 def _peer_gone_body(rank, num_ranks, group):
-    import os
     import time
 
     region = torch.full((1 << 20,), POISON, dtype=torch.uint8)
@@ -200,13 +227,15 @@ def test_doctor_lists_the_devices_gids_and_atomics():
     for name in rdma_devices():
         device = devices[name]
         assert device["error"] == "" and device["atomics"] in ("hca", "global")
+        assert device["queue_pairs"] == "RC"   # libefa is installed and says soft-RoCE is no EFA device
         port = device["ports"][0]
         assert port["state"] == "active" and port["link_layer"] == "Ethernet"
         chosen = [g for g in port["gids"] if g["index"] == port["gid_index"]]
         assert chosen and chosen[0]["type"] == "RoCE v2" and chosen[0]["address"].startswith("10.0.0.")
         region = torch.zeros(4096, dtype=torch.uint8)
         transport = _C.VerbsTransport(0, 1, region.data_ptr(), region.numel(), device=name)
-        assert transport.gid_index == port["gid_index"]
+        assert transport.gid_index == port["gid_index"] and not transport.srd
+        assert transport.registration == "host memory" and transport.region_is_host_memory
         transport.close()
 
 

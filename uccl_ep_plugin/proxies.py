@@ -39,10 +39,6 @@ FIFO_CAPACITY = 1024
 MODULE_LOADING_ENV = "CUDA_MODULE_LOADING"
 # transport name -> the build feature it needs
 TRANSPORT_FEATURES = {"cuda-copy": "cuda_copy_transport", "tcp": "tcp_device_memory", "verbs": "verbs_transport"}
-# Why verbs cannot serve GPU memory yet (the Buffer's low-latency buffers are GPU memory).
-VERBS_HOST_ONLY = ("the verbs transport registers host memory only so far: registering GPU memory with the NIC "
-                   "(DMA-BUF, or peer memory through nvidia_peermem) is not built yet; use UCCL_EP_PROXY_TRANSPORT=tcp "
-                   "or cuda-copy for GPU buffers")
 
 
 def eager_module_loading() -> bool:
@@ -67,6 +63,33 @@ def proxy_transport() -> str:
     if name not in TRANSPORT_FEATURES:
         raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
     return name
+
+
+def cross_host_reason(extension) -> Optional[str]:
+    """Why the native low-latency kernels cannot reach ranks on other hosts through the proxies here, or None. They
+    go over the transport UCCL_EP_PROXY_TRANSPORT names explicitly: verbs (an RDMA NIC; not yet validated on NIC
+    hardware, so never chosen by default), or tcp on the interface UCCL_SOCKET_IFNAME names (loopback cannot reach
+    another host); cuda-copy needs one host."""
+    named = os.environ.get(TRANSPORT_ENV, "").strip().lower()
+    if named == "verbs":
+        return no_rdma_device_reason(extension)
+    if named == "tcp":
+        if not os.environ.get("UCCL_SOCKET_IFNAME", "").strip():
+            return (f"{TRANSPORT_ENV}=tcp across hosts needs UCCL_SOCKET_IFNAME (the interface the hosts reach each "
+                    f"other on; the default, loopback, reaches this host only)")
+        return None
+    return (f"ranks on other hosts are reached through the CPU proxies over an RDMA NIC or sockets: set {TRANSPORT_ENV}"
+            f"=verbs (not yet validated on NIC hardware) or {TRANSPORT_ENV}=tcp with UCCL_SOCKET_IFNAME")
+
+
+def no_rdma_device_reason(extension) -> Optional[str]:
+    """Why the verbs transport cannot open an RDMA device here (libibverbs missing, no device), or None."""
+    if not extension.verbs_available():
+        return "libibverbs.so.1 cannot be loaded (install rdma-core's libibverbs and the NIC's provider)"
+    if not extension.verbs_devices():
+        return ("this host has no RDMA device (`uccl-ep doctor` lists them); use UCCL_EP_PROXY_TRANSPORT=tcp or "
+                "cuda-copy")
+    return None
 
 
 def verbs_settings(platform) -> dict:
@@ -150,8 +173,9 @@ class ProxyThreads:
     """The FIFOs and proxy threads of one rank. Collective: every rank of ``group`` constructs one.
 
     ``memory`` is the region the commands' offsets refer to, on ``device``: a tensor (host or device
-    memory, over tcp; host memory, over verbs), or a PeerMemory whose peers are open (over cuda-copy,
-    ``transport="cuda-copy"``). FIFOs
+    memory, over tcp and verbs), or a PeerMemory whose peers are open (over cuda-copy,
+    ``transport="cuda-copy"``). A rank that cannot start its proxy raises its error, every other rank a
+    RuntimeError naming it (nobody waits for it). FIFOs
     are pinned and mapped into the device for device memory (kernels push; ``device_views``), host
     FIFOs otherwise (``fifos``, with ``push``)."""
 
@@ -178,30 +202,49 @@ class ProxyThreads:
             fifos = self.fifos = [extension.HostFifo(FIFO_CAPACITY) for _ in range(self.num_fifos)]
         options = dict(num_threads=self.num_threads, config=config, transport_timeout_s=timeout_s)
         try:
-            if transport == "cuda-copy":
-                self.proxy = extension.Proxy.over_cuda_copy(rank, num_ranks, memory, fifos, **options)
-            elif transport == "tcp":
-                self.proxy = extension.Proxy(rank, num_ranks, memory.data_ptr(), memory.numel() * memory.element_size(),
-                                             fifos, device=device.index if device.type == "cuda" else None, **options)
-            elif transport == "verbs":
-                if device.type == "cuda":
-                    raise ValueError(VERBS_HOST_ONLY)
-                gpu = torch.cuda.current_device() if torch.cuda.is_available() else None   # the rank's GPU
-                self.proxy = extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
-                                                        memory.numel() * memory.element_size(), fifos,
-                                                        device=verbs_device(gpu), **verbs_settings(platform),
-                                                        **options)
-            else:
-                raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
+            failure = None
+            try:
+                self.proxy = self._make_proxy(extension, rank, num_ranks, memory, device, fifos, platform, options)
+            except Exception as error:   # every rank hears of it below instead of waiting for this one
+                failure = error
             records = [None] * num_ranks
-            dist.all_gather_object(records, (self.proxy.listen_address(), self.proxy.native_atomics), group=group)
-            _require_same_counter_adds(rank, [native for _, native in records])
-            self.proxy.connect([address for address, _ in records])
+            mine = (None, None, f"{type(failure).__name__}: {failure}") if failure else \
+                (self.proxy.listen_address(), self.proxy.native_atomics, None)
+            dist.all_gather_object(records, mine, group=group)
+            if failure is not None:
+                try:
+                    raise failure
+                finally:
+                    del failure   # the traceback holds this frame: no cycle keeping the group alive until exit
+            failed = {peer: why for peer, (_, _, why) in enumerate(records) if why is not None}
+            if failed:
+                raise RuntimeError(f"rank {rank}: the {transport} proxies could not start: " +
+                                   "; ".join(f"rank {peer}: {why}" for peer, why in failed.items()))
+            _require_same_counter_adds(rank, [native for _, native, _ in records])
+            self.proxy.connect([address for address, _, _ in records])
             dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
             self.proxy.start()
         except BaseException:
             self.close()
             raise
+
+    def _make_proxy(self, extension, rank: int, num_ranks: int, memory, device: torch.device, fifos, platform,
+                    options: dict):
+        transport = self.transport
+        if transport == "cuda-copy":
+            return extension.Proxy.over_cuda_copy(rank, num_ranks, memory, fifos, **options)
+        gpu = device.index if device.type == "cuda" else None
+        if transport == "tcp":
+            return extension.Proxy(rank, num_ranks, memory.data_ptr(), memory.numel() * memory.element_size(),
+                                   fifos, device=gpu, **options)
+        if transport == "verbs":
+            nearest_to = gpu if gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available()
+                                                      else None)   # the rank's GPU picks the NIC
+            return extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
+                                              memory.numel() * memory.element_size(), fifos,
+                                              device=verbs_device(nearest_to), gpu=-1 if gpu is None else gpu,
+                                              **verbs_settings(platform), **options)
+        raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
 
     @property
     def device_views(self) -> int:
@@ -277,8 +320,8 @@ def initialize_uccl(scratch: Union[torch.Tensor, int], scratch_nbytes: int, rank
                     ) -> Tuple[List[ProxyThreads], None]:
     """Start this rank's CPU proxy threads over ``scratch`` (collective over ``group``); returns
     ``(proxies, workers)`` for :func:`destroy_uccl`. The transport is tcp (listening on
-    UCCL_SOCKET_IFNAME's address, else loopback), or verbs where UCCL_EP_PROXY_TRANSPORT=verbs (host scratch
-    only, so far); command offsets are relative to ``scratch``.
+    UCCL_SOCKET_IFNAME's address, else loopback), or verbs where UCCL_EP_PROXY_TRANSPORT=verbs; command
+    offsets are relative to ``scratch``.
     ``num_experts`` and ``is_intranode`` are accepted for UCCL-EP's signature and checked;
     ``use_normal_mode`` picks the normal-mode in-flight limit (UCCL_IB_MAX_INFLIGHT_NORMAL)."""
     if group is None:

@@ -203,6 +203,14 @@ inline gpuError_t gpu_stream_capturing(gpuStream_t stream, bool* capturing) {
   *capturing = status != hipStreamCaptureStatusNone;
   return error;
 }
+// A NIC registers GPU memory here through peer memory (amdgpu's peer-memory client): no DMA-BUF
+// export from this build, and the GPU sees a NIC's writes in order.
+inline int gpu_dmabuf_fd(void* /*pointer*/, size_t /*bytes*/, int /*device*/, std::string* why) {
+  *why = "this build (HIP) exports no DMA-BUF";
+  return -1;
+}
+inline bool gpu_nic_writes_ordered(int /*device*/) { return true; }
+inline gpuError_t gpu_flush_nic_writes() { return hipSuccess; }
 inline gpuError_t gpu_load_kernel(const void* kernel) {
   hipFuncAttributes attributes;
   return hipFuncGetAttributes(&attributes, kernel);
@@ -308,14 +316,16 @@ Function driver_function(const char* name) {
   }
   return reinterpret_cast<Function>(function);
 }
+inline int device_attribute(CUdevice_attribute attribute, int device) {
+  using GetAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+  static const GetAttribute get = driver_function<GetAttribute>("cuDeviceGetAttribute");
+  int value = 0;
+  return get != nullptr && get(&value, attribute, device) == CUDA_SUCCESS ? value : 0;
+}
 }  // namespace detail
 // Whether gpu_stream_wait_at_least works on `device` (64-bit stream waits).
 inline bool gpu_stream_waits_supported(int device) {
-  using GetAttribute = CUresult (*)(int*, CUdevice_attribute, CUdevice);
-  static const GetAttribute get = detail::driver_function<GetAttribute>("cuDeviceGetAttribute");
-  int value = 0;
-  return get != nullptr && get(&value, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) == CUDA_SUCCESS &&
-         value != 0;
+  return detail::device_attribute(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) != 0;
 }
 // `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
 // kernel and no timeout: whoever gives up on the writer must raise the word itself.
@@ -333,6 +343,42 @@ inline gpuError_t gpu_stream_write_word(gpuStream_t stream, uint64_t* word, uint
   static const WriteValue64 write = detail::driver_function<WriteValue64>("cuStreamWriteValue64");
   if (write == nullptr) return cudaErrorNotSupported;
   return write(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT) == CUDA_SUCCESS
+             ? cudaSuccess
+             : cudaErrorUnknown;
+}
+// A DMA-BUF file descriptor of the device memory [pointer, pointer + bytes) (both multiples of the
+// host page size), for a NIC to register (ibv_reg_dmabuf_mr); the caller closes it. -1, and `why`,
+// where the GPU or its driver export none (DMA-BUF needs CUDA 11.7+ and the open kernel modules).
+inline int gpu_dmabuf_fd(void* pointer, size_t bytes, int device, std::string* why) {
+  if (detail::device_attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device) == 0) {
+    *why = "the GPU driver does not export DMA-BUF (it needs CUDA 11.7+ with the open kernel modules)";
+    return -1;
+  }
+  using GetHandle = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+  static const GetHandle get = detail::driver_function<GetHandle>("cuMemGetHandleForAddressRange");
+  int fd = -1;
+  const CUresult status = get == nullptr ? CUDA_ERROR_NOT_SUPPORTED
+                                         : get(&fd, reinterpret_cast<CUdeviceptr>(pointer), bytes,
+                                               CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  if (status != CUDA_SUCCESS) {
+    *why = "cuMemGetHandleForAddressRange failed (CUresult " + std::to_string(static_cast<int>(status)) + ")";
+    return -1;
+  }
+  return fd;
+}
+// Whether the GPU sees a NIC's writes into its memory in the order the NIC made them; where it does
+// not, gpu_flush_nic_writes must come between the data and the flag that announces it.
+inline bool gpu_nic_writes_ordered(int device) {
+  return detail::device_attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, device) >=
+         CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER;
+}
+// Makes the NIC writes into the current device's memory that have completed visible to its later work.
+inline gpuError_t gpu_flush_nic_writes() {
+  using Flush = CUresult (*)(CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope);
+  static const Flush flush = detail::driver_function<Flush>("cuFlushGPUDirectRDMAWrites");
+  if (flush == nullptr) return cudaErrorNotSupported;
+  return flush(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER) ==
+                 CUDA_SUCCESS
              ? cudaSuccess
              : cudaErrorUnknown;
 }

@@ -49,14 +49,15 @@ void PeerMemory::open_peers(const std::vector<std::string>& handles, int rank) {
     throw std::invalid_argument("PeerMemory.open_peers: rank out of range of handles");
   }
   use_device(device_);
-  std::vector<uint64_t> bases(handles.size());
+  bases_.assign(handles.size(), 0);
   opened_.assign(handles.size(), nullptr);
   try {
     for (size_t peer = 0; peer < handles.size(); ++peer) {
       if (static_cast<int>(peer) == rank) {
-        bases[peer] = reinterpret_cast<uint64_t>(base_);
+        bases_[peer] = reinterpret_cast<uint64_t>(base_);
         continue;
       }
+      if (handles[peer].empty()) continue;  // another host's: reached through the proxy
       if (handles[peer].size() != sizeof(gpuIpcMemHandle_t)) {
         throw std::invalid_argument("PeerMemory.open_peers: handle of rank " + std::to_string(peer) + " has " +
                                     std::to_string(handles[peer].size()) + " bytes, expected " +
@@ -65,10 +66,11 @@ void PeerMemory::open_peers(const std::vector<std::string>& handles, int rank) {
       gpuIpcMemHandle_t handle;
       std::memcpy(&handle, handles[peer].data(), sizeof(handle));
       UCCL_EP_GPU_CHECK(gpu_ipc_open_handle(&opened_[peer], handle));
-      bases[peer] = reinterpret_cast<uint64_t>(opened_[peer]);
+      bases_[peer] = reinterpret_cast<uint64_t>(opened_[peer]);
     }
-    UCCL_EP_GPU_CHECK(gpu_device_alloc(reinterpret_cast<void**>(&peer_bases_device_), bases.size() * sizeof(uint64_t)));
-    UCCL_EP_GPU_CHECK(gpu_copy(peer_bases_device_, bases.data(), bases.size() * sizeof(uint64_t)));
+    const size_t bytes = bases_.size() * sizeof(uint64_t);
+    UCCL_EP_GPU_CHECK(gpu_device_alloc(reinterpret_cast<void**>(&peer_bases_device_), bytes));
+    UCCL_EP_GPU_CHECK(gpu_copy(peer_bases_device_, bases_.data(), bytes));
   } catch (...) {
     release();
     throw;
@@ -81,8 +83,11 @@ std::uintptr_t PeerMemory::peer_base(int rank) const {
     throw std::invalid_argument("PeerMemory.peer_base: rank " + std::to_string(rank) + " is not in [0, " +
                                 std::to_string(opened_.size()) + "), the ranks open_peers mapped");
   }
-  void* mapping = opened_[rank] != nullptr ? opened_[rank] : base_;
-  return reinterpret_cast<std::uintptr_t>(mapping);
+  if (bases_[rank] == 0) {
+    throw std::invalid_argument("PeerMemory.peer_base: rank " + std::to_string(rank) + " was left unmapped (on "
+                                "another host)");
+  }
+  return static_cast<std::uintptr_t>(bases_[rank]);
 }
 
 void PeerMemory::release() {
@@ -96,6 +101,7 @@ void PeerMemory::release() {
     if (first == kGpuSuccess) first = status;
   }
   opened_.clear();
+  bases_.clear();
   if (peer_bases_device_ != nullptr) (void)gpu_device_free(peer_bases_device_);
   peer_bases_device_ = nullptr;
   if (base_ != nullptr) {

@@ -23,7 +23,8 @@ class PeerMemory {
   PeerMemory& operator=(const PeerMemory&) = delete;
 
   std::string ipc_handle() const;  // opaque bytes, valid in other processes of this host
-  // Maps every other rank's buffer; handles[rank] must be this buffer's own handle.
+  // Maps every other rank's buffer; handles[rank] must be this buffer's own handle. An empty handle
+  // leaves that rank unmapped (another host: its base reads 0 in peer_bases()).
   void open_peers(const std::vector<std::string>& handles, int rank);
   // Unmaps the peers and frees the buffer; later calls do nothing.
   void release();
@@ -31,7 +32,8 @@ class PeerMemory {
   std::uintptr_t local_base() const { return reinterpret_cast<std::uintptr_t>(base_); }
   std::uintptr_t peer_bases() const { return reinterpret_cast<std::uintptr_t>(peer_bases_device_); }
   // Host-side: `rank`'s buffer as mapped into this process (our own base for this rank).
-  // Throws std::runtime_error before open_peers(), std::invalid_argument for a rank it did not map.
+  // Throws std::runtime_error before open_peers(), std::invalid_argument for a rank it did not map
+  // (out of range, or left unmapped).
   std::uintptr_t peer_base(int rank) const;
   int64_t num_bytes() const { return num_bytes_; }
   int device() const { return device_; }
@@ -41,7 +43,8 @@ class PeerMemory {
   int64_t num_bytes_;
   int device_;
   void* base_ = nullptr;
-  std::vector<void*> opened_;  // peers' mappings, null for this rank
+  std::vector<void*> opened_;  // peers' mappings, null for this rank and unmapped ones
+  std::vector<uint64_t> bases_;  // what peer_bases() holds: every rank's base here, 0 where unmapped
   uint64_t* peer_bases_device_ = nullptr;
 };
 

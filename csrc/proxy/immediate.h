@@ -1,4 +1,4 @@
-// The 32-bit immediate a proxy attaches to a write (DESIGN §5). The receiving proxy decodes it
+// The 32-bit immediate a proxy attaches to a write. The receiving proxy decodes it
 // and applies its effect through the ordering layer (proxy/ordering.h). The source rank is not
 // in the immediate: the transport reports it (ImmediateEvent::src_rank).
 //

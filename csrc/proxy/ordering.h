@@ -1,4 +1,4 @@
-// Receiver-side ordering (DESIGN §5): turns the immediates a receiving proxy sees, in whatever
+// Receiver-side ordering: turns the immediates a receiving proxy sees, in whatever
 // order an unordered transport delivers them, into the effects a DeepEP-style receiver expects.
 //
 // Counters live in the receiver's registered region (every rank uses the same layout):

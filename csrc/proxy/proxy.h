@@ -1,4 +1,4 @@
-// The CPU proxy (DESIGN §5): threads that take 16-byte commands from FIFOs and execute them
+// The CPU proxy: threads that take 16-byte commands from FIFOs and execute them
 // through a Transport.
 //
 // FIFO f belongs to thread f % num_threads. Each thread loops:

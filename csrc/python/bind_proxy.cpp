@@ -335,12 +335,13 @@ std::unique_ptr<PyProxy> proxy_over_tcp(int rank, int num_ranks, int64_t region_
 }
 
 #if defined(UCCL_EP_WITH_VERBS)
-// Over a verbs transport on a host region; the NIC's in-flight caps are the config's (its byte limit and the
-// request limit of its mode).
+// Over a verbs transport on a host region, or on memory of GPU `gpu`; the NIC's in-flight caps are the
+// config's (its byte limit and the request limit of its mode).
 std::unique_ptr<PyProxy> proxy_over_verbs(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes,
                                           py::object fifos, int num_threads, std::optional<uccl_ep::ProxyConfig> config,
                                           int64_t reorder_seed, double transport_timeout_s, const std::string& device,
-                                          int gid_index, int service_level, int traffic_class, int qps_per_peer) {
+                                          int gid_index, int service_level, int traffic_class, int qps_per_peer,
+                                          int gpu) {
   const uccl_ep::ProxyConfig c = config ? *config : uccl_ep::ProxyConfig{};
   const uccl_ep::VerbsTransportOptions options{device,
                                                gid_index,
@@ -350,7 +351,8 @@ std::unique_ptr<PyProxy> proxy_over_verbs(int rank, int num_ranks, int64_t regio
                                                transport_timeout_s,
                                                static_cast<int64_t>(c.max_inflight_bytes),
                                                c.max_inflight_requests(),
-                                               qps_per_peer};
+                                               qps_per_peer,
+                                               gpu};
   std::unique_ptr<uccl_ep::VerbsTransport> transport;
   {
     py::gil_scoped_release no_gil;
@@ -563,9 +565,10 @@ by check(), wait_barriers() and stop(). Blocking calls release the GIL.)doc")
                   py::arg("region_bytes"), py::arg("fifos"), py::arg("num_threads") = 1, py::arg("config") = py::none(),
                   py::arg("reorder_seed") = -1, py::arg("transport_timeout_s") = 30.0, py::arg("device") = "",
                   py::arg("gid_index") = -2, py::arg("service_level") = -1, py::arg("traffic_class") = -1,
-                  py::arg("qps_per_peer") = 0,
+                  py::arg("qps_per_peer") = 0, py::arg("gpu") = -1,
                   "A proxy over the verbs transport (VerbsTransport's device, gid_index, service_level, "
-                  "traffic_class and qps_per_peer) on a host region: the same bootstrap and methods, plus a barrier of all ranks "
+                  "traffic_class, qps_per_peer and gpu) on a host region or, with gpu >= 0, on that GPU's memory: "
+                  "the same bootstrap and methods, plus a barrier of all ranks "
                   "between connect() and the first command. The NIC's in-flight caps are the config's. Plain "
                   "atomic adds use the NIC's own atomics where the device has them (config.native_atomics).")
 #endif

@@ -19,6 +19,7 @@
 #include "transport/tcp_transport.h"
 #if defined(UCCL_EP_WITH_VERBS)
 #include "transport/verbs_devices.h"
+#include "transport/verbs_registration.h"
 #include "transport/verbs_transport.h"
 #endif
 #if defined(UCCL_EP_WITH_GPU)
@@ -167,10 +168,10 @@ class PyVerbsTransport : public PyTransport<uccl_ep::VerbsTransport> {
  public:
   PyVerbsTransport(int rank, int num_ranks, int64_t region_ptr, int64_t region_bytes, const std::string& device,
                    int gid_index, int service_level, int traffic_class, int64_t reorder_seed, double timeout_s,
-                   int64_t max_inflight_bytes, int64_t max_inflight_requests, int qps_per_peer) {
+                   int64_t max_inflight_bytes, int64_t max_inflight_requests, int qps_per_peer, int gpu) {
     const uccl_ep::VerbsTransportOptions options{device,       gid_index, service_level,      traffic_class,
                                                  reorder_seed, timeout_s, max_inflight_bytes, max_inflight_requests,
-                                                 qps_per_peer};
+                                                 qps_per_peer, gpu};
     const uccl_ep::MemoryRegion region = region_at(region_ptr, region_bytes);
     py::gil_scoped_release no_gil;
     impl_ = std::make_unique<uccl_ep::VerbsTransport>(rank, num_ranks, region, options);
@@ -263,7 +264,8 @@ way a device one is. Blocking calls release the GIL.)doc");
 #if defined(UCCL_EP_WITH_VERBS)
   py::class_<PyVerbsTransport> verbs(m, "VerbsTransport", R"doc(
 The verbs transport: RDMA reliable-connected queue pairs to each peer over libibverbs (loaded at run
-time), on one registered region of host memory per rank (region_ptr, region_bytes). device: "name"
+time), on one registered region per rank (region_ptr, region_bytes): host memory, or memory of GPU
+`gpu` (>= 0; registered through DMA-BUF where the drivers offer it, else peer memory). device: "name"
 or "name:port" ("" : UCCL_IB_HCA, else the first device); gid_index -2: UCCL_IB_GID_INDEX, else -1:
 the first RoCE v2 IPv4 GID; service_level / traffic_class -1: UCCL_IB_SL / UCCL_IB_TC, else 0.
 max_inflight_bytes (-1: UCCL_IB_MAX_INFLIGHT_BYTES, else none; 0: none) and max_inflight_requests (0:
@@ -273,11 +275,12 @@ Bootstrap: all-gather listen_address() (this rank's connection record) and call 
 then pass a barrier before posting. reorder_seed >= 0 (or UCCL_EP_TRANSPORT_REORDER=<seed> when -1)
 posts requests out of order. Blocking calls release the GIL.)doc");
   verbs.def(py::init<int, int, int64_t, int64_t, const std::string&, int, int, int, int64_t, double, int64_t,
-                     int64_t, int>(),
+                     int64_t, int, int>(),
             py::arg("rank"), py::arg("num_ranks"), py::arg("region_ptr"), py::arg("region_bytes"),
             py::arg("device") = "", py::arg("gid_index") = -2, py::arg("service_level") = -1,
             py::arg("traffic_class") = -1, py::arg("reorder_seed") = -1, py::arg("timeout_s") = 30.0,
-            py::arg("max_inflight_bytes") = -1, py::arg("max_inflight_requests") = 0, py::arg("qps_per_peer") = 0)
+            py::arg("max_inflight_bytes") = -1, py::arg("max_inflight_requests") = 0, py::arg("qps_per_peer") = 0,
+            py::arg("gpu") = -1)
       .def_property_readonly("peak_inflight_bytes", [](PyVerbsTransport& t) { return t.impl().peak_inflight_bytes(); },
                              "The most bytes the NIC had in flight at once so far.")
       .def_property_readonly("peak_inflight_requests",
@@ -290,8 +293,16 @@ posts requests out of order. Blocking calls release the GIL.)doc");
                              "Whether the device does RDMA atomics (atomic adds to peers need them).")
       .def_property_readonly("qps_per_peer", [](PyVerbsTransport& t) { return t.impl().qps_per_peer(); },
                              "The queue pairs to each peer.")
-      .def_property_readonly("region_is_host_memory", [](PyVerbsTransport& t) { return true; });
+      .def_property_readonly("srd", [](PyVerbsTransport& t) { return t.impl().srd(); },
+                             "Whether the device is EFA and the queue pairs are SRD (unordered, no atomics).")
+      .def_property_readonly("registration", [](PyVerbsTransport& t) { return t.impl().registration(); },
+                             "How the region was registered: 'host memory', 'DMA-BUF' or 'peer memory'.")
+      .def_property_readonly("region_is_host_memory",
+                             [](PyVerbsTransport& t) { return t.impl().region_is_host_memory(); });
   def_transport_api(verbs);
+  m.def("verbs_gpu_registration_failure", &uccl_ep::gpu_registration_failure, py::arg("bytes"), py::arg("dmabuf"),
+        py::arg("peer_errno"),
+        "The message of a GPU region neither DMA-BUF nor peer memory could register (what each said, what to do).");
   m.def("verbs_available", &uccl_ep::VerbsLibrary::available,
         "Whether libibverbs.so.1 can be loaded here (the verbs transport needs it, and an RDMA device).");
   m.def(
@@ -313,11 +324,13 @@ posts requests out of order. Blocking calls release the GIL.)doc");
                                   py::arg("gids") = gids, py::arg("gid_index") = port.chosen_gid));
           }
           devices.append(py::dict(py::arg("name") = device.name, py::arg("atomics") = device.atomics,
-                                  py::arg("ports") = ports, py::arg("error") = device.error));
+                                  py::arg("queue_pairs") = device.queue_pairs, py::arg("ports") = ports,
+                                  py::arg("error") = device.error));
         }
         return devices;
       },
-      "This host's RDMA devices through libibverbs: name, atomics ('none', 'hca', 'global'), error (''), and per "
+      "This host's RDMA devices through libibverbs: name, atomics ('none', 'hca', 'global'), queue_pairs ('RC', or "
+      "'SRD' on EFA), error (''), and per "
       "port its state, link layer, LID, non-empty GID entries (index, type, address) and gid_index, the entry the "
       "verbs transport uses by default (the first RoCE v2 IPv4 one; -1: none, or InfiniBand). RuntimeError "
       "without libibverbs.");

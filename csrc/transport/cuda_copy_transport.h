@@ -1,4 +1,4 @@
-// The `cuda-copy` transport (DESIGN §6): the full proxy path on one multi-GPU host, and the EP
+// The `cuda-copy` transport: the full proxy path on one multi-GPU host, and the EP
 // path for boxes whose GPUs talk over PCIe only.
 //
 // Region: this rank's PeerMemory buffer (device memory). Every other rank's buffer is already

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -84,6 +85,34 @@ class ScopedDevice {
   bool switched_ = false;
   gpuError_t status_;
 };
+
+// A transport's region given as memory of GPU `device`: the device must be one this process sees
+// (std::invalid_argument naming the range, or TransportError where no GPU can be used at all) and the
+// region must be its memory (std::invalid_argument naming what it is instead). Checks the device
+// before making it current: a call that creates a context would create it on the current device.
+inline void require_device_region(const char* transport, int rank, int device, MemoryRegion region) {
+  int count = 0;
+  const gpuError_t status = gpu_device_count(&count);
+  if (status != kGpuSuccess) {
+    (void)gpu_last_error();
+    throw TransportError(transport_label(transport, rank) + ": device=" + std::to_string(device) +
+                         " but no GPU can be used: " + gpu_error_text(status));
+  }
+  if (device < 0 || device >= count) {
+    throw std::invalid_argument("device must be in [0, " + std::to_string(count) +
+                                ") (the GPUs this process sees; got " + std::to_string(device) + ")");
+  }
+  if (region.bytes == 0) return;
+  ScopedDevice current(device, transport, rank);
+  GpuMemory kind = GpuMemory::kHost;
+  int owner = -1;
+  if (gpu_pointer_kind(region.base, &kind, &owner) != kGpuSuccess) (void)gpu_last_error();  // host memory
+  if (kind == GpuMemory::kDevice && owner == device) return;
+  std::string what = kind == GpuMemory::kManaged ? "managed memory" : "host memory";
+  if (kind == GpuMemory::kDevice) what = "memory of device " + std::to_string(owner);
+  throw std::invalid_argument("region_ptr is " + what + ", not memory of device=" + std::to_string(device) +
+                              " (give no device for a host region)");
+}
 
 // Transport::bind_thread of the transports over GPU memory: the device, and the relaxed capture mode
 // (the proxy runs while the application captures graphs). A failure is left for the next

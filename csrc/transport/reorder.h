@@ -1,4 +1,4 @@
-// Reorder injection, shared by every transport (DESIGN §6).
+// Reorder injection, shared by every transport.
 //
 // With a seed set (the constructor's reorder_seed, else UCCL_EP_TRANSPORT_REORDER=<seed>),
 // a transport's sender keeps, per peer, a window of up to `window` requests

@@ -34,33 +34,6 @@ std::string failed(const char* what, gpuError_t status) {
   return std::string(what) + " failed: " + gpu_error_text(status);
 }
 
-void check_device(int device, int rank) {
-  int count = 0;
-  const gpuError_t status = gpu_device_count(&count);
-  if (status != kGpuSuccess) {
-    (void)gpu_last_error();
-    throw TransportError(transport_label(kTransport, rank) + ": device=" + std::to_string(device) +
-                         " but no GPU can be used: " + gpu_error_text(status));
-  }
-  if (device < 0 || device >= count) {
-    throw std::invalid_argument("device must be in [0, " + std::to_string(count) +
-                                ") (the GPUs this process sees; got " + std::to_string(device) + ")");
-  }
-}
-
-// The region must be memory of `device`: the copies and kernels address it there.
-void check_region(int device, MemoryRegion region) {
-  if (region.bytes == 0) return;
-  GpuMemory kind = GpuMemory::kHost;
-  int owner = -1;
-  if (gpu_pointer_kind(region.base, &kind, &owner) != kGpuSuccess) (void)gpu_last_error();  // host memory
-  if (kind == GpuMemory::kDevice && owner == device) return;
-  std::string what = kind == GpuMemory::kManaged ? "managed memory" : "host memory";
-  if (kind == GpuMemory::kDevice) what = "memory of device " + std::to_string(owner);
-  throw std::invalid_argument("region_ptr is " + what + ", not memory of device=" + std::to_string(device) +
-                              " (give no device for a host region)");
-}
-
 class DeviceStagedRegion final : public StagedRegion {
  public:
   DeviceStagedRegion(int device, MemoryRegion region, uint64_t staging_bytes, int rank, double timeout_s)
@@ -68,10 +41,8 @@ class DeviceStagedRegion final : public StagedRegion {
         timeout_(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
             std::chrono::duration<double>(timeout_s))),
         timeout_text_(format_seconds(timeout_s)) {
-    check_device(device, rank);
-    // Before any call that may create a context: it would be the current device's.
+    require_device_region(kTransport, rank, device, region);
     ScopedDevice current(device, kTransport, rank);
-    check_region(device, region);
     load_region_ops_kernels();
     try {
       for (Lane* lane : lanes()) create(*lane, rank);

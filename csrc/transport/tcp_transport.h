@@ -1,4 +1,4 @@
-// The `tcp` transport (DESIGN §6): a full mesh of TCP connections between num_ranks ranks,
+// The `tcp` transport: a full mesh of TCP connections between num_ranks ranks,
 // for any host and for CI. The region is host memory, or (TcpTransportOptions::device, GPU
 // builds) memory of a GPU, staged through pinned host memory (below).
 //

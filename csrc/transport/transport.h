@@ -1,4 +1,4 @@
-// The one interface every transport implements (DESIGN §6): verbs, tcp, cuda-copy.
+// The one interface every transport implements: verbs, tcp, cuda-copy.
 //
 // Each rank registers one memory region (a base pointer and a size). Requests name byte
 // offsets into the local region (the source) and the peer's region (the destination):
@@ -14,7 +14,7 @@
 // proxy encodes in them what a request was, and requests in flight may share one. Requests to one peer may complete, and be applied,
 // in any order: no transport promises ordering (EFA SRD does not, and reorder injection makes
 // every transport behave that way on demand). Callers that need ordering use immediates and
-// counters (DESIGN §5).
+// counters.
 //
 // Errors: argument errors (bad peer, offsets out of either region, misaligned atomic) throw
 // std::invalid_argument naming the argument, before anything is sent. Everything else

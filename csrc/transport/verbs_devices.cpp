@@ -1,5 +1,6 @@
 #if defined(UCCL_EP_WITH_VERBS)
 #include "transport/verbs_devices.h"
+#include "transport/verbs_srd.h"
 
 #include <arpa/inet.h>
 
@@ -94,6 +95,8 @@ std::vector<VerbsDeviceInfo> list_verbs_devices() {
       info.error = "ibv_query_device failed";
     } else {
       info.atomics = attr.atomic_cap == IBV_ATOMIC_NONE ? "none" : attr.atomic_cap == IBV_ATOMIC_HCA ? "hca" : "global";
+      const EfaDevice efa = query_efa_device(ibv, context);
+      info.queue_pairs = !efa.efa ? "RC" : efa.rdma_write ? "SRD" : "SRD without RDMA write";
       for (int port = 1; port <= attr.phys_port_cnt; ++port) {
         ibv_port_attr port_attr{};
         if (verbs_query_port(ibv, context, port, &port_attr) != 0) continue;
@@ -103,7 +106,9 @@ std::vector<VerbsDeviceInfo> list_verbs_devices() {
         p.link_layer = port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? "InfiniBand" : "Ethernet";
         p.lid = port_attr.lid;
         p.gids = verbs_gid_table(ibv, context, port, port_attr.gid_tbl_len);
-        p.chosen_gid = port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? -1 : verbs_roce_v2_ipv4_gid(p.gids);
+        p.chosen_gid = efa.efa ? 0
+                       : port_attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? -1
+                                                                           : verbs_roce_v2_ipv4_gid(p.gids);
         info.ports.push_back(std::move(p));
       }
     }

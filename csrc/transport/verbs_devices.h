@@ -36,12 +36,13 @@ struct VerbsPortInfo {
   std::string link_layer;  // "InfiniBand" or "Ethernet"
   int lid;
   std::vector<VerbsGid> gids;
-  int chosen_gid;          // what the transport uses by default: verbs_roce_v2_ipv4_gid, -1 on InfiniBand
+  int chosen_gid;          // what the transport uses by default: verbs_roce_v2_ipv4_gid, -1 on InfiniBand, 0 on EFA
 };
 
 struct VerbsDeviceInfo {
   std::string name;
   std::string atomics;  // "none", "hca" (atomic among the NIC's own), "global"
+  std::string queue_pairs;  // what the transport uses: "RC", or "SRD" on EFA ("SRD without RDMA write": unusable)
   std::vector<VerbsPortInfo> ports;
   std::string error;    // the device could not be opened or queried
 };

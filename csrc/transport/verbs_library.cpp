@@ -38,12 +38,16 @@ std::string load(VerbsLibrary& lib) {
   find(lib.alloc_pd, "ibv_alloc_pd", true);
   find(lib.dealloc_pd, "ibv_dealloc_pd", true);
   find(lib.reg_mr, "ibv_reg_mr", true);
+  find(lib.reg_dmabuf_mr, "ibv_reg_dmabuf_mr", false);
   find(lib.dereg_mr, "ibv_dereg_mr", true);
   find(lib.create_cq, "ibv_create_cq", true);
   find(lib.destroy_cq, "ibv_destroy_cq", true);
   find(lib.create_qp, "ibv_create_qp", true);
   find(lib.modify_qp, "ibv_modify_qp", true);
   find(lib.destroy_qp, "ibv_destroy_qp", true);
+  find(lib.create_ah, "ibv_create_ah", true);
+  find(lib.destroy_ah, "ibv_destroy_ah", true);
+  find(lib.qp_to_qp_ex, "ibv_qp_to_qp_ex", false);
   find(lib.wc_status_str, "ibv_wc_status_str", true);
   if (!missing.empty()) return "libibverbs.so.1 lacks " + missing + " (rdma-core too old?)";
   return {};

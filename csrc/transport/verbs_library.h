@@ -24,12 +24,16 @@ struct VerbsLibrary {
   decltype(&::ibv_alloc_pd) alloc_pd;
   decltype(&::ibv_dealloc_pd) dealloc_pd;
   decltype(&::ibv_reg_mr) reg_mr;
+  decltype(&::ibv_reg_dmabuf_mr) reg_dmabuf_mr;  // null before rdma-core 34 (no DMA-BUF registration)
   decltype(&::ibv_dereg_mr) dereg_mr;
   decltype(&::ibv_create_cq) create_cq;
   decltype(&::ibv_destroy_cq) destroy_cq;
   decltype(&::ibv_create_qp) create_qp;
   decltype(&::ibv_modify_qp) modify_qp;
   decltype(&::ibv_destroy_qp) destroy_qp;
+  decltype(&::ibv_create_ah) create_ah;         // EFA's SRD queue pairs address each request
+  decltype(&::ibv_destroy_ah) destroy_ah;
+  decltype(&::ibv_qp_to_qp_ex) qp_to_qp_ex;     // null before rdma-core 22 (no EFA writes)
   decltype(&::ibv_wc_status_str) wc_status_str;
 
   // The library, loaded once per process. Throws TransportError saying that libibverbs is missing

@@ -10,9 +10,14 @@
 #include <sstream>
 #include <thread>
 
+#include "common/portability.h"
 #include "common/settings.h"
 #include "transport/request_checks.h"
 #include "transport/verbs_devices.h"
+#include "transport/verbs_registration.h"
+#if defined(UCCL_EP_GPU_RUNTIME)
+#include "transport/device_region_ops.h"
+#endif
 
 namespace uccl_ep {
 
@@ -75,6 +80,67 @@ std::string advice(ibv_wc_status status) {
   }
 }
 
+#if defined(UCCL_EP_GPU_RUNTIME)
+// The RegionWriter of a GPU region the NIC writes into: DeviceRegionWriter's kernels on a stream of its
+// own, each after a flush of the NIC's completed writes where the GPU may see them out of order.
+class NicGpuRegionWriter final : public RegionWriter {
+ public:
+  NicGpuRegionWriter(MemoryRegion region, int gpu, int rank) : gpu_(gpu), rank_(rank) {
+    ScopedDevice current(gpu, "verbs", rank);
+    load_region_ops_kernels();
+    const gpuError_t status = gpu_stream_create_nonblocking(&stream_);
+    if (status != kGpuSuccess) {
+      throw TransportError(transport_label("verbs", rank) + ": a stream for its own region's flags could not be "
+                           "created: " + gpu_error_text(status));
+    }
+    flush_ = !gpu_nic_writes_ordered(gpu);
+    inner_ = std::make_unique<DeviceRegionWriter>(region, gpu, stream_, "verbs", rank);
+  }
+  ~NicGpuRegionWriter() override {
+    inner_.reset();
+    ScopedDevice current(gpu_);
+    (void)gpu_stream_destroy(stream_);
+  }
+  void add(uint64_t offset, int64_t amount) override {
+    flush();
+    inner_->add(offset, amount);
+  }
+  void store_release(uint64_t offset, int64_t value) override {
+    flush();
+    inner_->store_release(offset, value);
+  }
+
+ private:
+  void flush() const {
+    if (!flush_) return;
+    ScopedDevice current(gpu_, "verbs", rank_);
+    const gpuError_t status = gpu_flush_nic_writes();
+    if (status != kGpuSuccess) {
+      throw TransportError(transport_label("verbs", rank_) + ": flushing the NIC's writes before a flag failed: " +
+                           gpu_error_text(status));
+    }
+  }
+
+  const int gpu_;
+  const int rank_;
+  gpuStream_t stream_ = nullptr;
+  bool flush_ = false;
+  std::unique_ptr<DeviceRegionWriter> inner_;
+};
+#endif
+
+std::unique_ptr<RegionWriter> region_writer_for(MemoryRegion region, int gpu, int rank) {
+  if (gpu < 0) return std::make_unique<HostRegionWriter>(region);
+#if defined(UCCL_EP_GPU_RUNTIME)
+  require_device_region("verbs", rank, gpu, region);
+  return std::make_unique<NicGpuRegionWriter>(region, gpu, rank);
+#else
+  (void)rank;
+  throw std::invalid_argument("gpu=" + std::to_string(gpu) + ": this build has no GPU support (give gpu -1 for a "
+                              "host region)");
+#endif
+}
+
 }  // namespace
 
 VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, const VerbsTransportOptions& options)
@@ -82,7 +148,7 @@ VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, con
       rank_(rank),
       num_ranks_(num_ranks),
       region_(region),
-      writer_(region),
+      gpu_(options.gpu),
       reorder_(ReorderConfig::resolve(options.reorder_seed)),
       timeout_s_(options.timeout_s) {
   if (num_ranks < 1) throw std::invalid_argument("num_ranks must be >= 1 (got " + std::to_string(num_ranks) + ")");
@@ -92,6 +158,8 @@ VerbsTransport::VerbsTransport(int rank, int num_ranks, MemoryRegion region, con
   }
   if (region.base == nullptr || region.bytes == 0) throw std::invalid_argument("region must be non-empty");
   if (!(options.timeout_s > 0)) throw std::invalid_argument("timeout_s must be > 0");
+  if (options.gpu < -1) throw std::invalid_argument("gpu must be >= 0, or -1 for host memory");
+  writer_ = region_writer_for(region, options.gpu, rank);
   service_level_ = int_setting(options.service_level, -1, "UCCL_IB_SL", 0, 0);
   traffic_class_ = int_setting(options.traffic_class, -1, "UCCL_IB_TC", 0, 0);
   if (options.qps_per_peer < 0) throw std::invalid_argument("qps_per_peer must be >= 0 (0: UCCL_IB_QPS_PER_PEER)");
@@ -165,7 +233,8 @@ void VerbsTransport::open_device(const VerbsTransportOptions& options) {
   if (port_attr_.state != IBV_PORT_ACTIVE) {
     throw TransportError(who() + ": the port is not active (state " + std::to_string(port_attr_.state) + ")");
   }
-  native_atomics_ = device.atomic_cap != IBV_ATOMIC_NONE;
+  efa_ = query_efa_device(ibv_, context_);
+  native_atomics_ = device.atomic_cap != IBV_ATOMIC_NONE && !efa_.efa;
   max_send_wr_ = std::min(kSendQueueDepth, device.max_qp_wr);
   max_recv_wr_ = std::min(kRecvQueueDepth, device.max_qp_wr);
   max_rd_atomic_ = std::max(1, std::min(device.max_qp_rd_atom, device.max_qp_init_rd_atom));
@@ -173,18 +242,16 @@ void VerbsTransport::open_device(const VerbsTransportOptions& options) {
   if (pd_ == nullptr) throw TransportError(who() + ": ibv_alloc_pd failed");
   const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                      (native_atomics_ ? IBV_ACCESS_REMOTE_ATOMIC : 0);
-  mr_ = ibv_.reg_mr(pd_, region_.base, region_.bytes, access);
-  if (mr_ == nullptr) {
-    throw TransportError(who() + ": registering the region (" + std::to_string(region_.bytes) +
-                         " bytes of host memory) failed: " + std::strerror(errno) +
-                         " (check `ulimit -l`: the memory is pinned)");
-  }
+  const RegisteredRegion registered = register_region(ibv_, pd_, region_, access, gpu_, who());
+  mr_ = registered.mr;
+  registration_ = registered.method;
   scratch_mr_ = ibv_.reg_mr(pd_, &scratch_word_, sizeof(scratch_word_), IBV_ACCESS_LOCAL_WRITE);
   if (scratch_mr_ == nullptr) throw TransportError(who() + ": registering the atomics' scratch word failed");
 }
 
 void VerbsTransport::pick_gid(int requested) {
   if (port_attr_.link_layer == IBV_LINK_LAYER_INFINIBAND && requested < 0) return;  // LID routing, no GRH
+  if (efa_.efa && requested < 0) requested = 0;  // EFA's port has one GID
   if (requested >= 0) {
     if (requested >= port_attr_.gid_tbl_len || ibv_.query_gid(context_, port_, requested, &gid_) != 0) {
       throw TransportError(who() + ": GID index " + std::to_string(requested) + " (UCCL_IB_GID_INDEX) is not in the "
@@ -226,6 +293,14 @@ void VerbsTransport::create_queue_pairs() {
 
 void VerbsTransport::create_queue_pair(int p, int index) {
   Peer& peer = peers_[static_cast<size_t>(p)];
+  if (efa_.efa) {
+    ibv_qp* qp = create_srd_queue_pair(ibv_, context_, pd_, send_cq_, recv_cq_, max_send_wr_, max_recv_wr_, port_,
+                                       efa_, who());
+    peer.qps.push_back(qp);
+    owner_of_qp_[qp->qp_num] = QueuePairOwner{p, index};
+    post_recvs(qp, max_recv_wr_);
+    return;
+  }
   ibv_qp_init_attr init{};
   init.send_cq = send_cq_;
   init.recv_cq = recv_cq_;
@@ -304,11 +379,16 @@ void VerbsTransport::connect(const std::vector<std::string>& addresses) {
     peer.remote_bytes = std::stoull(fields[4]);
     peer.rkey = static_cast<uint32_t>(std::stoul(fields[5]));
     const auto lid = static_cast<uint16_t>(std::stoul(fields[1]));
+    if (efa_.efa) peer.ah = create_srd_address(ibv_, pd_, port_, remote_gid, who());
     for (int index = 0; index < qps_per_peer_; ++index) {
       // Our queue pair `index` for rank p meets its queue pair `index` for us.
       const auto remote_qpn =
           static_cast<uint32_t>(std::stoul(qpns[static_cast<size_t>(rank_ * qps_per_peer_ + index)]));
-      connect_queue_pair(p, peer.qps[static_cast<size_t>(index)], remote_qpn, lid, remote_gid);
+      if (efa_.efa) {
+        peer.remote_qpns.push_back(remote_qpn);
+      } else {
+        connect_queue_pair(p, peer.qps[static_cast<size_t>(index)], remote_qpn, lid, remote_gid);
+      }
     }
   }
   connected_ = true;
@@ -393,7 +473,7 @@ void VerbsTransport::submit(Request request) {
 
 void VerbsTransport::apply_locally(const Request& r) {
   if (r.atomic) {
-    writer_.add(r.remote_offset, static_cast<int64_t>(r.length));
+    writer_->add(r.remote_offset, static_cast<int64_t>(r.length));
   } else {
     auto* base = static_cast<uint8_t*>(region_.base);
     std::memmove(base + r.remote_offset, base + r.local_offset, r.length);
@@ -405,9 +485,9 @@ void VerbsTransport::apply_locally(const Request& r) {
 }
 
 void VerbsTransport::post_or_wait(Request r) {
-  // A write to itself is a copy. An atomic add to itself goes through the NIC when the peers' adds do: the
-  // NIC's atomics are atomic among themselves only, not with the CPU's.
-  if (r.peer == rank_ && !(r.atomic && native_atomics_)) {
+  // A write to itself is a copy where the CPU can make it (host memory), else the NIC's. An atomic add to
+  // itself goes through the NIC when the peers' adds do: the NIC's atomics are atomic among themselves only.
+  if (r.peer == rank_ && (r.atomic ? !native_atomics_ : gpu_ < 0)) {
     apply_locally(r);
     return;
   }
@@ -432,6 +512,25 @@ int VerbsTransport::queue_pair_for(const Peer& peer, const Request& r) const {
 }
 
 void VerbsTransport::post_now(Peer& peer, const Request& r, int index) {
+  if (efa_.efa) {
+    if (r.length > efa_.max_rdma_bytes) {
+      fail(who() + ": request " + std::to_string(r.id) + " writes " + std::to_string(r.length) + " bytes, more than " +
+           "the EFA device's largest RDMA (" + std::to_string(efa_.max_rdma_bytes) + ")");
+      return;
+    }
+    const auto slot = static_cast<size_t>(index);
+    const int rc = post_srd_write(ibv_, peer.qps[slot], peer.ah, peer.remote_qpns[slot], r.serial,
+                                  reinterpret_cast<uintptr_t>(region_.base) + r.local_offset, mr_->lkey,
+                                  static_cast<uint32_t>(r.length), peer.remote_base + r.remote_offset, peer.rkey,
+                                  r.imm);
+    if (rc != 0) {
+      fail(who() + ": posting request " + std::to_string(r.id) + " to rank " + std::to_string(r.peer) +
+           " on its SRD queue pair failed: " + std::strerror(rc));
+      return;
+    }
+    posted(peer, r, index);
+    return;
+  }
   ibv_sge sge{};
   ibv_send_wr wr{};
   wr.wr_id = r.serial;  // the caller's ids need not be unique
@@ -463,6 +562,10 @@ void VerbsTransport::post_now(Peer& peer, const Request& r, int index) {
          " failed: " + std::strerror(rc));
     return;
   }
+  posted(peer, r, index);
+}
+
+void VerbsTransport::posted(Peer& peer, const Request& r, int index) {
   ++peer.posted[static_cast<size_t>(index)];
   peer.next_qp = (static_cast<size_t>(index) + 1) % peer.qps.size();
   nic_bytes_ += bytes_of(r);
@@ -643,6 +746,8 @@ void VerbsTransport::release_resources() {
   for (Peer& peer : peers_) {
     for (ibv_qp* qp : peer.qps) (void)ibv_.destroy_qp(qp);
     peer.qps.clear();
+    if (peer.ah != nullptr) (void)ibv_.destroy_ah(peer.ah);
+    peer.ah = nullptr;
   }
   if (send_cq_ != nullptr) (void)ibv_.destroy_cq(send_cq_);
   if (recv_cq_ != nullptr) (void)ibv_.destroy_cq(recv_cq_);

@@ -1,17 +1,23 @@
-// The `verbs` transport (DESIGN §6): RDMA over libibverbs (loaded at run time, verbs_library.h),
-// reliable-connected (RC) queue pairs to each peer, for ConnectX (mlx5), Broadcom (bnxt_re), Pollara
-// (ionic) and soft-RoCE (rxe). The region is host memory, registered once. With several queue pairs
-// per peer, requests to a peer take them in turn (more paths through the network, more requests in
-// flight); requests on different queue pairs may land in any order, as the Transport contract allows.
+// The `verbs` transport: RDMA over libibverbs (loaded at run time, verbs_library.h), reliable-connected
+// (RC) queue pairs to each peer, for ConnectX (mlx5), Broadcom (bnxt_re), Pollara (ionic) and soft-RoCE
+// (rxe); on AWS EFA, scalable reliable datagram (SRD) queue pairs instead (verbs_srd.h: unordered,
+// addressed per request, no atomics). The region is host memory or a GPU's memory, registered once
+// (verbs_registration.h: DMA-BUF or peer memory for a GPU's). With several queue pairs per peer,
+// requests to a peer take them in turn (more paths through the network, more requests in flight);
+// requests on different queue pairs may land in any order, as the Transport contract allows.
 //
 //   post_write        RDMA WRITE, or WRITE_WITH_IMM: the peer's poll_immediates() reports the immediate
 //                     once the bytes are in its region (its receive completion follows the data).
 //   post_atomic_add   ATOMIC_FETCH_AND_ADD where the device reports atomics (its old value lands in a
 //                     scratch word and is dropped); a device without them refuses atomic adds to peers.
 //   completion        the RC acknowledgement: the peer's NIC has placed the data (or done the atomic).
-//   to itself         a write is a memcpy; an atomic add goes through a queue pair connected to itself
-//                     (a NIC's atomics are atomic with each other, not with the CPU's), or is a host
-//                     atomic on a device without atomics. Either completes like any other request.
+//   to itself         a write is a memcpy (host memory) or goes through a queue pair connected to itself
+//                     (GPU memory); an atomic add goes through that queue pair (a NIC's atomics are atomic
+//                     with each other, not with the CPU's), or is the RegionWriter's add on a device
+//                     without atomics. Either completes like any other request.
+//   region_writer     host atomics on host memory; on GPU memory one-thread kernels on a stream of the
+//                     transport's, after a flush of the NIC's completed writes where the GPU may see them
+//                     out of order (gpu_nic_writes_ordered), so a flag never overtakes the data it announces.
 //
 // Bootstrapping is the caller's, as for tcp: listen_address() is this rank's connection record (its
 // GID, LID, the QP numbers for each peer, the region's address, size and key, as text), every rank
@@ -31,6 +37,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -40,6 +47,7 @@
 #include "transport/reorder.h"
 #include "transport/transport.h"
 #include "transport/verbs_library.h"
+#include "transport/verbs_srd.h"
 
 namespace uccl_ep {
 
@@ -57,13 +65,14 @@ struct VerbsTransportOptions {
   int64_t max_inflight_bytes = -1;
   int64_t max_inflight_requests = 0;
   int qps_per_peer = 0;      // 0: UCCL_IB_QPS_PER_PEER, else 1
+  int gpu = -1;              // >= 0: the region is memory of this GPU (GPU builds); -1: host memory
 };
 
 class VerbsTransport final : public Transport {
  public:
   // Opens the device, picks the GID, registers the region and creates the queue pairs. Throws
   // TransportError naming what is missing (libibverbs, the device, the port, a GID, the region's
-  // registration) and std::invalid_argument for a bad option.
+  // registration) and std::invalid_argument for a bad option (a gpu the region is not memory of).
   VerbsTransport(int rank, int num_ranks, MemoryRegion region, const VerbsTransportOptions& options = {});
   ~VerbsTransport() override;
 
@@ -80,8 +89,8 @@ class VerbsTransport final : public Transport {
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
   MemoryRegion region() const override { return region_; }
-  bool region_is_host_memory() const override { return true; }
-  RegionWriter& region_writer() override { return writer_; }
+  bool region_is_host_memory() const override { return gpu_ < 0; }
+  RegionWriter& region_writer() override { return *writer_; }
 
   void post_write(int peer, uint64_t local_offset, uint64_t remote_offset, uint64_t length,
                   std::optional<uint32_t> imm, uint64_t request_id) override;
@@ -101,6 +110,10 @@ class VerbsTransport final : public Transport {
   int gid_index() const { return gid_index_; }
   bool native_atomics() const { return native_atomics_; }
   int qps_per_peer() const { return qps_per_peer_; }
+  // How the region was registered: "host memory", "DMA-BUF" or "peer memory".
+  const char* registration() const { return registration_; }
+  // Whether the device is EFA (SRD queue pairs).
+  bool srd() const { return efa_.efa; }
   // The most bytes and requests this NIC had in flight at once so far (the caps' effect).
   uint64_t peak_inflight_bytes() const;
   uint64_t peak_inflight_requests() const;
@@ -123,6 +136,8 @@ class VerbsTransport final : public Transport {
     uint64_t remote_base = 0;
     uint64_t remote_bytes = 0;
     uint32_t rkey = 0;
+    ibv_ah* ah = nullptr;                // SRD: where requests to this peer go
+    std::vector<uint32_t> remote_qpns;   // SRD: the peer's queue pair for this rank, per index
     std::deque<Request> waiting;      // not posted yet: every send queue was full
     ReorderWindow<Request> reorder;
   };
@@ -138,6 +153,7 @@ class VerbsTransport final : public Transport {
   void submit(Request request);           // through the reorder window
   void post_or_wait(Request request);      // onto the send queue, or into `waiting`
   void post_now(Peer& peer, const Request& request, int queue_pair);
+  void posted(Peer& peer, const Request& request, int queue_pair);  // the NIC's counts, once it took it
   // The queue pair `request` goes on now, or -1 while it must wait (the NIC's in-flight caps, or every send
   // queue to the peer full).
   int queue_pair_for(const Peer& peer, const Request& request) const;
@@ -153,7 +169,8 @@ class VerbsTransport final : public Transport {
   int rank_;
   int num_ranks_;
   MemoryRegion region_;
-  HostRegionWriter writer_;
+  int gpu_ = -1;
+  std::unique_ptr<RegionWriter> writer_;
   ReorderConfig reorder_;
   double timeout_s_;
   int service_level_ = 0;
@@ -163,9 +180,11 @@ class VerbsTransport final : public Transport {
   int port_ = 1;
   int gid_index_ = -1;
   bool native_atomics_ = false;
+  EfaDevice efa_;
   ibv_context* context_ = nullptr;
   ibv_pd* pd_ = nullptr;
   ibv_mr* mr_ = nullptr;
+  const char* registration_ = "";
   ibv_mr* scratch_mr_ = nullptr;          // the atomics' old values
   uint64_t scratch_word_ = 0;
   ibv_cq* send_cq_ = nullptr;

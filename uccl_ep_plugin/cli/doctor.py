@@ -369,8 +369,9 @@ def render(report: Dict[str, Any]) -> str:
                       if port["gid_index"] >= 0 else "no RoCE v2 IPv4 GID" if port["link_layer"] == "Ethernet"
                       else "LID %d" % port["lid"])
             rdma_lines.append("%s port %d: %s, %s, %d GID entries (%d RoCE v2), the verbs transport uses %s; "
-                              "atomics: %s" % (dev["name"], port["port"], port["state"], port["link_layer"],
-                                               len(port["gids"]), len(roce_v2), chosen, dev["atomics"]))
+                              "atomics: %s; queue pairs: %s"
+                              % (dev["name"], port["port"], port["state"], port["link_layer"], len(port["gids"]),
+                                 len(roce_v2), chosen, dev["atomics"], dev["queue_pairs"]))
     nics = report["gpu_nics"]
     if nics.get("error"):
         rdma_lines.append("which NIC each GPU uses: unknown (%s)" % nics["error"])

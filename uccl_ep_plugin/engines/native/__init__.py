@@ -12,10 +12,10 @@ from ...dispatch_config import NVL_PEERS_PER_NODE
 from ..reference.layout import rdma_rank_counts
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
-from .peers import FORCE_PROXY_ENV, force_proxy, map_peer_buffer
+from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer
 from ...platform_config import resolve_config
 from ...platform_config.loader import AUTO_ATOMIC_KEY
-from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, VERBS_HOST_ONLY, proxy_transport
+from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, cross_host_reason, no_rdma_device_reason, proxy_transport
 from .proxy_path import ProxyPath
 from .torch_tensors import use_torch_shim
 
@@ -84,12 +84,14 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
     if shim_problem is not None:
         return shim_problem
     if operation in LOW_LATENCY_OPERATIONS and force_proxy():
-        if proxy_transport() == "verbs":
-            return f"{FORCE_PROXY_ENV}=1 with {TRANSPORT_ENV}=verbs: {VERBS_HOST_ONLY}"
         proxy_feature = TRANSPORT_FEATURES[proxy_transport()]
         if proxy_feature not in features:
             return (f"{FORCE_PROXY_ENV}=1 sends through the CPU proxy over {TRANSPORT_ENV}={proxy_transport()}, "
                     f"and this build has no {proxy_feature}")
+        if proxy_transport() == "verbs":
+            missing = no_rdma_device_reason(extension)
+            if missing is not None:
+                return f"{FORCE_PROXY_ENV}=1 with {TRANSPORT_ENV}=verbs: {missing}"
     return None
 
 
@@ -149,15 +151,22 @@ class NativeEngine:
             proxy_path.threads.drain(timeout_s)
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
-        """Map every rank's low-latency buffer (collective). Returns ``{operation: reason}`` for the
+        """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts, or every peer with
+        UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns ``{operation: reason}`` for the
         operations that cannot run natively after all (the same on every rank)."""
         with torch.cuda.device(self.device):
-            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes)
+            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes, other_hosts=True)
             if peer_buffer is None:
                 return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
-            proxy_path = None
+            remote = peer_buffer.remote_ranks
             if force_proxy():   # every peer as if on another host
                 remote = [peer for peer in range(self.num_ranks) if peer != rank]
+            reason = first_reason(group, cross_host_reason(self._C) if peer_buffer.remote_ranks else None)
+            if reason is not None:
+                peer_buffer.release()
+                return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
+            proxy_path = None
+            if remote:
                 proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
                                        timeout_s)
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,

@@ -1,8 +1,10 @@
 """A device buffer every rank of the group maps with CUDA IPC, set up through the group.
 
 All ranks call :func:`map_peer_buffer` together. It returns the mapped buffer, or the reason
-the ranks cannot map each other (another host, a failed IPC open on any rank); every rank gets
-the same answer, because the decision is taken on gathered facts.
+the ranks cannot map each other (another host where that is not allowed, a failed IPC open on any
+rank); every rank gets the same answer, because the decision is taken on gathered facts. Where
+ranks on other hosts are allowed, each rank maps the buffers of its own host only and learns which
+ranks it must reach through the CPU proxies.
 """
 
 import os
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 FORCE_PROXY_ENV = "UCCL_EP_FORCE_PROXY"
+HOST_ID_ENV = "UCCL_EP_HOST_ID"
 
 
 class _DeviceBytes:
@@ -34,7 +37,12 @@ def force_proxy() -> bool:
 
 
 def _host_id() -> str:
-    # The boot id tells two machines with one hostname apart (containers often share names).
+    """Which host this rank is on: UCCL_EP_HOST_ID where set (ranks that share a machine but should treat each other
+    as remote: containers without NVLink between them, or a test of the cross-host path on one machine), else the
+    hostname with the boot id, which tells two machines with one hostname apart (containers often share names)."""
+    override = os.environ.get(HOST_ID_ENV, "").strip()
+    if override:
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             return f"{socket.gethostname()}/{boot.read().strip()}"
@@ -48,11 +56,17 @@ def _all_gather(group, value) -> List:
     return gathered
 
 
+def first_reason(group, mine: Optional[str]) -> Optional[str]:
+    """The first rank's reason not to go on, or None where no rank has one: every rank decides the same."""
+    return next((reason for reason in _all_gather(group, mine) if reason is not None), None)
+
+
 class PeerBuffer:
-    def __init__(self, memory, tensor: torch.Tensor) -> None:
+    def __init__(self, memory, tensor: torch.Tensor, remote_ranks: List[int]) -> None:
         self.memory = memory
         self.tensor = tensor                 # uint8 view of this rank's buffer
-        self.peer_bases = memory.peer_bases  # device array of every rank's base, as mapped here
+        self.peer_bases = memory.peer_bases  # device array of every rank's base, as mapped here (0: another host)
+        self.remote_ranks = remote_ranks     # the ranks on other hosts, not mapped
 
     def release(self) -> None:
         self.tensor = None
@@ -61,23 +75,26 @@ class PeerBuffer:
             self.memory = None
 
 
-def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int
+def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int, other_hosts: bool = False
                     ) -> Tuple[Optional[PeerBuffer], Optional[str]]:
-    """``(buffer, None)`` when every rank mapped every other's buffer, else ``(None, reason)``."""
+    """``(buffer, None)`` when every rank mapped the buffers of every other rank of its host, else ``(None,
+    reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
+    (``buffer.remote_ranks``)."""
     hosts = _all_gather(group, _host_id())
-    other_hosts = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
-    if other_hosts:
-        return None, f"rank {other_hosts[0]} is on another host, beyond NVLink"
+    remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
+    if remote and not other_hosts:
+        return None, f"rank {remote[0]} is on another host, beyond NVLink"
     memory = extension.PeerMemory(num_bytes, device.index)
     handles = _all_gather(group, memory.ipc_handle())
     failure = None
     try:
-        memory.open_peers(handles, rank)
+        # Another host's handle cannot be opened here: an empty one leaves that rank unmapped.
+        memory.open_peers([b"" if peer in remote else handle for peer, handle in enumerate(handles)], rank)
     except (RuntimeError, ValueError) as error:
         failure = f"rank {rank} could not map its peers' buffers with CUDA IPC ({error})"
-    failures = [f for f in _all_gather(group, failure) if f is not None]
-    if failures:
+    failure = first_reason(group, failure)
+    if failure is not None:
         memory.release()
-        return None, failures[0]
+        return None, failure
     tensor = device_bytes(memory, memory.local_base, num_bytes, device)
-    return PeerBuffer(memory, tensor), None
+    return PeerBuffer(memory, tensor, remote), None
