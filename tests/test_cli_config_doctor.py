@@ -12,7 +12,7 @@ from uccl_ep_plugin.platform_config import CONFIG_ENV_VAR, SCHEMA, resolve_confi
 from uccl_ep_plugin.platform_config import loader as loader_module
 
 DOCTOR_KEYS = {"python", "torch", "gpus", "peer_access", "rdma", "verbs", "gpu_nics", "peer_memory", "dmabuf",
-               "build", "engine", "config"}
+               "gpu_dmabuf", "build", "engine", "config"}
 
 
 @pytest.fixture(autouse=True)
@@ -378,3 +378,16 @@ def test_build_and_gpus_are_told_apart(tmp_path):
     assert "GPUs visible: none" in text
     assert "built with CUDA for sm_90, sm_100 (runtime 13000, linked statically)" in text
     assert "verbs transport: not built" in text and "cuda: True" not in text
+
+
+def test_gpu_dmabuf_export_per_gpu(tmp_path, monkeypatch):
+    """Which GPUs' drivers export DMA-BUF (the extension asks the driver), or why that is unknown."""
+    from uccl_ep_plugin import _C
+    monkeypatch.delattr(_C, "gpu_exports_dmabuf", raising=False)
+    assert doctor.probe_gpu_dmabuf(make_fake_torch(count=2)) == {"gpus": {}, "note": "this build has no GPU support"}
+    monkeypatch.setattr(_C, "gpu_exports_dmabuf", lambda device: device == 0, raising=False)
+    assert doctor.probe_gpu_dmabuf(make_fake_torch(count=0))["note"] == "no GPU"
+    report = doctor.collect(root=fake_root(tmp_path), environ={}, torch_module=make_fake_torch(count=2))
+    assert report["gpu_dmabuf"] == {"gpus": {0: True, 1: False}}
+    text = doctor.render(report)
+    assert "GPU 0's driver exports DMA-BUF: yes" in text and "GPU 1's driver exports DMA-BUF: no" in text

@@ -205,6 +205,7 @@ inline gpuError_t gpu_stream_capturing(gpuStream_t stream, bool* capturing) {
 }
 // A NIC registers GPU memory here through peer memory (amdgpu's peer-memory client): no DMA-BUF
 // export from this build, and the GPU sees a NIC's writes in order.
+inline bool gpu_exports_dmabuf(int /*device*/) { return false; }
 inline int gpu_dmabuf_fd(void* /*pointer*/, size_t /*bytes*/, int /*device*/, std::string* why) {
   *why = "this build (HIP) exports no DMA-BUF";
   return -1;
@@ -349,8 +350,11 @@ inline gpuError_t gpu_stream_write_word(gpuStream_t stream, uint64_t* word, uint
 // A DMA-BUF file descriptor of the device memory [pointer, pointer + bytes) (both multiples of the
 // host page size), for a NIC to register (ibv_reg_dmabuf_mr); the caller closes it. -1, and `why`,
 // where the GPU or its driver export none (DMA-BUF needs CUDA 11.7+ and the open kernel modules).
+inline bool gpu_exports_dmabuf(int device) {
+  return detail::device_attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device) != 0;
+}
 inline int gpu_dmabuf_fd(void* pointer, size_t bytes, int device, std::string* why) {
-  if (detail::device_attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device) == 0) {
+  if (!gpu_exports_dmabuf(device)) {
     *why = "the GPU driver does not export DMA-BUF (it needs CUDA 11.7+ with the open kernel modules)";
     return -1;
   }

@@ -193,6 +193,9 @@ PYBIND11_MODULE(_C, m) {
 #if defined(UCCL_EP_WITH_GPU)
   bind_low_latency(m);
   bind_normal(m);
+  m.def("gpu_exports_dmabuf", &uccl_ep::gpu_exports_dmabuf, py::arg("device"),
+        "Whether the GPU's driver exports its memory as DMA-BUF, the way the verbs transport registers GPU memory "
+        "with a NIC first (else peer memory).");
   m.def("load_kernels", &load_engine_kernels,
         "Loads every kernel of the native engine into the current device's context now, so that no first "
         "launch (under CUDA's lazy module loading) waits behind kernels that spin on peers or the proxy.");

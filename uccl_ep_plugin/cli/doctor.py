@@ -236,6 +236,21 @@ def probe_dmabuf(release: Optional[str] = None) -> Dict[str, Any]:
         return {"kernel": None, "possible": False, "error": _error_text(exc)}
 
 
+def probe_gpu_dmabuf(torch_module=None) -> Dict[str, Any]:
+    """Which GPUs' drivers export their memory as DMA-BUF (what the verbs transport registers with a NIC first)."""
+    try:
+        from uccl_ep_plugin import _C
+        if not hasattr(_C, "gpu_exports_dmabuf"):
+            return {"gpus": {}, "note": "this build has no GPU support"}
+        torch = torch_module if torch_module is not None else _import_torch()
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return {"gpus": {}, "note": "no GPU"}
+        return {"gpus": {index: bool(_C.gpu_exports_dmabuf(index)) for index in range(count)}}
+    except Exception as exc:
+        return {"gpus": {}, "error": _error_text(exc)}
+
+
 def probe_build() -> Dict[str, Any]:
     """What the installed build contains, from ``uccl_ep_plugin.build_info``."""
     try:
@@ -272,6 +287,7 @@ def collect(root: str = "/", environ: Optional[Mapping[str, str]] = None,
         "gpu_nics": probe_gpu_nics(root, environ, torch_module),
         "peer_memory": probe_peer_memory(root),
         "dmabuf": probe_dmabuf(),
+        "gpu_dmabuf": probe_gpu_dmabuf(torch_module),
         "build": probe_build(),
         "engine": probe_engine(environ),
         "config": probe_config(root, environ),
@@ -387,6 +403,11 @@ def render(report: Dict[str, Any]) -> str:
     else:
         mem_lines.append("DMA-BUF possible: %s (kernel %s; %s)"
                          % (_yes_no(dm["possible"]), dm["kernel"], dm["note"]))
+    gpu_dm = report["gpu_dmabuf"]
+    for index, exported in gpu_dm["gpus"].items():
+        mem_lines.append("GPU %s's driver exports DMA-BUF: %s" % (index, _yes_no(exported)))
+    if not gpu_dm["gpus"]:
+        mem_lines.append("GPU drivers exporting DMA-BUF: unknown (%s)" % (gpu_dm.get("note") or gpu_dm.get("error")))
     sections.append(_section("GPU memory registration", mem_lines))
 
     build = report["build"]
