@@ -780,11 +780,11 @@ def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidat
     """Every section of :data:`SECTIONS` for each tamper (None: untampered; section names get a
     ``"<tamper>/"`` prefix otherwise), candidate engine against the reference engine. ``environment``
     is set in this rank's process first (e.g. UCCL_EP_FORCE_PROXY=1 for the proxy path); ``two_hosts``
-    gives the first half of the ranks one host identity and the second half another (UCCL_EP_HOST_ID),
-    so each half reaches the other through the proxies and its own ranks over NVLink."""
+    cuts the machine into two hosts of half the ranks' GPUs each (UCCL_EP_GPUS_PER_NODE), so each half
+    reaches the other through the proxies and its own ranks over NVLink."""
     os.environ.update(environment or {})
     if two_hosts:
-        os.environ["UCCL_EP_HOST_ID"] = f"host-{2 * rank // num_ranks}"
+        os.environ["UCCL_EP_GPUS_PER_NODE"] = str(max(1, num_ranks // 2))
     h = Harness(rec, group, rank, num_ranks, candidate, cases)
     # A second Buffer, with enable_shrink, only where mask cases ask for it.
     shrink = Harness(rec, group, rank, num_ranks, candidate, mask_cases, enable_shrink=True) if mask_cases else None

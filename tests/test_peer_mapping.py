@@ -54,7 +54,7 @@ def _open_fails_on_rank_1(rank, num_ranks, group):
 
 
 def _ranks_on_two_hosts(rank, num_ranks, group):
-    peers._host_id = lambda: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
+    peers._host_id = lambda device_index: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
     extension = _FakeExtension(fail_open=False)
     buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", 0), 1 << 20)
     assert buffer is None and extension.created == [], "nothing is allocated when a peer is on another host"
@@ -65,7 +65,7 @@ def _ranks_on_two_hosts(rank, num_ranks, group):
 def _ranks_on_two_hosts_map_their_own(rank, num_ranks, group):
     """Where other hosts are allowed, a rank maps its own host's buffers only and learns which ranks are remote."""
     import os
-    os.environ["UCCL_EP_HOST_ID"] = f"host-{rank // 2}"    # ranks 0-1 on one host, 2-3 on the other
+    os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # GPUs 0-1 one host, 2-3 the other
     peers.device_bytes = lambda owner, address, num_bytes, device: torch.empty(num_bytes, dtype=torch.uint8)
     extension = _FakeExtension(fail_open=False)
     buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", rank), 1 << 20,
@@ -81,6 +81,18 @@ def _reasons_of_some_ranks(rank, num_ranks, group):
     mine = f"rank {rank} says no" if rank in (1, 2) else None
     assert peers.first_reason(group, mine) == "rank 1 says no"
     assert peers.first_reason(group, None) is None
+
+
+def _bad_gpus_per_node_on_rank_1(rank, num_ranks, group):
+    import os
+    if rank == 1:
+        os.environ["UCCL_EP_GPUS_PER_NODE"] = "zero"
+    with pytest.raises(ValueError, match="rank 1: UCCL_EP_GPUS_PER_NODE='zero'"):
+        peers.map_peer_buffer(_FakeExtension(fail_open=False), group, rank, torch.device("cuda", rank), 1 << 20)
+
+
+def test_a_bad_gpus_per_node_on_one_rank_fails_every_rank():
+    run_ranks(2, _bad_gpus_per_node_on_rank_1)
 
 
 def test_failed_ipc_open_on_one_rank_falls_back_on_every_rank():
@@ -99,11 +111,16 @@ def test_every_rank_takes_the_first_ranks_reason():
     run_ranks(3, _reasons_of_some_ranks)
 
 
-def test_host_id_can_be_set(monkeypatch):
-    monkeypatch.setenv(peers.HOST_ID_ENV, "rack7-node3")
-    assert peers._host_id() == "rack7-node3"
-    monkeypatch.delenv(peers.HOST_ID_ENV)
-    assert peers._host_id().startswith(__import__("socket").gethostname())
+def test_gpus_per_node_cuts_a_machine_into_hosts(monkeypatch):
+    monkeypatch.delenv(peers.GPUS_PER_NODE_ENV, raising=False)
+    machine = peers._host_id(0)
+    assert machine.startswith(__import__("socket").gethostname()) and peers._host_id(7) == machine
+    monkeypatch.setenv(peers.GPUS_PER_NODE_ENV, "4")
+    assert [peers._host_id(i) for i in range(8)] == [f"{machine}/0"] * 4 + [f"{machine}/1"] * 4
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(peers.GPUS_PER_NODE_ENV, bad)
+        with pytest.raises(ValueError, match=f"UCCL_EP_GPUS_PER_NODE='{bad}'"):
+            peers._host_id(0)
 
 
 class _Verbs:

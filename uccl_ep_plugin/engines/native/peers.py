@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 FORCE_PROXY_ENV = "UCCL_EP_FORCE_PROXY"
-HOST_ID_ENV = "UCCL_EP_HOST_ID"
+GPUS_PER_NODE_ENV = "UCCL_EP_GPUS_PER_NODE"
 
 
 class _DeviceBytes:
@@ -36,18 +36,27 @@ def force_proxy() -> bool:
     return os.environ.get(FORCE_PROXY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _host_id() -> str:
-    """Which host this rank is on: UCCL_EP_HOST_ID where set (ranks that share a machine but should treat each other
-    as remote: containers without NVLink between them, or a test of the cross-host path on one machine), else the
-    hostname with the boot id, which tells two machines with one hostname apart (containers often share names)."""
-    override = os.environ.get(HOST_ID_ENV, "").strip()
-    if override:
-        return override
+def gpus_per_node() -> int:
+    """UCCL_EP_GPUS_PER_NODE: how many GPUs of a machine make one host (0 where unset: the whole machine)."""
+    text = os.environ.get(GPUS_PER_NODE_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{GPUS_PER_NODE_ENV}={text!r}: expected a positive number of GPUs")
+    return int(text)
+
+
+def _host_id(device_index: int) -> str:
+    """Which host the rank on GPU ``device_index`` is on: the machine (its hostname with the boot id, which tells two
+    machines with one hostname apart: containers often share names), cut into hosts of UCCL_EP_GPUS_PER_NODE GPUs
+    where that is set (GPU i is in host i // N), so one machine can stand for several hosts."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
-            return f"{socket.gethostname()}/{boot.read().strip()}"
+            machine = f"{socket.gethostname()}/{boot.read().strip()}"
     except OSError:
-        return socket.gethostname()
+        machine = socket.gethostname()
+    per_node = gpus_per_node()
+    return f"{machine}/{device_index // per_node}" if per_node else machine
 
 
 def _all_gather(group, value) -> List:
@@ -80,7 +89,14 @@ def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes
     """``(buffer, None)`` when every rank mapped the buffers of every other rank of its host, else ``(None,
     reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
     (``buffer.remote_ranks``)."""
-    hosts = _all_gather(group, _host_id())
+    try:
+        mine, bad = _host_id(device.index), None
+    except ValueError as error:   # every rank raises, none waits for this one
+        mine, bad = None, f"rank {rank}: {error}"
+    hosts = _all_gather(group, mine)
+    bad = first_reason(group, bad)
+    if bad is not None:
+        raise ValueError(bad)
     remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
     if remote and not other_hosts:
         return None, f"rank {remote[0]} is on another host, beyond NVLink"
