@@ -12,6 +12,7 @@
 #include "build_info.h"
 #include "common/portability.h"
 #include "channel/stress.h"
+#include "python/arguments.h"
 #include "python/torch_tensors.h"
 #if defined(UCCL_EP_WITH_GPU)
 #include "kernels/intranode.h"
@@ -193,6 +194,16 @@ PYBIND11_MODULE(_C, m) {
 #if defined(UCCL_EP_WITH_GPU)
   bind_low_latency(m);
   bind_normal(m);
+  m.def(
+      "copy_async",
+      [](std::uintptr_t dst, std::uintptr_t src, int64_t bytes, std::uintptr_t stream) {
+        using namespace uccl_ep::bindings;
+        UCCL_EP_GPU_CHECK(uccl_ep::gpu_copy_async(ptr<void>(dst), ptr<const void>(src), non_negative("bytes", bytes),
+                                                  as_stream(stream)));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"),
+      "Queue a copy of `bytes` from address src to address dst (device memory, or a peer's mapped into this "
+      "process) on `stream`: the copy engines' path over NVLink, which the bench's NVLink floor measures.");
   m.def("gpu_exports_dmabuf", &uccl_ep::gpu_exports_dmabuf, py::arg("device"),
         "Whether the GPU's driver exports its memory as DMA-BUF, the way the verbs transport registers GPU memory "
         "with a NIC first (else peer memory).");

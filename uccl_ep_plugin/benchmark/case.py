@@ -14,7 +14,8 @@ class Case:
     False: run() waits for the GPU (a dispatch that reads its counts on the host), so it is timed eagerly
     instead of replayed from a CUDA graph. ``settle()`` runs before each of the bench's own collectives:
     it waits until this rank's part of the calls so far is done (default: a device synchronize; a Buffer's
-    ``synchronize`` also waits for its proxy).
+    ``synchronize`` also waits for its proxy). ``nvlink_bytes``: what this rank's NVLink carries the busier way
+    in one call (the NVLink floor's numerator), or None.
     """
 
     def __init__(self, mode: str, op: str, dtype: str, workload: Workload, run: Callable[[], None],
@@ -22,7 +23,7 @@ class Case:
                  prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
                  kernels: Tuple[str, ...] = (), capturable: bool = True,
                  settle: Optional[Callable[[], None]] = None, kernel_launch: int = 0,
-                 count_wait: Optional[Callable[[], float]] = None) -> None:
+                 count_wait: Optional[Callable[[], float]] = None, nvlink_bytes: Optional[float] = None) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
         self.prepare, self.finish = prepare, finish
@@ -31,6 +32,7 @@ class Case:
         self.count_wait = count_wait   # seconds the last run() waited on the host for the peers' counts, or None
         self.capturable = capturable
         self.settle = settle
+        self.nvlink_bytes = nvlink_bytes
 
     @property
     def label(self) -> str:

@@ -13,7 +13,8 @@ def time_cell(us: float) -> str:
 COLUMNS = (("mode", "mode", "{}"), ("op", "op", "{}"), ("dtype", "dtype", "{}"), ("engine", "engine", "{}"),
            ("path", "path", "{}"), ("median_us", "median", time_cell), ("kernel_us", "kernel", time_cell),
            ("host_us", "host", time_cell), ("host_back_to_back_us", "host b2b", time_cell),
-           ("gbps", "GB/s", "{:.2f}"), ("back_to_back_us", "b2b", time_cell),
+           ("gbps", "GB/s", "{:.2f}"), ("nvlink_floor_us", "NVLink floor", time_cell),
+           ("back_to_back_us", "b2b", time_cell),
            ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("correct", "correct", "{}"))
 
 
@@ -24,7 +25,8 @@ def progress_line(index: int, total: int, result: Dict) -> str:
                                                                  ("host_beyond_count_wait_us",
                                                                   "host beyond the count wait"),
                                                                  ("host_back_to_back_us", "host back to back"),
-                                                                 ("back_to_back_us", "back to back"))
+                                                                 ("back_to_back_us", "back to back"),
+                                                                 ("nvlink_floor_us", "NVLink floor"))
                if result.get(key) is not None]
     kernel = f" ({', '.join(details)})" if details else ""
     note = f"; {result['kernel_note']}" if result.get("kernel_note") else ""

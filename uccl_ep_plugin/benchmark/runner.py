@@ -16,6 +16,7 @@ from ..engines.native.peers import force_proxy
 from ..proxies import proxy_transport
 from . import baselines
 from .case import Case
+from . import nvlink
 from .workloads import Workload, low_latency_bytes, normal_bytes, routing
 
 
@@ -314,6 +315,12 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         return _close(combined, x.float() * copies, 2e-2)
 
     num_recv = int(expected_recv[rank])
+    own = int(per_rank[rank])
+    sent, received = int(per_rank.sum()) - own, num_recv - own   # rows that cross NVLink each way
+
+    def over_nvlink(dtype: str) -> float:
+        return nvlink.busier_way_bytes(sent, received, workload.hidden, dtype)
+
     # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
     engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
@@ -328,12 +335,13 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     return [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8")),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16")),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
-             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False),
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
+             nvlink_bytes=over_nvlink("bf16")),
     ]
 
 
@@ -478,7 +486,10 @@ def _gather_floats(values: List[float], group, device: torch.device) -> torch.Te
     return torch.stack(gathered).cpu()
 
 
-def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report) -> Dict:
+def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.device, report,
+            copy_gbps: Optional[float] = None) -> Dict:
+    """One case's figures (the slowest rank's); with ``copy_gbps`` (this machine's NVLink copy bandwidth) and the
+    case's ``nvlink_bytes``, also its NVLink floor."""
     samples, timing, eager = _timed(case, options, group, device)
     host_lone, host_beyond_wait = eager.host, eager.host_beyond_wait
     host_back_to_back = _host_back_to_back(case, options, group, device)
@@ -491,7 +502,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     _settle(case, device)
     kernel_names = sorted(kernels) if kernels is not None else []
     extra = ([case.bytes_per_rank or 0.0, float(correct)] + host + [kernels[name] for name in kernel_names] +
-             (back_to_back or []))
+             (back_to_back or []) + [case.nvlink_bytes or 0.0])
     per_rank = _gather_floats(samples + extra, group, device)
 
     def slowest(first: int, count: int) -> List[float]:   # the slowest rank's value of each
@@ -507,6 +518,9 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 5, len(kernel_names)))))
     back_to_back_s = (statistics.median(slowest(n + 5 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
+    busiest_nvlink_bytes = float(per_rank[:, -1].max())
+    floor = (nvlink.floor_us([busiest_nvlink_bytes], copy_gbps)
+             if copy_gbps and case.nvlink_bytes is not None and case.engine == "native" else None)
     workload = case.workload
     kernel_us, kernel_note = _trusted_kernel_us(kernel_us, median_s * 1e6, timing)
 
@@ -526,6 +540,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "back_to_back_us": None if back_to_back_s is None else back_to_back_s * 1e6,
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),
+              "nvlink_floor_us": floor, "copy_gbps": copy_gbps if floor is not None else None,
               "correct": all_correct, "iters": options.iters, "device": options.device_name, "commit": options.commit}
     if case.mode == "normal" and case.engine == "native":
         # The normal mode's switches this run set (UCCL_EP_NORMAL_*), so A/B runs say which side they are.
@@ -560,6 +575,18 @@ def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
     return exchange_bytes(_C, num_ranks * workload.tokens, workload.hidden, workload.topk)
 
 
+def _nvlink_copy_gbps(group, rank: int, num_ranks: int, device: torch.device, note) -> Optional[float]:
+    """This machine's NVLink copy bandwidth for the normal-mode floor (GPUs and peers only), or None."""
+    if device.type != "cuda" or num_ranks < 2:
+        return None
+    from .. import _C  # noqa: WPS433 (a CPU-only install has no extension)
+    gbps = nvlink.measure_copy_gbps(_C, group, rank, num_ranks, device)
+    if rank == 0:
+        note(f"NVLink copy bandwidth: {gbps:.1f} GB/s per rank each way (every rank to every peer at once); each "
+             f"normal-mode floor is the busier way's bytes over it")
+    return gbps
+
+
 def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None:
     """Entry point of one spawned rank."""
     if options.device == "cuda":
@@ -578,6 +605,9 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
     def report(result: Dict) -> None:
         results_queue.put(("progress", result))
 
+    def note(text: str) -> None:
+        results_queue.put(("note", text))
+
     try:
         Buffer.set_num_sms(options.num_sms)
         if options.normal is not None:
@@ -586,9 +616,10 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
                             Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
                             _native_normal_bytes(w, r))
+            copy_gbps = _nvlink_copy_gbps(group, rank, r, device, note) if _native_normal_bytes(w, r) else None
             buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
-                results.append(measure(case, options, rank, group, device, report))
+                results.append(measure(case, options, rank, group, device, report, copy_gbps))
             buffer.destroy()
             for case in (baselines.baseline_cases(w, rank, r, options.seed, group, device) if options.baselines
                          else ()):

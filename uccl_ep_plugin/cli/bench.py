@@ -151,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(payload)
             print(progress_line(len(results), total, payload) + f"  ({time.monotonic() - started:.0f}s)",
                   file=sys.stderr, flush=True)
+        elif kind == "note":
+            print(payload, file=sys.stderr, flush=True)
         elif kind == "error":
             error = payload
         else:
