@@ -167,8 +167,12 @@ class NativeEngine:
                 return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
             proxy_path = None
             if remote:
-                proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
-                                       timeout_s)
+                try:   # every rank raises together when a proxy cannot start (proxies.ProxyThreads)
+                    proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
+                                           timeout_s)
+                except BaseException:
+                    peer_buffer.release()
+                    raise
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
                                                 torch.cuda.get_device_properties(self.device).multi_processor_count,
                                                 self.aggressive_atomics, proxy_path)
