@@ -236,24 +236,33 @@ def _compare_body(rank: int, num_ranks: int, group, copy_mode: str, combine_chun
         reference.destroy()
 
 
-def _graph_body(rank: int, num_ranks: int, group) -> None:
-    """dispatch + combine with num_worst_tokens captured in a CUDA graph, replayed on new x: equal to the
-    same calls run eagerly, and to the reference engine."""
+def _rows_for_combine(recv_x):
+    """What an expert hands back: the received rows as bf16 (fp8 rows dequantized with their scales)."""
+    if isinstance(recv_x, tuple):
+        data, scales = recv_x
+        return (data.float() * scales.repeat_interleave(128, dim=1)).to(torch.bfloat16)
+    return recv_x
+
+
+def _graph_body(rank: int, num_ranks: int, group, fp8: bool) -> None:
+    """dispatch + combine with num_worst_tokens captured in a CUDA graph, replayed on new x (bf16, or fp8 with its
+    scales): equal to the same calls run eagerly, and to the reference engine."""
     device = rank_device(rank)
     torch.cuda.set_device(device)
-    case = Case("graph_bf16_h4096_k8_e64", 4096, 8, 64, (257, 190))
+    case = Case(f"graph_{'fp8' if fp8 else 'bf16'}_h4096_k8_e64", 4096, 8, 64, (257, 190), fp8=fp8)
     worst = case.worst_tokens()
     native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
     reference = _make_buffer(group, "reference", 0)
     try:
-        x, topk_idx, topk_weights, gen = _inputs(case, rank, 7, device)
+        x, topk_idx, topk_weights, _ = _inputs(case, rank, 7, device)
         layout = native.get_dispatch_layout(topk_idx, case.num_experts)[:4]
-        static_x = x.clone()
+        static_x = tuple(t.clone() for t in x) if fp8 else x.clone()
 
         def step():
             recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(native, static_x, layout, topk_idx,
                                                                      topk_weights, case, worst)
-            combined_x, combined_weights, _ = _combine(native, recv_x, handle, recv_weights, [], case, rank)
+            combined_x, combined_weights, _ = _combine(native, _rows_for_combine(recv_x), handle, recv_weights, [],
+                                                       case, rank)
             return recv_x, recv_idx, recv_weights, tuple(handle), combined_x, combined_weights
 
         step()   # warm up outside the capture (allocator, lazy init)
@@ -263,15 +272,16 @@ def _graph_body(rank: int, num_ranks: int, group) -> None:
             captured = step()
         torch.cuda.synchronize(device)
         for replay in range(3):
-            static_x.copy_((torch.randn((case.num_tokens(rank), case.hidden), generator=gen) + 0.25)
-                           .to(torch.bfloat16).to(device))
+            fresh = _inputs(case, rank, 100 + replay, device)[0]   # new rows (and scales), same routing
+            for target, source in zip(static_x if fp8 else (static_x,), fresh if fp8 else (fresh,)):
+                target.copy_(source)
             graph.replay()
             torch.cuda.synchronize(device)
             eager = step()
             torch.cuda.synchronize(device)
             _assert_equal(captured, eager, f"graph replay {replay} vs eager")
             want = _dispatch(reference, static_x, layout, topk_idx, topk_weights, case, worst)
-            want_combined = _combine(reference, want[0], want[4], want[2], [], case, rank)
+            want_combined = _combine(reference, _rows_for_combine(want[0]), want[4], want[2], [], case, rank)
             torch.cuda.synchronize(device)
             _assert_equal(captured[:3], want[:3], f"graph replay {replay} dispatch vs reference")
             _assert_equal(captured[3], tuple(want[4]), f"graph replay {replay} handle vs reference")
@@ -627,8 +637,9 @@ def test_native_normal_with_aggressive_atomics_matches_reference():
                       sm_pull="", sm_push="", own_rows="", dispatch_rows="")
 
 
-def test_native_normal_cuda_graph_with_worst_tokens():
-    run_ranks(RANKS, _graph_body, backend="nccl")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_native_normal_cuda_graph_with_worst_tokens(fp8):
+    run_ranks(RANKS, _graph_body, backend="nccl", fp8=fp8)
 
 
 def test_native_normal_stream_semantics():
