@@ -1,5 +1,5 @@
-"""The kernels' warp collectives and lane maps (csrc/kernels/lanes.h) with 32 lanes (NVIDIA warps) and
-64 (AMD CDNA wavefronts), run on the host by tests/warp_model/lane_model.cpp (each lane a thread), against
+"""The kernels' warp and block collectives and lane maps (csrc/kernels/lanes.h) with 32 lanes (NVIDIA warps)
+and 64 (AMD CDNA wavefronts), run on the host by tests/warp_model/lane_model.cpp (each lane a thread), against
 plain Python on fresh random inputs."""
 
 import itertools
@@ -53,6 +53,18 @@ def test_inclusive_sum_and_total(lane_model, lanes):
         assert answer == list(itertools.accumulate(values))
     for values, answer in zip(inputs, answers[len(inputs):]):
         assert answer == [sum(values)] * lanes
+
+
+@pytest.mark.parametrize("lanes", LANES)
+@pytest.mark.parametrize("threads", [512, 1024])   # the normal-mode kernels' blocks
+def test_block_exclusive_sum(lane_model, lanes, threads):
+    rng = random.Random(f"block-{lanes}-{threads}")
+    cases = [[rng.randint(0, 1) for _ in range(threads)], [rng.randint(-1000, 1000) for _ in range(threads)]]
+    answers = lane_model(*(_case("block_sum", lanes, threads, *values) for values in cases))
+    for values, answer in zip(cases, answers):
+        before, totals = answer[0::2], answer[1::2]
+        assert before == [0] + list(itertools.accumulate(values))[:-1]
+        assert totals == [sum(values)] * threads
 
 
 @pytest.mark.parametrize("lanes", LANES)

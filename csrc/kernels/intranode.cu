@@ -40,26 +40,6 @@ __device__ void block_announce_freed(const NormalRegion& r) {
 __global__ void announce_arrival(NormalRegion r) { block_announce_arrival(r); }
 __global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 
-// A block-wide scan of one value per thread (every thread of the block calls it): returns the sum of
-// the values of the threads before this one, and the whole block's in `total`. `warp_totals`: shared
-// memory, a slot per warp, free again on return.
-__device__ int32_t block_exclusive_sum(int32_t value, int32_t* warp_totals, int32_t& total) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  const int32_t inclusive = warp_inclusive_sum(DeviceWarp{}, value);
-  if (lane == kWarpSize - 1) warp_totals[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int32_t sum = warp_inclusive_sum(DeviceWarp{}, lane < num_warps ? warp_totals[lane] : 0);
-    if (lane < num_warps) warp_totals[lane] = sum;
-  }
-  __syncthreads();
-  const int32_t before = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - value;
-  total = warp_totals[num_warps - 1];
-  __syncthreads();  // warp_totals is reused
-  return before;
-}
-
 // ------------------------------------------------------------------------------ send layout
 // One block per rank scans that rank's column of is_token_in_rank: a token's position among the
 // tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
@@ -73,7 +53,7 @@ __global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs
     const int64_t token = first + threadIdx.x;
     const int32_t sent = token < a.num_tokens && a.is_token_in_rank[token * num_ranks + rank] ? 1 : 0;
     int32_t chunk_sent = 0;
-    const int32_t before = carry + block_exclusive_sum(sent, warp_totals, chunk_sent);
+    const int32_t before = carry + block_exclusive_sum(DeviceBlock{}, sent, warp_totals, chunk_sent);
     if (token < a.num_tokens) {
       a.send_pos[token * num_ranks + rank] = sent ? before : -1;
       const bool channel_ends = (token + 1) % per_channel == 0 || token == a.num_tokens - 1;
@@ -206,7 +186,7 @@ __device__ void notify_gaps(const NormalNotifyArgs& a, int dst, int32_t* out) {
     const int64_t token = first + threadIdx.x;
     const int32_t gap = token < a.num_tokens && a.send_pos[token * num_ranks + dst] < 0 ? 1 : 0;
     int32_t pass_gaps = 0;
-    const int32_t before = found + block_exclusive_sum(gap, warp_totals, pass_gaps);
+    const int32_t before = found + block_exclusive_sum(DeviceBlock{}, gap, warp_totals, pass_gaps);
     if (gap && before < kNormalMaxGaps) out[1 + before] = static_cast<int32_t>(token);
     found += pass_gaps;
   }

@@ -1,8 +1,8 @@
-// Which thread does what (lane maps), and the warp collectives the kernels build from shuffles and
-// ballots, written once over a `Warp` type: on a GPU it is DeviceWarp (portability.h's warp_*
-// wrappers, 32 lanes on NVIDIA, 64 on CDNA); in the host tests (tests/warp_model/) it is a model
-// that runs every lane as a host thread, so the same code is checked with 32 and with 64 lanes
-// without an AMD GPU.
+// Which thread does what (lane maps), and the warp and block collectives the kernels build from
+// shuffles, ballots and barriers, written once over `Warp` and `Block` types: on a GPU DeviceWarp and
+// DeviceBlock (portability.h's warp_* wrappers, 32 lanes on NVIDIA, 64 on CDNA; __syncthreads); in
+// the host tests (tests/warp_model/) a model that runs every lane as a host thread, so the same code
+// is checked with 32 and with 64 lanes without an AMD GPU.
 //
 // A Warp has: kLanes; lane(); shuffle(v, src), shuffle_up(v, delta) (a lane below `delta` keeps its
 // own), shuffle_xor(v, mask); ballot(p) -> Mask (a bit per lane) and lowest(mask) (its lowest lane).
@@ -42,6 +42,29 @@ UCCL_EP_HOST_DEVICE inline int warp_compact(const Warp& warp, bool present, T it
     if (warp.lane() == count) mine = taken;
   }
   return count;
+}
+
+// A block-wide exclusive scan of one value per thread (every thread of the block calls it): the sum of
+// the values of the threads before this one, and the whole block's in `total`. `warp_totals`: memory
+// the block shares, a slot per warp (at most a warp's worth of warps), free again on return. A Block
+// has: warp() (this thread's Warp), thread(), threads() and sync() (a barrier of the whole block).
+template <typename Block, typename T>
+UCCL_EP_HOST_DEVICE inline T block_exclusive_sum(const Block& block, T value, T* warp_totals, T& total) {
+  const auto warp = block.warp();
+  constexpr int kLanes = decltype(warp)::kLanes;
+  const int lane = warp.lane(), index = block.thread() / kLanes, num_warps = block.threads() / kLanes;
+  const T inclusive = warp_inclusive_sum(warp, value);
+  if (lane == kLanes - 1) warp_totals[index] = inclusive;
+  block.sync();
+  if (index == 0) {
+    const T sum = warp_inclusive_sum(warp, lane < num_warps ? warp_totals[lane] : T(0));
+    if (lane < num_warps) warp_totals[lane] = sum;
+  }
+  block.sync();
+  const T before = (index > 0 ? warp_totals[index - 1] : T(0)) + inclusive - value;
+  total = warp_totals[num_warps - 1];
+  block.sync();  // warp_totals is reused
+  return before;
 }
 
 // A thread's place when a block is cut into groups of whole warps that work as units (the
@@ -92,6 +115,13 @@ struct DeviceWarp {
   __device__ __forceinline__ T shuffle_xor(T value, int mask) const { return warp_shuffle_xor(value, mask); }
   __device__ __forceinline__ LaneMask ballot(bool predicate) const { return warp_ballot(predicate); }
   __device__ __forceinline__ int lowest(LaneMask mask) const { return lowest_lane(mask); }
+};
+
+struct DeviceBlock {
+  __device__ __forceinline__ DeviceWarp warp() const { return DeviceWarp{}; }
+  __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x); }
+  __device__ __forceinline__ int threads() const { return static_cast<int>(blockDim.x); }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
 };
 #endif
 

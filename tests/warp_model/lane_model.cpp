@@ -1,5 +1,5 @@
-// Runs the kernels' warp collectives and lane maps (csrc/kernels/lanes.h) on the host, every lane a
-// thread, with 32 or 64 lanes: what an NVIDIA warp and a CDNA wavefront do, without either GPU.
+// Runs the kernels' warp and block collectives and lane maps (csrc/kernels/lanes.h) on the host, every
+// lane a thread, with 32 or 64 lanes: what an NVIDIA warp and a CDNA wavefront do, without either GPU.
 // tests/test_lanes.py builds it, sends a case per line on stdin and checks each answer line:
 //
 //   inclusive_sum LANES v0 .. v{LANES-1}      -> each lane's inclusive sum
@@ -8,6 +8,8 @@
 //   groups LANES GROUP_THREADS GROUPS_PER_BLOCK NUM_BLOCKS
 //                                             -> index thread warp lane first stride, per block and thread
 //   warps LANES BLOCK_THREADS NUM_BLOCKS      -> lane first stride, per block and thread
+//   block_sum LANES THREADS v0 .. v{THREADS-1}
+//                                             -> per thread: its exclusive block sum, the block's total
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -23,15 +25,39 @@
 
 namespace {
 
-// Lanes meet at every collective: each publishes its value, all wait, each reads what it asked
-// for, all wait again before the slots are reused.
+// A barrier of `count` host threads, reusable.
+class Meeting {
+ public:
+  explicit Meeting(int count) : count_(count) {}
+  void meet() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      all_arrived_.notify_all();
+      return;
+    }
+    all_arrived_.wait(lock, [&] { return generation_ != generation; });
+  }
+
+ private:
+  const int count_;
+  std::mutex mutex_;
+  std::condition_variable all_arrived_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// One warp's lanes meet at every collective: each publishes its value, all wait, each reads what it
+// asked for, all wait again before the slots are reused.
 template <int kLaneCount>
-class LaneModel {
+class WarpModel {
  public:
   struct Warp {
     static constexpr int kLanes = kLaneCount;
     using Mask = std::conditional_t<(kLaneCount > 32), uint64_t, uint32_t>;
-    LaneModel* model;
+    WarpModel* model;
     int index;
 
     int lane() const { return index; }
@@ -51,7 +77,7 @@ class LaneModel {
     int lowest(Mask mask) const { return __builtin_ctzll(static_cast<unsigned long long>(mask)); }
   };
 
-  // Calls body(warp) on every lane, each in its own thread, and waits for all of them.
+  // Calls body(warp) on every lane of one warp, each in its own thread, and waits for all of them.
   template <typename Body>
   void run(Body body) {
     std::vector<std::thread> lanes;
@@ -66,30 +92,43 @@ class LaneModel {
     uint64_t word = 0;
     std::memcpy(&word, &value, sizeof(T));
     slots_[lane] = word;
-    meet();
+    lanes_.meet();
     T seen;
     std::memcpy(&seen, &slots_[src], sizeof(T));
-    meet();
+    lanes_.meet();
     return seen;
   }
 
-  void meet() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const uint64_t generation = generation_;
-    if (++arrived_ == kLaneCount) {
-      arrived_ = 0;
-      ++generation_;
-      all_arrived_.notify_all();
-      return;
-    }
-    all_arrived_.wait(lock, [&] { return generation_ != generation; });
+  uint64_t slots_[kLaneCount] = {};
+  Meeting lanes_{kLaneCount};
+};
+
+// A block of `threads` (whole warps): each thread's warp meets its own lanes, sync() meets the block.
+template <int kLanes>
+class BlockModel {
+ public:
+  struct Block {
+    BlockModel* model;
+    int index;
+    typename WarpModel<kLanes>::Warp warp() const { return {&model->warps_[index / kLanes], index % kLanes}; }
+    int thread() const { return index; }
+    int threads() const { return model->threads_; }
+    void sync() const { model->block_.meet(); }
+  };
+
+  explicit BlockModel(int threads) : threads_(threads), warps_(threads / kLanes), block_(threads) {}
+
+  template <typename Body>
+  void run(Body body) {
+    std::vector<std::thread> threads;
+    for (int t = 0; t < threads_; ++t) threads.emplace_back([this, t, &body] { body(Block{this, t}); });
+    for (std::thread& t : threads) t.join();
   }
 
-  uint64_t slots_[kLaneCount] = {};
-  std::mutex mutex_;
-  std::condition_variable all_arrived_;
-  int arrived_ = 0;
-  uint64_t generation_ = 0;
+ private:
+  const int threads_;
+  std::vector<WarpModel<kLanes>> warps_;
+  Meeting block_;
 };
 
 std::vector<int64_t> read_values(std::istringstream& in, int count) {
@@ -100,8 +139,29 @@ std::vector<int64_t> read_values(std::istringstream& in, int count) {
 }
 
 template <int kLanes>
+std::string block_case(std::istringstream& in) {
+  int threads = 0;
+  in >> threads;
+  if (threads < kLanes || threads % kLanes != 0 || threads / kLanes > kLanes) {
+    throw std::runtime_error("threads must be whole warps, at most a warp's worth of them");
+  }
+  const std::vector<int64_t> values = read_values(in, threads);
+  std::vector<int64_t> before(threads), totals(threads);
+  std::vector<int64_t> warp_totals(threads / kLanes, -7);   // poisoned
+  BlockModel<kLanes> model(threads);
+  model.run([&](auto block) {
+    int64_t total = -1;
+    before[block.thread()] = uccl_ep::block_exclusive_sum(block, values[block.thread()], warp_totals.data(), total);
+    totals[block.thread()] = total;
+  });
+  std::ostringstream answer;
+  for (int t = 0; t < threads; ++t) answer << before[t] << ' ' << totals[t] << ' ';
+  return answer.str();
+}
+
+template <int kLanes>
 std::string warp_case(const std::string& what, std::istringstream& in) {
-  LaneModel<kLanes> model;
+  WarpModel<kLanes> model;
   std::vector<int64_t> out(kLanes);
   std::ostringstream answer;
   if (what == "inclusive_sum" || what == "total") {
@@ -168,6 +228,8 @@ int main() {
     try {
       if (what == "groups" || what == "warps") {
         std::cout << map_case(what, lanes, in) << std::endl;
+      } else if (what == "block_sum") {
+        std::cout << (lanes == 32 ? block_case<32>(in) : lanes == 64 ? block_case<64>(in) : "error lanes") << std::endl;
       } else if (lanes == 32) {
         std::cout << warp_case<32>(what, in) << std::endl;
       } else if (lanes == 64) {
