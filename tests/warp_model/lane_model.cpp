@@ -64,7 +64,9 @@ class WarpModel {
     template <typename T>
     T shuffle(T value, int src) const { return model->exchange(index, value, src % kLanes); }
     template <typename T>
-    T shuffle_up(T value, int delta) const { return model->exchange(index, value, index >= delta ? index - delta : index); }
+    T shuffle_up(T value, int delta) const {
+      return model->exchange(index, value, index >= delta ? index - delta : index);
+    }
     template <typename T>
     T shuffle_xor(T value, int mask) const { return model->exchange(index, value, (index ^ mask) % kLanes); }
     Mask ballot(bool predicate) const {
