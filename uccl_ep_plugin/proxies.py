@@ -234,16 +234,14 @@ class ProxyThreads:
         if transport == "cuda-copy":
             return extension.Proxy.over_cuda_copy(rank, num_ranks, memory, fifos, **options)
         gpu = device.index if device.type == "cuda" else None
+        region = (memory.data_ptr(), memory.numel() * memory.element_size())
         if transport == "tcp":
-            return extension.Proxy(rank, num_ranks, memory.data_ptr(), memory.numel() * memory.element_size(),
-                                   fifos, device=gpu, **options)
+            return extension.Proxy(rank, num_ranks, *region, fifos, device=gpu, **options)
         if transport == "verbs":
             nearest_to = gpu if gpu is not None else (torch.cuda.current_device() if torch.cuda.is_available()
                                                       else None)   # the rank's GPU picks the NIC
-            return extension.Proxy.over_verbs(rank, num_ranks, memory.data_ptr(),
-                                              memory.numel() * memory.element_size(), fifos,
-                                              device=verbs_device(nearest_to), gpu=-1 if gpu is None else gpu,
-                                              **verbs_settings(platform), **options)
+            return extension.Proxy.over_verbs(rank, num_ranks, *region, fifos, device=verbs_device(nearest_to),
+                                              gpu=-1 if gpu is None else gpu, **verbs_settings(platform), **options)
         raise ValueError(f"transport={transport!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
 
     @property

@@ -50,8 +50,6 @@ constexpr uint64_t kMinSendChunks = 8;
 // enough that the I/O thread's wait for the copies does not hold up the other connections for long.
 constexpr uint64_t kMaxStagedAheadBytes = 8ull << 20;
 
-std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
-
 int remaining_ms(Clock::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return left <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left, 1000 * 1000));

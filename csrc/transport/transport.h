@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -40,6 +41,11 @@ class TransportError : public std::runtime_error {
  public:
   explicit TransportError(const std::string& what) : std::runtime_error(what) {}
 };
+
+// An errno in words, for the transports' messages: "Connection refused (errno 111)".
+inline std::string errno_text(int error) {
+  return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")";
+}
 
 // The memory a rank registers: every offset of every request is relative to a region.
 struct MemoryRegion {

@@ -14,11 +14,9 @@
 
 namespace uccl_ep {
 
+#if defined(UCCL_EP_GPU_RUNTIME)
 namespace {
 
-std::string errno_text(int error) { return std::string(std::strerror(error)) + " (errno " + std::to_string(error) + ")"; }
-
-#if defined(UCCL_EP_GPU_RUNTIME)
 // The DMA-BUF way: the whole pages around the region are exported, the region registered inside them.
 // Returns null and says why in `outcome` where it is not available or fails.
 ibv_mr* register_dmabuf(const VerbsLibrary& ibv, ibv_pd* pd, MemoryRegion region, int access, int gpu,
@@ -39,9 +37,9 @@ ibv_mr* register_dmabuf(const VerbsLibrary& ibv, ibv_pd* pd, MemoryRegion region
   if (mr == nullptr) outcome = "ibv_reg_dmabuf_mr failed: " + errno_text(error);
   return mr;
 }
-#endif
 
 }  // namespace
+#endif
 
 std::string gpu_registration_failure(uint64_t bytes, const std::string& dmabuf, int peer_errno) {
   std::string message = "registering the region (" + std::to_string(bytes) + " bytes of GPU memory) failed. DMA-BUF: " +

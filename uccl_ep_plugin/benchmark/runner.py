@@ -14,9 +14,8 @@ from ..engines import ENGINE_ENV
 from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..proxies import proxy_transport
-from . import baselines
+from . import baselines, nvlink
 from .case import Case
-from . import nvlink
 from .workloads import Workload, low_latency_bytes, normal_bytes, routing
 
 
@@ -518,8 +517,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 5, len(kernel_names)))))
     back_to_back_s = (statistics.median(slowest(n + 5 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
-    busiest_nvlink_bytes = float(per_rank[:, -1].max())
-    floor = (nvlink.floor_us([busiest_nvlink_bytes], copy_gbps)
+    floor = (nvlink.floor_us(per_rank[:, -1].tolist(), copy_gbps)
              if copy_gbps and case.nvlink_bytes is not None and case.engine == "native" else None)
     workload = case.workload
     kernel_us, kernel_note = _trusted_kernel_us(kernel_us, median_s * 1e6, timing)
@@ -613,10 +611,10 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
         if options.normal is not None:
             w, r = options.normal, options.num_ranks
             hidden_bytes = w.hidden * 2
+            native_bytes = _native_normal_bytes(w, r)
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
-                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
-                            _native_normal_bytes(w, r))
-            copy_gbps = _nvlink_copy_gbps(group, rank, r, device, note) if _native_normal_bytes(w, r) else None
+                            Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r), native_bytes)
+            copy_gbps = _nvlink_copy_gbps(group, rank, r, device, note) if native_bytes else None
             buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report, copy_gbps))

@@ -90,13 +90,14 @@ def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes
     reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
     (``buffer.remote_ranks``)."""
     try:
-        mine, bad = _host_id(device.index), None
+        mine = (_host_id(device.index), None)
     except ValueError as error:   # every rank raises, none waits for this one
-        mine, bad = None, f"rank {rank}: {error}"
-    hosts = _all_gather(group, mine)
-    bad = first_reason(group, bad)
+        mine = (None, f"rank {rank}: {error}")
+    gathered = _all_gather(group, mine)
+    bad = next((why for _, why in gathered if why is not None), None)
     if bad is not None:
         raise ValueError(bad)
+    hosts = [host for host, _ in gathered]
     remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
     if remote and not other_hosts:
         return None, f"rank {remote[0]} is on another host, beyond NVLink"
