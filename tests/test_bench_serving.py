@@ -94,3 +94,25 @@ def test_bad_arguments_are_one_line_naming_them(argv, message, capsys, tmp_path)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists(), "nothing is started or written before the arguments pass"
+
+
+def test_uccl_ep_cli_runs_from_a_checkout_without_the_installed_subpackage(monkeypatch, capsys):
+    """``python -m uccl_ep_plugin.cli.main bench ...`` in an uninstalled checkout: the benchmark's CLI comes from
+    the top-level bench_serving package instead of failing every subcommand."""
+    import importlib
+    import bench_serving.cli
+    from uccl_ep_plugin.cli import bench_serving_cmd, main as uccl_ep
+
+    real_import = importlib.import_module
+
+    def without_subpackage(name, *args):
+        if name.startswith("uccl_ep_plugin.bench_serving"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(bench_serving_cmd.importlib, "import_module", without_subpackage)
+    assert bench_serving_cmd._serving_cli() is bench_serving.cli
+    with pytest.raises(SystemExit) as exit_info:
+        uccl_ep.main(["bench-serving", "--help"])
+    assert exit_info.value.code == 0
+    assert "--engine" in capsys.readouterr().out

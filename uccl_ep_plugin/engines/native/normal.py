@@ -43,7 +43,7 @@ DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch:
 LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls made by a thread of the launcher's
 # Each mode setting's values, its default first.
 _MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push"),
-          LAUNCH_THREAD_ENV: ("on", "off")}
+          LAUNCH_THREAD_ENV: ("off", "on")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -64,9 +64,9 @@ def copy_mode(env: str = COPY_ENV) -> str:
     """What copies the rows, from ``env``: COPY_ENV "engine" (copy engines, the default) or "sm"; OWN_ROWS_ENV
     "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
     default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
-    runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "on" (the default: the copy
-    engines' calls after a call's outputs exist are made by the launcher's own thread, and the call returns) or
-    "off" (the caller's thread makes them; each rank may choose)."""
+    runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the caller's
+    thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
+    launcher's own thread, and the call returns sooner, but its work ends later on the GPU; each rank may choose)."""
     modes = _MODES[env]
     mode = os.environ.get(env, "").strip().lower() or modes[0]
     if mode not in modes:
