@@ -55,7 +55,7 @@ def _body(rank, num_ranks, group):
     for seed, num_tokens, num_topk in ((1, 96, 8), (2, 1, 3), (3, 0, 5), (4, 77, 1)):
         x, topk_idx, weights = _routing(rank, seed, num_tokens, hidden, num_experts, num_topk, device)
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        expected = dispatch_layout(topk_idx.cpu(), num_experts, num_ranks)
+        expected = dispatch_layout(topk_idx.cpu(), num_experts, num_ranks, None)
         assert per_rdma is None and expected[1] is None
         for got, want, name in zip((per_rank, per_expert, in_rank), (expected[0], expected[2], expected[3]),
                                    ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")):

@@ -310,6 +310,7 @@ def normal_buffer(group, monkeypatch):
     monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
     engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its normal part, set up by hand
     engine._C, engine.num_ranks, engine.device, engine.low_latency = extension, 1, torch.device("cpu"), None
+    engine.rdma_ranks = None   # one rank, one host
     engine.normal = NativeNormal(extension, PeerBuffer(size), 0, 1, torch.device("cpu"), 5.0, False)
     engine.dispatch, engine.combine = engine.normal.dispatch, engine.normal.combine
     buffer._native = engine

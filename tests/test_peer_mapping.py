@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.multiprocess import run_ranks
+from uccl_ep_plugin import hosts
 from uccl_ep_plugin.engines.native import peers
 
 
@@ -54,7 +55,7 @@ def _open_fails_on_rank_1(rank, num_ranks, group):
 
 
 def _ranks_on_two_hosts(rank, num_ranks, group):
-    peers._host_id = lambda device_index: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
+    hosts.host_id = lambda slot: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
     extension = _FakeExtension(fail_open=False)
     buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", 0), 1 << 20)
     assert buffer is None and extension.created == [], "nothing is allocated when a peer is on another host"
@@ -112,15 +113,15 @@ def test_every_rank_takes_the_first_ranks_reason():
 
 
 def test_gpus_per_node_cuts_a_machine_into_hosts(monkeypatch):
-    monkeypatch.delenv(peers.GPUS_PER_NODE_ENV, raising=False)
-    machine = peers._host_id(0)
-    assert machine.startswith(__import__("socket").gethostname()) and peers._host_id(7) == machine
-    monkeypatch.setenv(peers.GPUS_PER_NODE_ENV, "4")
-    assert [peers._host_id(i) for i in range(8)] == [f"{machine}/0"] * 4 + [f"{machine}/1"] * 4
+    monkeypatch.delenv(hosts.GPUS_PER_NODE_ENV, raising=False)
+    machine = hosts.host_id(0)
+    assert machine.startswith(__import__("socket").gethostname()) and hosts.host_id(7) == machine
+    monkeypatch.setenv(hosts.GPUS_PER_NODE_ENV, "4")
+    assert [hosts.host_id(i) for i in range(8)] == [f"{machine}/0"] * 4 + [f"{machine}/1"] * 4
     for bad in ("0", "two", "-1"):
-        monkeypatch.setenv(peers.GPUS_PER_NODE_ENV, bad)
+        monkeypatch.setenv(hosts.GPUS_PER_NODE_ENV, bad)
         with pytest.raises(ValueError, match=f"UCCL_EP_GPUS_PER_NODE='{bad}'"):
-            peers._host_id(0)
+            hosts.host_id(0)
 
 
 class _Verbs:

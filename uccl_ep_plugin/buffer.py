@@ -21,6 +21,7 @@ from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
+from .hosts import RdmaRanks, host_or_error, hosts_of
 from .notices import warn_once
 from .streams import CommStream, StreamScope, current_stream_handle
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
@@ -95,20 +96,23 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _require_same_on_every_rank(group: dist.ProcessGroup, **settings) -> None:
-    """A collective: raise the same ValueError on every rank when one of ``settings`` differs between them.
+def _hosts_with_same_settings(group: dist.ProcessGroup, host: Tuple[Optional[str], Optional[str]],
+                              **settings) -> List[str]:
+    """A collective: every rank's host (``host`` is this rank's :func:`hosts.host_or_error`), after raising the
+    same ValueError on every rank when one of ``settings`` differs between them or a rank's host is an error.
     The engines size and place every exchange from their own rank's values (a native rank writes into its
     peers' buffers by its own num_nvl_bytes), and ranks that chose different engines would wait in
     different collectives: a difference would corrupt memory or leave the ranks waiting."""
     if dist.get_world_size(group) == 1:
-        return
+        return hosts_of([host])
     gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, settings, group=group)
-    for name, value in gathered[0].items():
-        differing = [rank for rank, theirs in enumerate(gathered) if theirs[name] != value]
+    dist.all_gather_object(gathered, (host, settings), group=group)
+    for name, value in gathered[0][1].items():
+        differing = [rank for rank, (_, theirs) in enumerate(gathered) if theirs[name] != value]
         if differing:
             raise ValueError(f"Buffer: {name} must be the same on every rank of the group; rank 0 has {value!r}, "
-                             f"rank {differing[0]} has {gathered[differing[0]][name]!r}")
+                             f"rank {differing[0]} has {gathered[differing[0]][1][name]!r}")
+    return hosts_of([theirs for theirs, _ in gathered])
 
 
 def timeout_seconds() -> float:
@@ -169,16 +173,18 @@ class Buffer:
             engine_by_operation = choice.by_operation
         except (ValueError, RuntimeError) as error:   # raised after the comparison: the other ranks wait in it
             choice, engine_by_operation = error, f"none ({error})"
-        _require_same_on_every_rank(self.group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                                    low_latency_mode=low_latency_mode,
-                                    **{"the engine of each operation (UCCL_EP_ENGINE and the build choose it)":
-                                       engine_by_operation})
+        slot = self.device.index if self.device.type == "cuda" else dist.get_rank()
+        hosts = _hosts_with_same_settings(self.group, host_or_error(slot, self.rank), num_nvl_bytes=num_nvl_bytes,
+                                          num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
+                                          **{"the engine of each operation (UCCL_EP_ENGINE and the build choose it)":
+                                             engine_by_operation})
         if isinstance(choice, Exception):
             raise choice
         self._owner_id = next(_owner_ids)
 
         try:
-            self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+            self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                                 RdmaRanks.of_hosts(hosts, self.device))
             self._comm = CommStream(self.device) if self.device.type == "cuda" else None
             native_normal_buffer = None if self._native is None else self._native.normal_buffer
             self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
@@ -200,12 +206,12 @@ class Buffer:
         self._checked_calls = set()
 
     def _set_up_engines(self, choice: engines.EngineChoice, num_nvl_bytes: int, num_rdma_bytes: int,
-                        low_latency_mode: bool) -> None:
+                        low_latency_mode: bool, rdma_ranks: Optional[RdmaRanks]) -> None:
         """The reference engine, and the native engine with its buffers mapped where it serves."""
         timeout_s = timeout_seconds()
         # The reference engine also provides the timed barriers, so it is always there.
-        self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s)
-        self._native = (NativeEngine(self.group_size, self.device)
+        self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s, rdma_ranks)
+        self._native = (NativeEngine(self.group_size, self.device, rdma_ranks)
                         if self.device.type == "cuda" and
                         any(engine == "native" and op not in choice.reasons
                             for op, engine in choice.by_operation.items()) else None)
@@ -412,8 +418,10 @@ class Buffer:
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """Routing tables for ``topk_idx`` (``[N, K]`` int64, -1 = no expert).
 
-        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [ceil(R/8)] int32 or None within a
-        node, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
+        Returns ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [hosts] int32 or None within a
+        node, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``. ``num_tokens_per_rdma_rank``
+        counts the tokens sent to each host (any number of GPUs each; UCCL_EP_GPUS_PER_NODE can cut a machine into
+        hosts), or, where one machine holds more than 8 ranks, to each group of 8 as in DeepEP.
         """
         engine = self._engine_for("get_dispatch_layout")
         call = ("get_dispatch_layout", tensor_signature(topk_idx), num_experts)

@@ -8,8 +8,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ...dispatch_config import NVL_PEERS_PER_NODE
-from ..reference.layout import rdma_rank_counts
+from ...hosts import RdmaRanks
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer
@@ -98,13 +97,14 @@ def unsupported_reason(operation: str, device: torch.device) -> Optional[str]:
 class NativeEngine:
     name = "native"
 
-    def __init__(self, num_ranks: int, device: torch.device) -> None:
+    def __init__(self, num_ranks: int, device: torch.device, rdma_ranks: Optional[RdmaRanks]) -> None:
         self._C = _load_extension()
         shim_problem = use_torch_shim(self._C)   # the operations' outputs are allocated by the extension
         if shim_problem is not None:
             raise RuntimeError(shim_problem)
         self.num_ranks = num_ranks
         self.device = device
+        self.rdma_ranks = rdma_ranks   # the layout's num_tokens_per_rdma_rank counts by them
         self.aggressive_atomics = aggressive_atomics()
         self.low_latency: Optional[NativeLowLatency] = None
         self.normal: Optional[NativeNormal] = None
@@ -196,9 +196,9 @@ class NativeEngine:
                                 num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
                                 is_token_in_rank.data_ptr(), stream, self.device.index)
         per_rdma_rank = None
-        if self.num_ranks > NVL_PEERS_PER_NODE:   # torch ops reading the kernel's output: on its stream
+        if self.rdma_ranks is not None:   # torch ops reading the kernel's output: on its stream
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
-                per_rdma_rank = rdma_rank_counts(is_token_in_rank)
+                per_rdma_rank = self.rdma_ranks.token_counts(is_token_in_rank)
         return num_tokens_per_rank, per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
     def destroy(self) -> None:

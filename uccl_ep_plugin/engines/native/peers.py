@@ -8,14 +8,14 @@ ranks it must reach through the CPU proxies.
 """
 
 import os
-import socket
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ...hosts import host_or_error, hosts_of
+
 FORCE_PROXY_ENV = "UCCL_EP_FORCE_PROXY"
-GPUS_PER_NODE_ENV = "UCCL_EP_GPUS_PER_NODE"
 
 
 class _DeviceBytes:
@@ -34,29 +34,6 @@ def device_bytes(owner, address: int, num_bytes: int, device: torch.device) -> t
 
 def force_proxy() -> bool:
     return os.environ.get(FORCE_PROXY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def gpus_per_node() -> int:
-    """UCCL_EP_GPUS_PER_NODE: how many GPUs of a machine make one host (0 where unset: the whole machine)."""
-    text = os.environ.get(GPUS_PER_NODE_ENV, "").strip()
-    if not text:
-        return 0
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{GPUS_PER_NODE_ENV}={text!r}: expected a positive number of GPUs")
-    return int(text)
-
-
-def _host_id(device_index: int) -> str:
-    """Which host the rank on GPU ``device_index`` is on: the machine (its hostname with the boot id, which tells two
-    machines with one hostname apart: containers often share names), cut into hosts of UCCL_EP_GPUS_PER_NODE GPUs
-    where that is set (GPU i is in host i // N), so one machine can stand for several hosts."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            machine = f"{socket.gethostname()}/{boot.read().strip()}"
-    except OSError:
-        machine = socket.gethostname()
-    per_node = gpus_per_node()
-    return f"{machine}/{device_index // per_node}" if per_node else machine
 
 
 def _all_gather(group, value) -> List:
@@ -89,15 +66,7 @@ def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes
     """``(buffer, None)`` when every rank mapped the buffers of every other rank of its host, else ``(None,
     reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
     (``buffer.remote_ranks``)."""
-    try:
-        mine = (_host_id(device.index), None)
-    except ValueError as error:   # every rank raises, none waits for this one
-        mine = (None, f"rank {rank}: {error}")
-    gathered = _all_gather(group, mine)
-    bad = next((why for _, why in gathered if why is not None), None)
-    if bad is not None:
-        raise ValueError(bad)
-    hosts = [host for host, _ in gathered]
+    hosts = hosts_of(_all_gather(group, host_or_error(device.index, rank)))
     remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
     if remote and not other_hosts:
         return None, f"rank {remote[0]} is on another host, beyond NVLink"

@@ -4,9 +4,12 @@ It runs on any device and any process group (gloo on CPU, NCCL on GPU), is the o
 native kernels are tested against, and serves wherever the native engine cannot.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
+from ...hosts import RdmaRanks
 from . import layout, low_latency, normal
 from .collectives import CommTimeoutError, GroupComm
 
@@ -17,13 +20,14 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, rdma_ranks: Optional[RdmaRanks]) -> None:
         self.comm = GroupComm(group, rank, num_ranks, device, timeout_s)
+        self.rdma_ranks = rdma_ranks
 
     # `stream` is where the native kernels launch; the reference runs on the current stream. num_channels
     # sizes the native kernels' grid only.
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
-        return layout.dispatch_layout(topk_idx, num_experts, self.comm.num_ranks)
+        return layout.dispatch_layout(topk_idx, num_experts, self.comm.num_ranks, self.rdma_ranks)
 
     def dispatch(self, x, x_scales, *, stream: int, **kwargs) -> normal.DispatchResult:
         return normal.dispatch(self.comm, x, x_scales, **kwargs)

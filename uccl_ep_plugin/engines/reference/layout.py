@@ -4,13 +4,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...dispatch_config import NVL_PEERS_PER_NODE
+from ...hosts import RdmaRanks
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, rdma_ranks: Optional[RdmaRanks]
                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Returns ``(num_tokens_per_rank[R], num_tokens_per_rdma_rank or None, num_tokens_per_expert[E],
-    is_token_in_rank[N, R])``. A token that lists an expert twice counts twice for that expert."""
+    is_token_in_rank[N, R])``; ``num_tokens_per_rdma_rank`` counts by ``rdma_ranks`` (None: there are none). A
+    token that lists an expert twice counts twice for that expert."""
     num_tokens = topk_idx.size(0)
     experts_per_rank = num_experts // num_ranks
     valid = topk_idx >= 0
@@ -21,19 +22,8 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     hits.scatter_(1, target_rank, True)
     is_token_in_rank = hits[:, :num_ranks].contiguous()
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-    num_tokens_per_rdma_rank = rdma_rank_counts(is_token_in_rank)
+    num_tokens_per_rdma_rank = None if rdma_ranks is None else rdma_ranks.token_counts(is_token_in_rank)
     return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
-
-
-def rdma_rank_counts(is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
-    """Tokens sent to each group of NVL_PEERS_PER_NODE ranks (a node), or None within one node."""
-    num_tokens, num_ranks = is_token_in_rank.shape
-    if num_ranks <= NVL_PEERS_PER_NODE:
-        return None
-    num_nodes = (num_ranks + NVL_PEERS_PER_NODE - 1) // NVL_PEERS_PER_NODE
-    padded = torch.zeros((num_tokens, num_nodes * NVL_PEERS_PER_NODE), dtype=torch.bool, device=is_token_in_rank.device)
-    padded[:, :num_ranks] = is_token_in_rank
-    return padded.view(num_tokens, num_nodes, NVL_PEERS_PER_NODE).any(-1).sum(0, dtype=torch.int32)
 
 
 def channel_layout(is_token_in_rank: torch.Tensor, num_channels: int) -> Tuple[torch.Tensor, torch.Tensor]:
