@@ -19,6 +19,7 @@ from .dispatch_config import (Config, LowLatencyLayout, combine_config, dispatch
 from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
 from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
+from .engines.two_level import TwoLevel, even_hosts
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .hosts import RdmaRanks, host_or_error, hosts_of
@@ -147,7 +148,7 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None) -> None:
         # What _release frees, so that it also serves a Buffer whose construction failed part way.
         self._destroyed = False
-        self._reference = self._native = None
+        self._reference = self._native = self._two_level = None
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -183,8 +184,7 @@ class Buffer:
         self._owner_id = next(_owner_ids)
 
         try:
-            self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                                 RdmaRanks.of_hosts(hosts, self.device))
+            self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode, hosts)
             self._comm = CommStream(self.device) if self.device.type == "cuda" else None
             native_normal_buffer = None if self._native is None else self._native.normal_buffer
             self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
@@ -206,9 +206,11 @@ class Buffer:
         self._checked_calls = set()
 
     def _set_up_engines(self, choice: engines.EngineChoice, num_nvl_bytes: int, num_rdma_bytes: int,
-                        low_latency_mode: bool, rdma_ranks: Optional[RdmaRanks]) -> None:
-        """The reference engine, and the native engine with its buffers mapped where it serves."""
+                        low_latency_mode: bool, hosts: List[str]) -> None:
+        """The reference engine, the native engine with its buffers mapped where it serves, and across hosts the
+        two-hop normal mode."""
         timeout_s = timeout_seconds()
+        rdma_ranks = RdmaRanks.of_hosts(hosts, self.device)
         # The reference engine also provides the timed barriers, so it is always there.
         self._reference = ReferenceEngine(self.group, self.rank, self.group_size, self.device, timeout_s, rdma_ranks)
         self._native = (NativeEngine(self.group_size, self.device, rdma_ranks)
@@ -221,6 +223,8 @@ class Buffer:
                 choice, LOW_LATENCY_OPERATIONS):
             self._mark_unserved(choice, self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes,
                                                                        timeout_s))
+        if len(set(hosts)) > 1 and choice.mode != "reference":
+            self._set_up_two_level(choice, hosts, num_nvl_bytes, timeout_s)
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
@@ -231,6 +235,22 @@ class Buffer:
                 by_reason.setdefault(why, []).append(op)
             warn_once("the reference engine (plain PyTorch collectives, slow) serves "
                       + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
+
+    def _set_up_two_level(self, choice: engines.EngineChoice, hosts: List[str], num_nvl_bytes: int,
+                          timeout_s: float) -> None:
+        """Ranks on several hosts: dispatch and combine cross to each host once and are forwarded inside it by a
+        Buffer over that host's ranks (engines/two_level.py); uneven hosts make those calls raise, naming them."""
+        choice.by_operation.update(dict.fromkeys(NORMAL_OPERATIONS, TwoLevel.name))
+        for operation in NORMAL_OPERATIONS:
+            choice.reasons.pop(operation, None)
+        try:
+            even_hosts(hosts)
+        except ValueError as error:   # every rank has the same hosts: all raise alike at the call
+            choice.reasons.update(dict.fromkeys(NORMAL_OPERATIONS, str(error)))
+            return
+        self._two_level = TwoLevel(self.group, self.rank, hosts, self.device, timeout_s,
+                                   lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes,
+                                                             explicitly_destroy=True))
 
     @staticmethod
     def _all_native(choice: engines.EngineChoice, operations) -> bool:
@@ -280,10 +300,10 @@ class Buffer:
     def _release(self) -> None:
         if self._destroyed:
             return
-        for engine in (self._reference, self._native):
+        for engine in (self._two_level, self._reference, self._native):
             if engine is not None:
                 engine.destroy()
-        self._reference = self._native = None
+        self._reference = self._native = self._two_level = None
         self._nvl_buffer = self._rdma_buffer = self._mask = self._traffic = None
         self._comm = None
         self._destroyed = True
@@ -363,7 +383,12 @@ class Buffer:
     # ------------------------------------------------------------------ engine routing
     def _engine_for(self, operation: str):
         self._check_alive()
-        if self.engine_by_operation[operation] == "native":
+        served_by = self.engine_by_operation[operation]
+        if served_by == TwoLevel.name:
+            if self._two_level is None:   # uneven hosts
+                raise ValueError(self.engine_reasons[operation])
+            return self._two_level
+        if served_by == "native":
             reason = self.engine_reasons.get(operation)
             if reason is not None:
                 raise RuntimeError(f"{engines.ENGINE_ENV}=native, but {operation} cannot run natively: {reason}")

@@ -36,6 +36,44 @@ def _pad_rows(tensor: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
     return padded
 
 
+class LayoutTables(NamedTuple):
+    counts: torch.Tensor                 # [R, R] on the host: tokens rank i sends to rank j
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    send_head: torch.Tensor
+    num_recv_tokens_per_expert_list: List[int]
+
+
+def exchange_layout(comm: GroupComm, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
+                    num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int,
+                    num_channels: int) -> LayoutTables:
+    """A fresh dispatch's tables of the handle and its count list (empty with ``num_worst_tokens``), from one
+    gather of every rank's layout over ``comm``."""
+    rank, num_ranks, device = comm.rank, comm.num_ranks, comm.device
+    sent_per_rank = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
+    if not torch.equal(sent_per_rank, num_tokens_per_rank.cpu().to(torch.int64)):
+        raise ValueError("num_tokens_per_rank does not match is_token_in_rank: "
+                         f"{num_tokens_per_rank.tolist()} vs {sent_per_rank.tolist()}")
+    channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
+    num_experts = num_tokens_per_expert.numel()
+    local_experts = num_experts // num_ranks
+    meta = torch.cat([num_tokens_per_rank.to(torch.int64), channel_prefix_matrix.flatten().to(torch.int64),
+                      num_tokens_per_expert.to(torch.int64)])
+    gathered = comm.all_gather_ints(meta, "dispatch: exchange layout")
+    counts = gathered[:, :num_ranks]
+    rank_prefix_matrix = counts.cumsum(0).to(torch.int32).to(device)
+    sent_by_channel = gathered[:, num_ranks:num_ranks + num_ranks * num_channels].view(num_ranks, num_ranks,
+                                                                                       num_channels)[:, rank]
+    recv_channel_prefix_matrix = torch.zeros((num_ranks, num_channels), dtype=torch.int32)
+    recv_channel_prefix_matrix[:, 1:] = sent_by_channel[:, :-1]
+    per_expert = gathered[:, num_ranks + num_ranks * num_channels:].view(num_ranks, num_experts)
+    received = per_expert[:, rank * local_experts:(rank + 1) * local_experts].sum(0)
+    aligned = (received + expert_alignment - 1) // expert_alignment * expert_alignment
+    return LayoutTables(counts, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix.to(device),
+                        send_head, [] if num_worst_tokens > 0 else aligned.tolist())
+
+
 def dispatch(comm: GroupComm, x: torch.Tensor, x_scales: Optional[torch.Tensor], *,
              is_token_in_rank: torch.Tensor, num_tokens_per_rank: Optional[torch.Tensor],
              num_tokens_per_expert: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -48,28 +86,10 @@ def dispatch(comm: GroupComm, x: torch.Tensor, x_scales: Optional[torch.Tensor],
         counts = rank_matrix(rank_prefix_matrix.cpu())
         num_rows_out = cached_src_idx.size(0)
     else:
-        sent_per_rank = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
-        if not torch.equal(sent_per_rank, num_tokens_per_rank.cpu().to(torch.int64)):
-            raise ValueError("num_tokens_per_rank does not match is_token_in_rank: "
-                             f"{num_tokens_per_rank.tolist()} vs {sent_per_rank.tolist()}")
-        channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
-        num_experts = num_tokens_per_expert.numel()
-        local_experts = num_experts // num_ranks
-        meta = torch.cat([num_tokens_per_rank.to(torch.int64), channel_prefix_matrix.flatten().to(torch.int64),
-                          num_tokens_per_expert.to(torch.int64)])
-        gathered = comm.all_gather_ints(meta, "dispatch: exchange layout")
-        counts = gathered[:, :num_ranks]
-        rank_prefix_matrix = counts.cumsum(0).to(torch.int32).to(device)
-        sent_by_channel = gathered[:, num_ranks:num_ranks + num_ranks * num_channels].view(num_ranks, num_ranks,
-                                                                                           num_channels)[:, rank]
-        recv_channel_prefix_matrix = torch.zeros((num_ranks, num_channels), dtype=torch.int32)
-        recv_channel_prefix_matrix[:, 1:] = sent_by_channel[:, :-1]
-        recv_channel_prefix_matrix = recv_channel_prefix_matrix.to(device)
-        per_expert = gathered[:, num_ranks + num_ranks * num_channels:].view(num_ranks, num_experts)
-        received = per_expert[:, rank * local_experts:(rank + 1) * local_experts].sum(0)
-        aligned = (received + expert_alignment - 1) // expert_alignment * expert_alignment
-        if num_worst_tokens == 0:
-            num_recv_tokens_per_expert_list = aligned.tolist()
+        tables = exchange_layout(comm, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                                 expert_alignment, num_worst_tokens, num_channels)
+        counts, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head = tables[:5]
+        num_recv_tokens_per_expert_list = tables[5]
         num_rows_out = None
 
     recv_counts = counts[:, rank].tolist()

@@ -1,0 +1,154 @@
+"""Normal mode across hosts in two hops (engines/two_level.py), against the reference engine's single hop, on CPU
+ranks cut into hosts: random tokens, uneven token counts, a rank with none, experts nobody picks, bf16 and fp8,
+num_worst_tokens, the cached dispatch and the combine with weights and a bias."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import rank_device, run_ranks
+from tests.reference_checks import random_bf16, random_topk_idx, random_weights
+from uccl_ep_plugin import Buffer
+from uccl_ep_plugin.engines.reference import ReferenceEngine
+from uccl_ep_plugin.engines.two_level import TwoLevel, even_hosts
+
+CPU = torch.device("cpu")
+H, K = 256, 3
+
+
+def _inputs(gen, rank, num_ranks, use_fp8, device=CPU):
+    num_tokens = [29, 41, 13, 0, 22, 35][rank % 6]
+    num_experts = 4 * num_ranks
+    topk_idx = random_topk_idx(gen, num_tokens, num_experts, K, 0.2, unpicked=[1, num_experts - 2])
+    x = random_bf16(gen, (num_tokens, H), 0.25, 2.0)
+    scales = None
+    if use_fp8:
+        scales = torch.rand((num_tokens, H // 128), generator=gen) + 0.5
+        x = (x.float() / scales.repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
+    to = (lambda t: None if t is None else t.to(device))
+    return to(x), to(scales), to(topk_idx), to(random_weights(gen, num_tokens, K)), num_experts
+
+
+def _equal(got, expected, what):
+    if expected is None:
+        assert got is None, f"{what}: expected None"
+        return
+    assert got.dtype == expected.dtype and got.shape == expected.shape, \
+        f"{what}: {got.dtype} {tuple(got.shape)} against {expected.dtype} {tuple(expected.shape)}"
+    assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                       expected.view(torch.uint8) if expected.dtype == torch.float8_e4m3fn else expected), what
+
+
+def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, num_nvl_bytes=0):
+    """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one."""
+    device = rank_device(rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else CPU
+    hosts = [f"host-{r // per_host}" for r in range(num_ranks)]
+    reference = ReferenceEngine(group, rank, num_ranks, device, 60.0, None)
+    two_level = TwoLevel(group, rank, hosts, device, 60.0,
+                         lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True))
+    gen = torch.Generator().manual_seed(7000 + 31 * rank + num_ranks)
+    x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8, device)
+    per_rank, _, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, 0)
+    arguments = dict(is_token_in_rank=in_rank, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4,
+                     num_worst_tokens=num_worst_tokens, num_channels=4, cached_handle=None)
+    expected = reference.dispatch(x, scales, stream=0, **arguments)
+    got = two_level.dispatch(x, scales, **arguments)
+    for field in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"):
+        _equal(getattr(got, field), getattr(expected, field), f"rank {rank}: {field}")
+    assert got.num_recv_tokens_per_expert_list == expected.num_recv_tokens_per_expert_list
+    for index, name in enumerate(("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                                  "recv_src_idx", "is_token_in_rank", "send_head")):
+        _equal(got.handle[index], expected.handle[index], f"rank {rank}: handle[{index}] ({name})")
+
+    # A cached dispatch of new rows moves them along the same routes.
+    x2, scales2, _, _, _ = _inputs(torch.Generator().manual_seed(9000 + rank), rank, num_ranks, use_fp8, device)
+    cached = dict(arguments, cached_handle=got.handle)
+    again = two_level.dispatch(x2, scales2, **cached)
+    reference_again = reference.dispatch(x2, scales2, stream=0, **dict(arguments, cached_handle=expected.handle))
+    _equal(again.recv_x, reference_again.recv_x, f"rank {rank}: cached recv_x")
+    _equal(again.recv_x_scales, reference_again.recv_x_scales, f"rank {rank}: cached recv_x_scales")
+
+    # The combine: rows summed inside each host first (bf16 partial sums), so within bf16 rounding.
+    num_rows = expected.recv_x.size(0)
+    rows = random_bf16(gen, (num_rows, H), 0.25, 2.0).to(device)
+    weights = random_weights(gen, num_rows, K).to(device)
+    bias = random_bf16(gen, (x.size(0), H), 0.25, 2.0).to(device)
+    combined, combined_weights = two_level.combine(rows, got.handle, weights, [bias])
+    reference_combined, reference_weights = reference.combine(rows, expected.handle, weights, [bias], 4, 0)
+    torch.testing.assert_close(combined.float(), reference_combined.float(), rtol=2e-2, atol=4e-2)
+    torch.testing.assert_close(combined_weights, reference_weights, rtol=1e-5, atol=1e-5)
+    two_level.destroy()
+
+
+@pytest.mark.parametrize("num_ranks, per_host", [(4, 2), (4, 1), (6, 3), (6, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_two_hops_match_the_reference(num_ranks, per_host, use_fp8):
+    run_ranks(num_ranks, two_hops_body, per_host=per_host, use_fp8=use_fp8, num_worst_tokens=0)
+
+
+def test_two_hops_with_worst_tokens():
+    run_ranks(4, two_hops_body, per_host=2, use_fp8=False, num_worst_tokens=96)
+
+
+def test_uneven_hosts_are_named():
+    assert even_hosts(["a", "a", "b", "b"]) == (2, 2)
+    assert even_hosts(["a", "b", "c"]) == (3, 1)
+    with pytest.raises(ValueError, match=r"a: 3 GPUs \(ranks 0, 1, 2\); b: 1 GPUs \(ranks 3\)"):
+        even_hosts(["a", "a", "a", "b"])
+    with pytest.raises(ValueError, match=r"a: 2 GPUs \(ranks 0, 2\); b: 2 GPUs \(ranks 1, 3\)"):
+        even_hosts(["a", "b", "a", "b"])
+
+
+def _buffer_across_hosts_body(rank, num_ranks, group):
+    import os
+    os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # CPU ranks 0-1 one host, 2-3 the other
+    buffer = Buffer(group, explicitly_destroy=True)
+    assert buffer.engine_by_operation["dispatch"] == buffer.engine_by_operation["combine"] == "two_level"
+    reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
+    gen = torch.Generator().manual_seed(500 + rank)
+    x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8=True)
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    assert per_rdma_rank.numel() == 2
+    expected = reference.dispatch(x, scales, stream=0, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
+                                  num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                                  expert_alignment=1, num_worst_tokens=0,
+                                  num_channels=buffer.get_dispatch_config(num_ranks).num_sms // 2, cached_handle=None)
+    (recv_x, recv_scales), recv_idx, recv_weights, per_expert_list, handle, event = buffer.dispatch(
+        (x, scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, async_finish=True)
+    event.current_stream_wait()
+    _equal(recv_x, expected.recv_x, f"rank {rank}: recv_x")
+    _equal(recv_scales, expected.recv_x_scales, f"rank {rank}: recv_x_scales")
+    _equal(recv_idx, expected.recv_topk_idx, f"rank {rank}: recv_topk_idx")
+    _equal(recv_weights, expected.recv_topk_weights, f"rank {rank}: recv_topk_weights")
+    assert per_expert_list == expected.num_recv_tokens_per_expert_list
+    (cached_x, _), *_ = buffer.dispatch((x, scales), handle=handle)
+    _equal(cached_x, expected.recv_x, f"rank {rank}: cached recv_x")
+    rows = random_bf16(gen, (recv_x.size(0), H), 0.25, 2.0)
+    combined, combined_weights, _ = buffer.combine(rows, handle, recv_weights)
+    reference_combined, reference_weights = reference.combine(rows, expected.handle, recv_weights, [], 4, 0)
+    torch.testing.assert_close(combined.float(), reference_combined.float(), rtol=2e-2, atol=4e-2)
+    torch.testing.assert_close(combined_weights, reference_weights, rtol=1e-5, atol=1e-5)
+    buffer.destroy()
+
+
+def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops():
+    run_ranks(4, _buffer_across_hosts_body)
+
+
+def _uneven_hosts_body(rank, num_ranks, group):
+    import os
+    os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # ranks 0-1 one host, rank 2 alone on another
+    buffer = Buffer(group, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(rank)
+    x, _, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8=False)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    with pytest.raises(ValueError, match=r"2 GPUs \(ranks 0, 1\); .*1 GPUs \(ranks 2\)"):
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk_idx, topk_weights=topk_weights)
+    buffer.destroy()
+
+
+def test_uneven_hosts_make_dispatch_raise_naming_them():
+    run_ranks(3, _uneven_hosts_body)

@@ -1,0 +1,206 @@
+"""Normal-mode dispatch and combine across hosts in two hops.
+
+A token crosses to each host that needs it once, to the rank there with the sender's own local index (its
+rail), which forwards it inside that host through an intranode Buffer (NVLink kernels on GPUs). The combine
+sums inside each host first; only the hosts' partial sums cross back, and the source rank adds them in host
+order.
+
+The rail hop is an all-to-all over the rail's group (the collective backend: NCCL or gloo; the CPU proxies'
+transports are to take its place). Received rows come out grouped by source rank in rank order, in token order
+within a source, as from every other path: the forward hop delivers them by forwarding rank, then by source
+host, and one gather puts them in rank order.
+"""
+
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .reference.collectives import GroupComm
+from .reference.normal import DispatchResult, exchange_layout
+from .reference.rows import pack_rows, row_spec, unpack_rows
+
+ROUTE_ATTRIBUTE = "_uccl_ep_rail_route"   # kept on the handle's rank_prefix_matrix: it travels with the handle
+
+
+def even_hosts(hosts: Sequence[str]) -> Tuple[int, int]:
+    """``(number of hosts, ranks per host)`` where every host holds the same number of consecutive ranks, else a
+    ValueError naming every host with its ranks."""
+    order = list(dict.fromkeys(hosts))
+    per_host = len(hosts) // len(order)
+    if per_host * len(order) == len(hosts) and all(host == order[rank // per_host] for rank, host in enumerate(hosts)):
+        return len(order), per_host
+    listed = "; ".join(f"{host}: {hosts.count(host)} GPUs (ranks "
+                       f"{', '.join(str(rank) for rank, theirs in enumerate(hosts) if theirs == host)})"
+                       for host in order)
+    raise ValueError(f"normal mode across hosts needs the same number of GPUs on every host, as consecutive "
+                     f"ranks; the group has {listed}")
+
+
+class RailRoute(NamedTuple):
+    """What one dispatch sent along its rail, for its cached dispatches and its combine."""
+    send_tokens: torch.Tensor     # this rank's tokens sent, by destination host, in token order within one
+    send_counts: List[int]        # tokens sent to each host
+    recv_counts: List[int]        # tokens received from each host (and forwarded inside this one)
+    inner_handle: Tuple           # the forward hop's handle, of this host's Buffer
+    order: torch.Tensor           # received row k in rank order is row order[k] of the forward hop
+    num_rows: int                 # rows of this rank's outputs (num_worst_tokens, else the rows received)
+
+
+class TwoLevel:
+    """The two hops for one rank. ``hosts``: every rank's host (even: :func:`even_hosts`); ``make_inner(group)``
+    makes the Buffer over one host's ranks. Collective: every rank of ``group`` makes one, in the same order."""
+
+    name = "two_level"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, hosts: Sequence[str], device: torch.device,
+                 timeout_s: float, make_inner: Callable[[dist.ProcessGroup], object]) -> None:
+        self.num_hosts, self.per_host = even_hosts(hosts)
+        self.host, self.local = divmod(rank, self.per_host)
+        self.device = device
+        ranks = dist.get_process_group_ranks(group)
+        # Each rank makes its own two groups only (local synchronisation): the group may be part of a larger world.
+        host_group = dist.new_group([ranks[self.host * self.per_host + g] for g in range(self.per_host)],
+                                    use_local_synchronization=True)
+        rail_group = dist.new_group([ranks[h * self.per_host + self.local] for h in range(self.num_hosts)],
+                                    use_local_synchronization=True)
+        self.everyone = GroupComm(group, rank, len(hosts), device, timeout_s)
+        self.rail = GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s)
+        self.within_host = GroupComm(host_group, self.local, self.per_host, device, timeout_s)
+        self.inner = make_inner(host_group)
+
+    def destroy(self) -> None:
+        if self.inner is not None:
+            self.inner.destroy()
+            self.inner = None
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
+                 num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                 topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
+                 num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
+                 stream: int = 0) -> DispatchResult:
+        if cached_handle is not None:
+            route = getattr(cached_handle[0], ROUTE_ATTRIBUTE)
+            rows = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts, route.recv_counts,
+                              "dispatch across hosts")
+            recv = self.inner.dispatch(self._x(rows, x.dtype, x_scales), handle=route.inner_handle)[0]
+            recv_x, recv_scales = recv if x_scales is not None else (recv, None)
+            return DispatchResult(self._in_rank_order(recv_x, route, 0), self._in_rank_order(recv_scales, route, 0),
+                                  None, None, [], tuple(cached_handle))
+
+        tables = exchange_layout(self.everyone, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                                 expert_alignment, num_worst_tokens, num_channels)
+        ranks_per_host = is_token_in_rank.reshape(-1, self.num_hosts, self.per_host)
+        to_host = ranks_per_host.any(-1)
+        dst_host, send_tokens = torch.nonzero(to_host.t()).unbind(1)
+        send_counts = to_host.sum(0).tolist()
+        recv_counts = self.rail.exchange_counts(send_counts, "dispatch across hosts: rail counts")
+        # Past the rail a token needs: which ranks of its new host take it, its experts there (numbered from
+        # the host's first), and its index on the source rank.
+        payload = self._payload(x, x_scales, send_tokens)
+        payload += [ranks_per_host[send_tokens, dst_host], send_tokens.to(torch.int32)]
+        experts_here = num_tokens_per_expert.numel() // self.num_hosts
+        if topk_idx is not None:
+            local = topk_idx[send_tokens] - dst_host[:, None] * experts_here
+            here = (topk_idx[send_tokens] >= 0) & (local >= 0) & (local < experts_here)
+            payload += [torch.where(here, local, torch.full_like(local, -1)), topk_weights[send_tokens]]
+        rows = self._rail(payload, send_counts, recv_counts, "dispatch across hosts")
+        forwarded = self._x(rows, x.dtype, x_scales)
+        count = 2 if x_scales is not None else 1
+        in_rank, source_token = rows[count], rows[count + 1]
+        f_idx, f_weights = (rows[count + 2], rows[count + 3]) if topk_idx is not None else (None, None)
+        per_expert = (torch.bincount(f_idx[f_idx >= 0], minlength=experts_here).to(torch.int32) if f_idx is not None
+                      else torch.zeros(experts_here, dtype=torch.int32, device=self.device))
+        recv, recv_idx, recv_weights, _, inner_handle, _ = self.inner.dispatch(
+            forwarded, num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=f_idx, topk_weights=f_weights,
+            num_worst_tokens=num_worst_tokens)
+        recv_x, recv_scales = recv if x_scales is not None else (recv, None)
+
+        order, sources = self._rank_order(inner_handle, recv_counts, source_token)
+        route = RailRoute(send_tokens, send_counts, recv_counts, tuple(inner_handle), order, recv_x.size(0))
+        recv_src_idx = self._in_rank_order(sources, route, -1)
+        rank_prefix_matrix = tables.rank_prefix_matrix
+        setattr(rank_prefix_matrix, ROUTE_ATTRIBUTE, route)
+        handle = (rank_prefix_matrix, tables.channel_prefix_matrix, tables.recv_channel_prefix_matrix, recv_src_idx,
+                  is_token_in_rank, tables.send_head)
+        return DispatchResult(
+            self._in_rank_order(recv_x, route, 0), self._in_rank_order(recv_scales, route, 0),
+            self._in_rank_order(recv_idx, route, -1), self._in_rank_order(recv_weights, route, 0),
+            tables.num_recv_tokens_per_expert_list, handle)
+
+    @staticmethod
+    def _payload(x: torch.Tensor, x_scales: Optional[torch.Tensor], tokens: torch.Tensor) -> List[torch.Tensor]:
+        return [x.view(torch.uint8)[tokens]] + ([] if x_scales is None else [x_scales[tokens]])
+
+    @staticmethod
+    def _x(rows: List[torch.Tensor], dtype: torch.dtype, x_scales: Optional[torch.Tensor]):
+        return (rows[0].view(dtype), rows[1]) if x_scales is not None else rows[0].view(dtype)
+
+    def _rail(self, payload: List[torch.Tensor], send_counts: List[int], recv_counts: List[int],
+              phase: str) -> List[torch.Tensor]:
+        """Each host's block of ``payload``'s rows to the rail's rank on that host; the blocks received."""
+        specs = [row_spec(p) for p in payload]
+        rows = self.rail.start_row_exchange(pack_rows(payload, payload[0].size(0), self.device), send_counts,
+                                            recv_counts, f"{phase}: rail rows").finish()
+        return unpack_rows(rows, specs)
+
+    def _rank_order(self, inner_handle, recv_counts: List[int], source_token: torch.Tensor
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(order, sources)``: the forward hop's rows in rank order, and each forward-hop row's token index on
+        its source rank. The forward hop delivers rows by forwarding rank g, each block in g's own order: by
+        source host h, then token; their source rank is h * per_host + g."""
+        phase = "dispatch across hosts: forwarded tokens"
+        per_host = self.within_host.all_gather_ints(torch.tensor(recv_counts), phase)
+        padded = torch.full((int(per_host.sum(1).max()),), -1, dtype=torch.int64)
+        padded[:source_token.numel()] = source_token.cpu()
+        tokens = self.within_host.all_gather_ints(padded, phase)
+        rank_prefix = inner_handle[0].cpu().to(torch.int64)[:, self.local]
+        from_forwarder = torch.diff(rank_prefix, prepend=torch.zeros(1, dtype=torch.int64))
+        num_recv = int(from_forwarder.sum())
+        forwarder = torch.repeat_interleave(torch.arange(self.per_host), from_forwarder)
+        position = inner_handle[3].cpu().to(torch.int64)[:num_recv]    # row in the forwarder's input
+        host = torch.searchsorted(per_host.cumsum(1)[forwarder], position.unsqueeze(1), right=True).squeeze(1)
+        order = torch.sort(host * self.per_host + forwarder, stable=True).indices
+        sources = tokens[forwarder, position].to(torch.int32)
+        return order.to(self.device), sources.to(self.device)
+
+    def _in_rank_order(self, rows: Optional[torch.Tensor], route: RailRoute, fill) -> Optional[torch.Tensor]:
+        """The forward hop's valid rows in rank order, padded with ``fill`` to the outputs' size."""
+        if rows is None:
+            return None
+        out = torch.full((route.num_rows,) + tuple(rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
+        out[:route.order.numel()] = rows[route.order]
+        return out
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                biases: Sequence[torch.Tensor], num_channels: int = 0, stream: int = 0
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sum every token's copies inside each host, then across hosts on its source rank; add the biases."""
+        route = getattr(handle[0], ROUTE_ATTRIBUTE)
+        inner_rows = route.inner_handle[3].size(0)
+        num_valid = route.order.numel()
+        inner_x = x.new_zeros((inner_rows, x.size(1)))
+        inner_x[route.order] = x[:num_valid]
+        inner_weights = None
+        if topk_weights is not None:
+            inner_weights = topk_weights.new_zeros((inner_rows, topk_weights.size(1)))
+            inner_weights[route.order] = topk_weights[:num_valid]
+        partial, partial_weights, _ = self.inner.combine(inner_x, route.inner_handle, inner_weights)
+        payload = [partial] + ([] if partial_weights is None else [partial_weights])
+        rows = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
+        num_tokens = handle[4].size(0)
+        summed = torch.zeros((num_tokens, x.size(1)), dtype=torch.float32, device=x.device)
+        weights = None if topk_weights is None else torch.zeros((num_tokens, topk_weights.size(1)),
+                                                                dtype=torch.float32, device=x.device)
+        # One host at a time, in host order: each token comes at most once per host, so every sum has one order.
+        for index, tokens in enumerate(route.send_tokens.split(route.send_counts)):
+            start = sum(route.send_counts[:index])
+            summed.index_add_(0, tokens, rows[0][start:start + tokens.numel()].float())
+            if weights is not None:
+                weights.index_add_(0, tokens, rows[1][start:start + tokens.numel()])
+        for bias in biases:
+            summed += bias.float()
+        return summed.to(x.dtype), weights
