@@ -17,6 +17,8 @@ from uccl_ep_plugin.cli.main import main
     (["--experts", "255"], "--experts 255 must be a positive multiple of the 2 ranks"),
     (["--ll-experts", "9"], "--ll-experts 9 must be a positive multiple of the 2 ranks"),
     (["--num-sms", "7"], "--num-sms 7 must be an even number of at least 2"),
+    (["--gpus-per-node", "3"], "--gpus-per-node 3 must divide the 2 ranks"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0 must divide the 2 ranks"),
     (["--warmup", "-1"], "--warmup -1 must be at least 0"),
     (["--iters", "0"], "--iters 0 must be at least 1"),
 ])
@@ -26,3 +28,16 @@ def test_bad_argument_is_one_line(argv, message, capsys, monkeypatch):
     assert main(["bench", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"uccl-ep bench: {message}", err
+
+
+def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch):
+    """4 CPU ranks as 2 hosts: the normal-mode cases go through the two hops and are checked like every case."""
+    import json
+    monkeypatch.setenv("UCCL_EP_GPUS_PER_NODE", "")   # restored after the run sets it for its ranks
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--ranks", "4", "--gpus-per-node", "2", "--mode", "normal",
+                 "--tokens", "48", "--hidden", "256", "--topk", "4", "--experts", "16", "--warmup", "0",
+                 "--iters", "1", "--no-baselines", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results and all(r["engine"] == "two_level" and r["path"] == "rail-gloo" and r["correct"]
+                           for r in results), results

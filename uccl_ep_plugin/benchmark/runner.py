@@ -13,6 +13,7 @@ from ..buffer import Buffer
 from ..engines import ENGINE_ENV
 from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
+from ..engines.two_level import TwoLevel
 from ..proxies import proxy_transport
 from . import baselines, nvlink
 from .case import Case
@@ -558,7 +559,8 @@ def _path_name(case: Case, device: torch.device) -> str:
         if case.mode == "normal":
             return "nvlink-ce" if copy_mode() == "engine" else "nvlink-sm"   # copy engines or SMs move the rows
         return "nvlink"
-    return "nccl" if device.type == "cuda" else "gloo"   # the reference engine and the baselines
+    collective = "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines, the rails
+    return f"rail-{collective}" if case.engine == TwoLevel.name else collective
 
 
 def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:

@@ -16,6 +16,7 @@ from ..benchmark.report import print_summary, progress_line, write_json
 from ..benchmark.runner import BenchOptions, num_cases, run_rank
 from ..benchmark.workloads import Workload
 from ..engines.native.peers import FORCE_PROXY_ENV, force_proxy
+from ..hosts import GPUS_PER_NODE_ENV
 from ..local_port import free_local_port
 from ..proxies import MODULE_LOADING_ENV, eager_module_loading
 
@@ -39,6 +40,9 @@ def register(subparsers) -> None:
     parser.add_argument("--ll-tokens", type=int, default=128, help="low-latency mode: tokens per rank")
     parser.add_argument("--ll-experts", type=int, default=288, help="low-latency mode: experts")
     parser.add_argument("--num-sms", type=int, default=24, help="SMs for normal-mode kernels (even)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="cut the local ranks into hosts of this many (UCCL_EP_GPUS_PER_NODE): normal mode then "
+                             "runs its two hops across them, the low-latency mode its cross-host path")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 5 GPU, 1 CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 50 GPU, 5 CPU)")
     parser.add_argument("--seed", type=int, default=1)
@@ -82,6 +86,9 @@ def argument_problem(args: argparse.Namespace, num_ranks: int) -> Optional[str]:
              ("--ll-experts", args.ll_experts >= 1 and args.ll_experts % num_ranks == 0,
               f"must be a positive multiple of the {num_ranks} ranks"),
              ("--num-sms", args.num_sms >= 2 and args.num_sms % 2 == 0, "must be an even number of at least 2"),
+             ("--gpus-per-node", args.gpus_per_node is None or (args.gpus_per_node >= 1 and
+                                                                num_ranks % args.gpus_per_node == 0),
+              f"must divide the {num_ranks} ranks"),
              ("--warmup", args.warmup is None or args.warmup >= 0, "must be at least 0"),
              ("--iters", args.iters is None or args.iters >= 1, "must be at least 1")]
     for name, ok, rule in rules:
@@ -113,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"uccl-ep bench: {problem}", file=sys.stderr)
         return 2
     on_gpu = device == "cuda"
+    if args.gpus_per_node is not None:   # the spawned ranks inherit it
+        os.environ[GPUS_PER_NODE_ENV] = str(args.gpus_per_node)
     if on_gpu and force_proxy() and not eager_module_loading():
         # The ranks inherit it; it must be set before their CUDA starts (proxies.py says why).
         os.environ[MODULE_LOADING_ENV] = "EAGER"
@@ -128,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, device_name=_device_name(device, num_ranks), commit=_commit(), num_sms=args.num_sms,
         baselines=args.baselines)
     total = num_cases(options)
-    print(f"uccl-ep bench: {num_ranks} ranks on {options.device_name}, {total} cases, "
+    hosts = "" if args.gpus_per_node is None else f" as {num_ranks // args.gpus_per_node} hosts"
+    print(f"uccl-ep bench: {num_ranks} ranks{hosts} on {options.device_name}, {total} cases, "
           f"{options.warmup} warm-up + {options.iters} timed iterations each", file=sys.stderr, flush=True)
 
     context = mp.get_context("spawn")
