@@ -152,3 +152,21 @@ def _uneven_hosts_body(rank, num_ranks, group):
 
 def test_uneven_hosts_make_dispatch_raise_naming_them():
     run_ranks(3, _uneven_hosts_body)
+
+
+def _too_many_for_worst_tokens_body(rank, num_ranks, group):
+    two_level = TwoLevel(group, rank, ["a", "a", "b", "b"], CPU, 60.0,
+                         lambda host_group: Buffer(host_group, explicitly_destroy=True))
+    x, _, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks, False)
+    per_rank, _, per_expert, in_rank = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None).get_dispatch_layout(
+        topk_idx, num_experts, 0)
+    # Every rank learns every count in the first exchange and raises there, before a row crosses a host.
+    with pytest.raises(RuntimeError, match="more than num_worst_tokens=8"):
+        two_level.dispatch(x, None, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                           expert_alignment=1, num_worst_tokens=8, num_channels=4, cached_handle=None)
+    two_level.destroy()
+
+
+def test_too_many_tokens_for_num_worst_tokens_raise_on_every_rank():
+    run_ranks(4, _too_many_for_worst_tokens_body)

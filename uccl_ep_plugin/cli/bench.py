@@ -42,7 +42,8 @@ def register(subparsers) -> None:
     parser.add_argument("--num-sms", type=int, default=24, help="SMs for normal-mode kernels (even)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="cut the local ranks into hosts of this many (UCCL_EP_GPUS_PER_NODE): normal mode then "
-                             "runs its two hops across them, the low-latency mode its cross-host path")
+                             "runs its two hops across them, and the low-latency mode its cross-host path where "
+                             "UCCL_EP_PROXY_TRANSPORT names one")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 5 GPU, 1 CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 50 GPU, 5 CPU)")
     parser.add_argument("--seed", type=int, default=1)

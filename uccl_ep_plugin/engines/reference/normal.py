@@ -62,6 +62,12 @@ def exchange_layout(comm: GroupComm, is_token_in_rank: torch.Tensor, num_tokens_
                       num_tokens_per_expert.to(torch.int64)])
     gathered = comm.all_gather_ints(meta, "dispatch: exchange layout")
     counts = gathered[:, :num_ranks]
+    # Every rank knows every rank's count, so all of them stop together instead of some waiting.
+    received_by_rank = counts.sum(0)
+    if num_worst_tokens > 0 and int(received_by_rank.max()) > num_worst_tokens:
+        worst = int(received_by_rank.argmax())
+        raise RuntimeError(f"uccl_ep_plugin: dispatch on rank {rank}: rank {worst} would receive "
+                           f"{int(received_by_rank[worst])} tokens, more than num_worst_tokens={num_worst_tokens}")
     rank_prefix_matrix = counts.cumsum(0).to(torch.int32).to(device)
     sent_by_channel = gathered[:, num_ranks:num_ranks + num_ranks * num_channels].view(num_ranks, num_ranks,
                                                                                        num_channels)[:, rank]
@@ -97,12 +103,6 @@ def dispatch(comm: GroupComm, x: torch.Tensor, x_scales: Optional[torch.Tensor],
     num_recv = sum(recv_counts)
     if cached_handle is None:
         num_rows_out = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        # Every rank knows every rank's count, so all of them stop together instead of some waiting.
-        received_by_rank = counts.sum(0)
-        if num_worst_tokens > 0 and int(received_by_rank.max()) > num_worst_tokens:
-            worst = int(received_by_rank.argmax())
-            raise RuntimeError(f"uccl_ep_plugin: dispatch on rank {rank}: rank {worst} would receive "
-                               f"{int(received_by_rank[worst])} tokens, more than num_worst_tokens={num_worst_tokens}")
     if num_recv > num_rows_out:
         raise RuntimeError(f"uccl_ep_plugin: rank {rank} dispatch receives {num_recv} tokens, more than the "
                            f"{num_rows_out} rows allowed (num_worst_tokens or the cached handle)")
