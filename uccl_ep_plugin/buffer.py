@@ -136,8 +136,9 @@ class Buffer:
         num_sms: SMs used by normal-mode kernels (class-wide, see :meth:`set_num_sms`).
         rank, group_size, group: this rank, the number of ranks and the group.
         num_nvl_bytes, num_rdma_bytes: sizes of the NVLink and NIC-registered buffers.
-        engine: ``"native"``, ``"reference"`` or ``"mixed"``; ``engine_by_operation`` gives each operation's,
-            and ``engine_reasons`` why the native engine does not serve an operation (for logs).
+        engine: ``"native"``, ``"reference"`` or ``"mixed"``; ``engine_by_operation`` gives each operation's
+            (``"two_level"``: normal mode across hosts, engines/two_level.py), and ``engine_reasons`` why the
+            native engine does not serve an operation (for logs).
     """
 
     num_sms: int = 20
