@@ -170,3 +170,22 @@ def _too_many_for_worst_tokens_body(rank, num_ranks, group):
 
 def test_too_many_tokens_for_num_worst_tokens_raise_on_every_rank():
     run_ranks(4, _too_many_for_worst_tokens_body)
+
+
+def _release_body(rank, num_ranks, group):
+    import os
+    os.environ["UCCL_EP_GPUS_PER_NODE"] = "1"
+    destroyed = Buffer(group, explicitly_destroy=True)
+    inner = destroyed._two_level.inner
+    destroyed.destroy()
+    assert inner._destroyed and destroyed._two_level is None
+    collected = Buffer(group)                    # released when garbage-collected, without its peers
+    inner = collected._two_level.inner
+    del collected
+    import gc
+    gc.collect()
+    assert inner._destroyed
+
+
+def test_the_hosts_buffer_goes_with_the_buffer():
+    run_ranks(2, _release_body)

@@ -273,6 +273,8 @@ class Buffer:
             raise RuntimeError("Buffer.destroy() requires Buffer(explicitly_destroy=True); otherwise resources are "
                                "released when the Buffer is garbage-collected")
         try:
+            if self._two_level is not None:
+                self._two_level.destroy()   # its host's Buffer, destroyed together as this one is
             if self._native is not None and self._native.maps_peer_memory:
                 # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
                 self.synchronize()
@@ -301,7 +303,9 @@ class Buffer:
     def _release(self) -> None:
         if self._destroyed:
             return
-        for engine in (self._two_level, self._reference, self._native):
+        if self._two_level is not None:
+            self._two_level.release()
+        for engine in (self._reference, self._native):
             if engine is not None:
                 engine.destroy()
         self._reference = self._native = self._two_level = None

@@ -70,9 +70,16 @@ class TwoLevel:
         self.inner = make_inner(host_group)
 
     def destroy(self) -> None:
-        if self.inner is not None:
-            self.inner.destroy()
-            self.inner = None
+        """Destroy the host's Buffer with every rank of the group (as Buffer.destroy())."""
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.destroy()
+
+    def release(self) -> None:
+        """Free the host's Buffer without waiting for the peers (garbage collection, a failed construction)."""
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner._release()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
