@@ -103,8 +103,11 @@ def test_uneven_hosts_are_named():
 def _buffer_across_hosts_body(rank, num_ranks, group):
     import os
     os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # CPU ranks 0-1 one host, 2-3 the other
-    buffer = Buffer(group, explicitly_destroy=True)
+    buffer = Buffer(group, num_nvl_bytes=1 << 16, explicitly_destroy=True)
     assert buffer.engine_by_operation["dispatch"] == buffer.engine_by_operation["combine"] == "two_level"
+    # One NVLink buffer per rank: the host's Buffer's, not a second one of the same size.
+    assert buffer.get_local_buffer_tensor(torch.uint8).data_ptr() == \
+        buffer._two_level.inner.get_local_buffer_tensor(torch.uint8).data_ptr()
     reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
     gen = torch.Generator().manual_seed(500 + rank)
     x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8=True)

@@ -188,6 +188,8 @@ class Buffer:
             self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode, hosts)
             self._comm = CommStream(self.device) if self.device.type == "cuda" else None
             native_normal_buffer = None if self._native is None else self._native.normal_buffer
+            if self._two_level is not None:   # across hosts the NVLink buffer is the host's Buffer's
+                native_normal_buffer = self._two_level.inner._nvl_buffer
             self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
                                 else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
             native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
