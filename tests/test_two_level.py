@@ -2,6 +2,8 @@
 ranks cut into hosts: random tokens, uneven token counts, a rank with none, experts nobody picks, bf16 and fp8,
 num_worst_tokens, the cached dispatch and the combine with weights and a bias."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +16,19 @@ from uccl_ep_plugin.engines.two_level import TwoLevel, even_hosts
 
 CPU = torch.device("cpu")
 H, K = 256, 3
+RAIL_BYTES = 1 << 20   # the transport rail's region: room for every case here
+
+
+def _extension():
+    from uccl_ep_plugin import _C
+    return _C
+
+
+def _has(feature):
+    try:
+        return feature in _extension().build_info()["features"]
+    except ImportError:
+        return False
 
 
 def _inputs(gen, rank, num_ranks, use_fp8, device=CPU):
@@ -39,13 +54,21 @@ def _equal(got, expected, what):
                        expected.view(torch.uint8) if expected.dtype == torch.float8_e4m3fn else expected), what
 
 
-def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, num_nvl_bytes=0):
-    """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one."""
+def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, num_nvl_bytes=0, rail=None,
+                  reorder_seed=None):
+    """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one. ``rail``:
+    None (the collective rail) or a transport (tcp, verbs), delivering out of order with ``reorder_seed``."""
     device = rank_device(rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else CPU
     hosts = [f"host-{r // per_host}" for r in range(num_ranks)]
     reference = ReferenceEngine(group, rank, num_ranks, device, 60.0, None)
+    if reorder_seed is not None:
+        os.environ["UCCL_EP_TRANSPORT_REORDER"] = str(reorder_seed + rank)
+    if rail == "verbs":   # rank r on RDMA device r % count, as the transport tests do
+        devices = _verbs_devices()
+        os.environ["UCCL_IB_HCA"] = devices[rank % len(devices)]
     two_level = TwoLevel(group, rank, hosts, device, 60.0,
-                         lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True))
+                         lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True),
+                         rail_transport=rail, num_rdma_bytes=RAIL_BYTES, extension=_extension() if rail else None)
     gen = torch.Generator().manual_seed(7000 + 31 * rank + num_ranks)
     x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8, device)
     per_rank, _, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, 0)
@@ -91,6 +114,47 @@ def test_two_hops_with_worst_tokens():
     run_ranks(4, two_hops_body, per_host=2, use_fp8=False, num_worst_tokens=96)
 
 
+
+@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+@pytest.mark.parametrize("num_ranks, per_host", [(4, 2), (6, 3), (6, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("reorder_seed", [None, 11], ids=["in-order", "reordered"])
+def test_two_hops_over_the_tcp_transport(num_ranks, per_host, reorder_seed):
+    """The rail as writes with immediates through the proxies' tcp transport, delivered in order and out of order."""
+    run_ranks(num_ranks, two_hops_body, per_host=per_host, use_fp8=num_ranks == 6, num_worst_tokens=0, rail="tcp",
+              reorder_seed=reorder_seed)
+
+
+def _verbs_devices():
+    from tests.transport_exchange import rdma_devices
+    return rdma_devices() if _has("verbs_transport") else []
+
+
+@pytest.mark.skipif(not _verbs_devices(), reason="no RDMA device (tests/soft_roce/run_tests.sh runs it on soft-RoCE)")
+def test_two_hops_over_verbs():
+    """Against a real verbs provider (soft-RoCE in CI's guest), out of order."""
+    run_ranks(4, two_hops_body, per_host=2, use_fp8=True, num_worst_tokens=0, rail="verbs", reorder_seed=5)
+
+
+def _rail_too_small_body(rank, num_ranks, group):
+    two_level = TwoLevel(group, rank, ["a", "a", "b", "b"], CPU, 60.0,
+                         lambda host_group: Buffer(host_group, explicitly_destroy=True),
+                         rail_transport="tcp", num_rdma_bytes=8192, extension=_extension())
+    x, _, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks, False)
+    per_rank, _, per_expert, in_rank = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None).get_dispatch_layout(
+        topk_idx, num_experts, 0)
+    # Rank 2 has the fewest tokens but hears of its rail peer's: every rank of a rail raises, naming the size.
+    with pytest.raises(ValueError, match=r"need num_rdma_bytes >= \d+; the Buffer has 8192"):
+        two_level.dispatch(x, None, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                           expert_alignment=1, num_worst_tokens=0, num_channels=4, cached_handle=None)
+    two_level.release()
+
+
+@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+def test_a_rail_region_too_small_names_the_size_on_every_rank():
+    run_ranks(4, _rail_too_small_body)
+
+
 def test_uneven_hosts_are_named():
     assert even_hosts(["a", "a", "b", "b"]) == (2, 2)
     assert even_hosts(["a", "b", "c"]) == (3, 1)
@@ -100,11 +164,13 @@ def test_uneven_hosts_are_named():
         even_hosts(["a", "b", "a", "b"])
 
 
-def _buffer_across_hosts_body(rank, num_ranks, group):
-    import os
+def _buffer_across_hosts_body(rank, num_ranks, group, rail):
     os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # CPU ranks 0-1 one host, 2-3 the other
-    buffer = Buffer(group, num_nvl_bytes=1 << 16, explicitly_destroy=True)
+    if rail == "tcp":
+        os.environ.update(UCCL_EP_PROXY_TRANSPORT="tcp", UCCL_SOCKET_IFNAME="lo")
+    buffer = Buffer(group, num_nvl_bytes=1 << 16, num_rdma_bytes=RAIL_BYTES, explicitly_destroy=True)
     assert buffer.engine_by_operation["dispatch"] == buffer.engine_by_operation["combine"] == "two_level"
+    assert buffer._two_level.rail.name == ("transport" if rail == "tcp" else "collective")
     # One NVLink buffer per rank: the host's Buffer's, not a second one of the same size.
     assert buffer.get_local_buffer_tensor(torch.uint8).data_ptr() == \
         buffer._two_level.inner.get_local_buffer_tensor(torch.uint8).data_ptr()
@@ -136,8 +202,25 @@ def _buffer_across_hosts_body(rank, num_ranks, group):
     buffer.destroy()
 
 
-def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops():
-    run_ranks(4, _buffer_across_hosts_body)
+@pytest.mark.parametrize("rail", [None, pytest.param("tcp", marks=pytest.mark.skipif(
+    not _has("tcp_transport"), reason="the extension has no tcp transport"))], ids=["collective", "tcp"])
+def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops(rail):
+    """UCCL_EP_PROXY_TRANSPORT=tcp (with the interface UCCL_SOCKET_IFNAME names) carries the hop between hosts."""
+    run_ranks(4, _buffer_across_hosts_body, rail=rail)
+
+
+def _tcp_without_an_interface_body(rank, num_ranks, group):
+    os.environ.update(UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_PROXY_TRANSPORT="tcp")
+    os.environ.pop("UCCL_SOCKET_IFNAME", None)
+    with pytest.warns(RuntimeWarning, match="not tcp: .*UCCL_SOCKET_IFNAME"):
+        buffer = Buffer(group, num_rdma_bytes=RAIL_BYTES, explicitly_destroy=True)
+    assert buffer._two_level.rail.name == "collective"
+    buffer.destroy()
+
+
+@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+def test_a_rail_transport_that_cannot_reach_other_hosts_falls_back_to_collectives():
+    run_ranks(2, _tcp_without_an_interface_body)
 
 
 def _uneven_hosts_body(rank, num_ranks, group):
@@ -192,3 +275,20 @@ def _release_body(rank, num_ranks, group):
 
 def test_the_hosts_buffer_goes_with_the_buffer():
     run_ranks(2, _release_body)
+
+
+def _silent_rail_peer_body(rank, num_ranks, group):
+    from uccl_ep_plugin.engines.rail import TransportRail
+    from uccl_ep_plugin.engines.reference import CommTimeoutError
+    rail = TransportRail(group, rank, num_ranks, CPU, RAIL_BYTES, "tcp", 2.0, _extension())
+    if rank == 0:   # rank 1 never sends its rows
+        with pytest.raises(CommTimeoutError, match=r"rank 0 timed out after 2s in phase 'dispatch across hosts' "
+                                                   r"waiting for the rows of every host \(rail transport\)"):
+            rail.exchange(torch.ones((3, 64), dtype=torch.uint8), [1, 2], None, "dispatch across hosts")
+    dist.barrier(group=group)
+    rail.close()
+
+
+@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+def test_a_silent_rail_peer_times_out_naming_the_phase():
+    run_ranks(2, _silent_rail_peer_body)

@@ -19,6 +19,8 @@ from .dispatch_config import (Config, LowLatencyLayout, combine_config, dispatch
 from .engines.native import LOW_LATENCY_OPERATIONS, NORMAL_OPERATIONS, NativeEngine
 from .engines.native.normal import ExchangeTooLarge
 from .engines.reference import ReferenceEngine
+from .engines.native.peers import first_reason
+from .engines.rail import rail_setup_reason, rail_transport
 from .engines.two_level import TwoLevel, even_hosts
 from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
@@ -227,7 +229,7 @@ class Buffer:
             self._mark_unserved(choice, self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes,
                                                                        timeout_s))
         if len(set(hosts)) > 1 and choice.mode != "reference":
-            self._set_up_two_level(choice, hosts, num_nvl_bytes, timeout_s)
+            self._set_up_two_level(choice, hosts, num_nvl_bytes, num_rdma_bytes, timeout_s)
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
@@ -240,9 +242,11 @@ class Buffer:
                       + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
 
     def _set_up_two_level(self, choice: engines.EngineChoice, hosts: List[str], num_nvl_bytes: int,
-                          timeout_s: float) -> None:
+                          num_rdma_bytes: int, timeout_s: float) -> None:
         """Ranks on several hosts: dispatch and combine cross to each host once and are forwarded inside it by a
-        Buffer over that host's ranks (engines/two_level.py); uneven hosts make those calls raise, naming them."""
+        Buffer over that host's ranks (engines/two_level.py); uneven hosts make those calls raise, naming them.
+        The hop between hosts goes through the transport UCCL_EP_PROXY_TRANSPORT names (tcp, verbs) in
+        ``num_rdma_bytes`` of its own, else over the group's collectives."""
         choice.by_operation.update(dict.fromkeys(NORMAL_OPERATIONS, TwoLevel.name))
         for operation in NORMAL_OPERATIONS:
             choice.reasons.pop(operation, None)
@@ -251,9 +255,21 @@ class Buffer:
         except ValueError as error:   # every rank has the same hosts: all raise alike at the call
             choice.reasons.update(dict.fromkeys(NORMAL_OPERATIONS, str(error)))
             return
+        rail, extension = rail_transport(), None
+        if rail is not None:
+            try:
+                from . import _C as extension
+            except ImportError:
+                pass
+            reason = first_reason(self.group, rail_setup_reason(extension, rail, num_rdma_bytes, self.device))
+            if reason is not None:
+                warn_once(f"normal mode across hosts: the hop between hosts runs over the group's collectives, not "
+                          f"{rail}: {reason}")
+                rail = None
         self._two_level = TwoLevel(self.group, self.rank, hosts, self.device, timeout_s,
                                    lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes,
-                                                             explicitly_destroy=True))
+                                                             explicitly_destroy=True),
+                                   rail_transport=rail, num_rdma_bytes=num_rdma_bytes, extension=extension)
 
     @staticmethod
     def _all_native(choice: engines.EngineChoice, operations) -> bool:

@@ -16,4 +16,4 @@ python=$PWD/.venv/bin/python   # the venv's own link to a real interpreter (a py
 exec tests/soft_roce/guest.sh --timeout "${UCCL_EP_GUEST_TIMEOUT_S:-420}" -- \
     env UCCL_EP_TEST_START_METHOD=fork UCCL_EP_TEST_TRANSPORT_SCALE=16 \
     "$python" -m pytest -q -p no:cacheprovider tests/test_verbs_transport.py tests/test_transport_exchange.py \
-    tests/test_proxy.py tests/test_uccl_lifecycle.py -k verbs
+    tests/test_proxy.py tests/test_uccl_lifecycle.py tests/test_two_level.py -k verbs

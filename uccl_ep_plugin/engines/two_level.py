@@ -16,6 +16,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .rail import CollectiveRail, TransportRail
 from .reference.collectives import GroupComm
 from .reference.normal import DispatchResult, exchange_layout
 from .reference.rows import pack_rows, row_spec, unpack_rows
@@ -54,7 +55,8 @@ class TwoLevel:
     name = "two_level"
 
     def __init__(self, group: dist.ProcessGroup, rank: int, hosts: Sequence[str], device: torch.device,
-                 timeout_s: float, make_inner: Callable[[dist.ProcessGroup], object]) -> None:
+                 timeout_s: float, make_inner: Callable[[dist.ProcessGroup], object],
+                 rail_transport: Optional[str] = None, num_rdma_bytes: int = 0, extension=None) -> None:
         self.num_hosts, self.per_host = even_hosts(hosts)
         self.host, self.local = divmod(rank, self.per_host)
         self.device = device
@@ -65,21 +67,32 @@ class TwoLevel:
         rail_group = dist.new_group([ranks[h * self.per_host + self.local] for h in range(self.num_hosts)],
                                     use_local_synchronization=True)
         self.everyone = GroupComm(group, rank, len(hosts), device, timeout_s)
-        self.rail = GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s)
+        # The rail: a collective, or (rail_transport: tcp, verbs) a proxies' transport over num_rdma_bytes.
+        self.rail = (CollectiveRail(GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s))
+                     if rail_transport is None else
+                     TransportRail(rail_group, self.host, self.num_hosts, device, num_rdma_bytes, rail_transport,
+                                   timeout_s, extension))
         self.within_host = GroupComm(host_group, self.local, self.per_host, device, timeout_s)
-        self.inner = make_inner(host_group)
+        try:
+            self.inner = make_inner(host_group)
+        except BaseException:
+            self.rail.close()
+            raise
 
     def destroy(self) -> None:
-        """Destroy the host's Buffer with every rank of the group (as Buffer.destroy())."""
+        """Destroy the host's Buffer with every rank of the group (as Buffer.destroy()), and close the rail."""
         inner, self.inner = self.inner, None
         if inner is not None:
             inner.destroy()
+        self.rail.close()
 
     def release(self) -> None:
-        """Free the host's Buffer without waiting for the peers (garbage collection, a failed construction)."""
+        """Free the host's Buffer and the rail without waiting for the peers (garbage collection, a failed
+        construction)."""
         inner, self.inner = self.inner, None
         if inner is not None:
             inner._release()
+        self.rail.close()
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], *, is_token_in_rank: torch.Tensor,
@@ -89,8 +102,8 @@ class TwoLevel:
                  stream: int = 0) -> DispatchResult:
         if cached_handle is not None:
             route = getattr(cached_handle[0], ROUTE_ATTRIBUTE)
-            rows = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts, route.recv_counts,
-                              "dispatch across hosts")
+            rows, _ = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts,
+                                 route.recv_counts, "dispatch across hosts")
             recv = self.inner.dispatch(self._x(rows, x.dtype, x_scales), handle=route.inner_handle)[0]
             recv_x, recv_scales = recv if x_scales is not None else (recv, None)
             return DispatchResult(self._in_rank_order(recv_x, route, 0), self._in_rank_order(recv_scales, route, 0),
@@ -102,7 +115,6 @@ class TwoLevel:
         to_host = ranks_per_host.any(-1)
         dst_host, send_tokens = torch.nonzero(to_host.t()).unbind(1)
         send_counts = to_host.sum(0).tolist()
-        recv_counts = self.rail.exchange_counts(send_counts, "dispatch across hosts: rail counts")
         # Past the rail a token needs: which ranks of its new host take it, its experts there (numbered from
         # the host's first), and its index on the source rank.
         payload = self._payload(x, x_scales, send_tokens)
@@ -112,7 +124,7 @@ class TwoLevel:
             local = topk_idx[send_tokens] - dst_host[:, None] * experts_here
             here = (topk_idx[send_tokens] >= 0) & (local >= 0) & (local < experts_here)
             payload += [torch.where(here, local, torch.full_like(local, -1)), topk_weights[send_tokens]]
-        rows = self._rail(payload, send_counts, recv_counts, "dispatch across hosts")
+        rows, recv_counts = self._rail(payload, send_counts, None, "dispatch across hosts")
         forwarded = self._x(rows, x.dtype, x_scales)
         count = 2 if x_scales is not None else 1
         in_rank, source_token = rows[count], rows[count + 1]
@@ -145,13 +157,14 @@ class TwoLevel:
     def _x(rows: List[torch.Tensor], dtype: torch.dtype, x_scales: Optional[torch.Tensor]):
         return (rows[0].view(dtype), rows[1]) if x_scales is not None else rows[0].view(dtype)
 
-    def _rail(self, payload: List[torch.Tensor], send_counts: List[int], recv_counts: List[int],
-              phase: str) -> List[torch.Tensor]:
-        """Each host's block of ``payload``'s rows to the rail's rank on that host; the blocks received."""
+    def _rail(self, payload: List[torch.Tensor], send_counts: List[int], recv_counts: Optional[List[int]],
+              phase: str) -> Tuple[List[torch.Tensor], List[int]]:
+        """Each host's block of ``payload``'s rows to the rail's rank on that host; the blocks received, and how
+        many rows came from each host."""
         specs = [row_spec(p) for p in payload]
-        rows = self.rail.start_row_exchange(pack_rows(payload, payload[0].size(0), self.device), send_counts,
-                                            recv_counts, f"{phase}: rail rows").finish()
-        return unpack_rows(rows, specs)
+        rows, recv_counts = self.rail.exchange(pack_rows(payload, payload[0].size(0), self.device), send_counts,
+                                               recv_counts, phase)
+        return unpack_rows(rows, specs), recv_counts
 
     def _rank_order(self, inner_handle, recv_counts: List[int], source_token: torch.Tensor
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +210,7 @@ class TwoLevel:
             inner_weights[route.order] = topk_weights[:num_valid]
         partial, partial_weights, _ = self.inner.combine(inner_x, route.inner_handle, inner_weights)
         payload = [partial] + ([] if partial_weights is None else [partial_weights])
-        rows = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
+        rows, _ = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
         num_tokens = handle[4].size(0)
         summed = torch.zeros((num_tokens, x.size(1)), dtype=torch.float32, device=x.device)
         weights = None if topk_weights is None else torch.zeros((num_tokens, topk_weights.size(1)),

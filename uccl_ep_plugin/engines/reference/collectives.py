@@ -15,6 +15,19 @@ class CommTimeoutError(TimeoutError):
     """A rank waited longer than the configured timeout for its peers."""
 
 
+def wait_until(ready: Callable[[], bool], timeout_s: float, rank: int, phase: str, expected: str) -> None:
+    """Poll ``ready()`` with a pause growing from 20 us to 1 ms until it is true; after ``timeout_s`` raise
+    CommTimeoutError naming the rank, the phase and what it waited for."""
+    deadline = time.monotonic() + timeout_s
+    pause = 20e-6
+    while not ready():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"uccl_ep_plugin: rank {rank} timed out after {timeout_s:g}s in phase '{phase}' "
+                                   f"waiting for {expected}")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class GroupComm:
     def __init__(self, group: dist.ProcessGroup, rank: int, num_ranks: int, device: torch.device,
                  timeout_s: float) -> None:
@@ -29,14 +42,7 @@ class GroupComm:
 
     def wait(self, work, phase: str, expected: str) -> None:
         """Block the host until ``work`` completes, or raise after ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
-        pause = 20e-6
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise CommTimeoutError(f"uccl_ep_plugin: rank {self.rank} timed out after {self.timeout_s:g}s in "
-                                       f"phase '{phase}' waiting for {expected}")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        wait_until(work.is_completed, self.timeout_s, self.rank, phase, expected)
         work.wait()
 
     def all_gather_ints(self, values: torch.Tensor, phase: str) -> torch.Tensor:
