@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.multiprocess import needs_gpus, run_ranks
-from tests.test_two_level import two_hops_body
+from tests.test_two_level import extension_has, two_hops_body
 
 RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 # hosts of 1 GPU each, and (with 4 or more) of 2
@@ -22,3 +22,12 @@ pytestmark = [pytest.mark.gpu, needs_gpus(RANKS)]
 def test_two_hops_on_gpus_match_the_reference(per_host, use_fp8, num_worst_tokens):
     run_ranks(RANKS, two_hops_body, backend="nccl", per_host=per_host, use_fp8=use_fp8,
               num_worst_tokens=num_worst_tokens, num_nvl_bytes=1 << 26)
+
+
+@pytest.mark.skipif(not extension_has("tcp_device_memory"), reason="this build has no tcp transport over GPU memory")
+@pytest.mark.parametrize("per_host", SPLITS, ids=lambda n: f"{n}-per-host")
+@pytest.mark.parametrize("reorder_seed", [None, 3], ids=["in-order", "reordered"])
+def test_two_hops_over_tcp_on_gpus_match_the_reference(per_host, reorder_seed):
+    """The hop between hosts through the tcp transport over a region in GPU memory."""
+    run_ranks(RANKS, two_hops_body, backend="nccl", per_host=per_host, use_fp8=True, num_worst_tokens=0,
+              num_nvl_bytes=1 << 26, rail="tcp", reorder_seed=reorder_seed)

@@ -24,7 +24,7 @@ def _extension():
     return _C
 
 
-def _has(feature):
+def extension_has(feature):
     try:
         return feature in _extension().build_info()["features"]
     except ImportError:
@@ -115,7 +115,7 @@ def test_two_hops_with_worst_tokens():
 
 
 
-@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
 @pytest.mark.parametrize("num_ranks, per_host", [(4, 2), (6, 3), (6, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("reorder_seed", [None, 11], ids=["in-order", "reordered"])
 def test_two_hops_over_the_tcp_transport(num_ranks, per_host, reorder_seed):
@@ -126,7 +126,7 @@ def test_two_hops_over_the_tcp_transport(num_ranks, per_host, reorder_seed):
 
 def _verbs_devices():
     from tests.transport_exchange import rdma_devices
-    return rdma_devices() if _has("verbs_transport") else []
+    return rdma_devices() if extension_has("verbs_transport") else []
 
 
 @pytest.mark.skipif(not _verbs_devices(), reason="no RDMA device (tests/soft_roce/run_tests.sh runs it on soft-RoCE)")
@@ -150,7 +150,7 @@ def _rail_too_small_body(rank, num_ranks, group):
     two_level.release()
 
 
-@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
 def test_a_rail_region_too_small_names_the_size_on_every_rank():
     run_ranks(4, _rail_too_small_body)
 
@@ -203,7 +203,7 @@ def _buffer_across_hosts_body(rank, num_ranks, group, rail):
 
 
 @pytest.mark.parametrize("rail", [None, pytest.param("tcp", marks=pytest.mark.skipif(
-    not _has("tcp_transport"), reason="the extension has no tcp transport"))], ids=["collective", "tcp"])
+    not extension_has("tcp_transport"), reason="the extension has no tcp transport"))], ids=["collective", "tcp"])
 def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops(rail):
     """UCCL_EP_PROXY_TRANSPORT=tcp (with the interface UCCL_SOCKET_IFNAME names) carries the hop between hosts."""
     run_ranks(4, _buffer_across_hosts_body, rail=rail)
@@ -218,7 +218,7 @@ def _tcp_without_an_interface_body(rank, num_ranks, group):
     buffer.destroy()
 
 
-@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
 def test_a_rail_transport_that_cannot_reach_other_hosts_falls_back_to_collectives():
     run_ranks(2, _tcp_without_an_interface_body)
 
@@ -289,6 +289,6 @@ def _silent_rail_peer_body(rank, num_ranks, group):
     rail.close()
 
 
-@pytest.mark.skipif(not _has("tcp_transport"), reason="the extension has no tcp transport")
+@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
 def test_a_silent_rail_peer_times_out_naming_the_phase():
     run_ranks(2, _silent_rail_peer_body)
