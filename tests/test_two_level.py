@@ -12,6 +12,7 @@ from tests.multiprocess import rank_device, run_ranks
 from tests.reference_checks import random_bf16, random_topk_idx, random_weights
 from uccl_ep_plugin import Buffer
 from uccl_ep_plugin.engines.reference import ReferenceEngine
+from uccl_ep_plugin.engines.reference.collectives import GroupComm
 from uccl_ep_plugin.engines.two_level import TwoLevel, even_hosts
 
 CPU = torch.device("cpu")
@@ -66,7 +67,7 @@ def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, n
     if rail == "verbs":   # rank r on RDMA device r % count, as the transport tests do
         devices = _verbs_devices()
         os.environ["UCCL_IB_HCA"] = devices[rank % len(devices)]
-    two_level = TwoLevel(group, rank, hosts, device, 60.0,
+    two_level = TwoLevel(reference.comm, hosts,
                          lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True),
                          rail_transport=rail, num_rdma_bytes=RAIL_BYTES, extension=_extension() if rail else None)
     gen = torch.Generator().manual_seed(7000 + 31 * rank + num_ranks)
@@ -136,7 +137,7 @@ def test_two_hops_over_verbs():
 
 
 def _rail_too_small_body(rank, num_ranks, group):
-    two_level = TwoLevel(group, rank, ["a", "a", "b", "b"], CPU, 60.0,
+    two_level = TwoLevel(GroupComm(group, rank, num_ranks, CPU, 60.0), ["a", "a", "b", "b"],
                          lambda host_group: Buffer(host_group, explicitly_destroy=True),
                          rail_transport="tcp", num_rdma_bytes=8192, extension=_extension())
     x, _, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks, False)
@@ -241,7 +242,7 @@ def test_uneven_hosts_make_dispatch_raise_naming_them():
 
 
 def _too_many_for_worst_tokens_body(rank, num_ranks, group):
-    two_level = TwoLevel(group, rank, ["a", "a", "b", "b"], CPU, 60.0,
+    two_level = TwoLevel(GroupComm(group, rank, num_ranks, CPU, 60.0), ["a", "a", "b", "b"],
                          lambda host_group: Buffer(host_group, explicitly_destroy=True))
     x, _, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks, False)
     per_rank, _, per_expert, in_rank = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None).get_dispatch_layout(

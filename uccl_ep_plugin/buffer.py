@@ -229,7 +229,7 @@ class Buffer:
             self._mark_unserved(choice, self._native.setup_low_latency(self.group, self.rank, num_rdma_bytes,
                                                                        timeout_s))
         if len(set(hosts)) > 1 and choice.mode != "reference":
-            self._set_up_two_level(choice, hosts, num_nvl_bytes, num_rdma_bytes, timeout_s)
+            self._set_up_two_level(choice, hosts, num_nvl_bytes, num_rdma_bytes)
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
@@ -242,7 +242,7 @@ class Buffer:
                       + "; ".join(f"{', '.join(ops)} because {why}" for why, ops in by_reason.items()))
 
     def _set_up_two_level(self, choice: engines.EngineChoice, hosts: List[str], num_nvl_bytes: int,
-                          num_rdma_bytes: int, timeout_s: float) -> None:
+                          num_rdma_bytes: int) -> None:
         """Ranks on several hosts: dispatch and combine cross to each host once and are forwarded inside it by a
         Buffer over that host's ranks (engines/two_level.py); uneven hosts make those calls raise, naming them.
         The hop between hosts goes through the transport UCCL_EP_PROXY_TRANSPORT names (tcp, verbs) in
@@ -266,7 +266,7 @@ class Buffer:
                 warn_once(f"normal mode across hosts: the hop between hosts runs over the group's collectives, not "
                           f"{rail}: {reason}")
                 rail = None
-        self._two_level = TwoLevel(self.group, self.rank, hosts, self.device, timeout_s,
+        self._two_level = TwoLevel(self._reference.comm, hosts,
                                    lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes,
                                                              explicitly_destroy=True),
                                    rail_transport=rail, num_rdma_bytes=num_rdma_bytes, extension=extension)

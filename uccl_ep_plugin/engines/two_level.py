@@ -49,24 +49,25 @@ class RailRoute(NamedTuple):
 
 
 class TwoLevel:
-    """The two hops for one rank. ``hosts``: every rank's host (even: :func:`even_hosts`); ``make_inner(group)``
-    makes the Buffer over one host's ranks. Collective: every rank of ``group`` makes one, in the same order."""
+    """The two hops for one rank of ``everyone`` (the group's timed collectives, the reference engine's). ``hosts``:
+    every rank's host (even: :func:`even_hosts`); ``make_inner(group)`` makes the Buffer over one host's ranks.
+    Collective: every rank of the group makes one, in the same order."""
 
     name = "two_level"
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, hosts: Sequence[str], device: torch.device,
-                 timeout_s: float, make_inner: Callable[[dist.ProcessGroup], object],
+    def __init__(self, everyone: GroupComm, hosts: Sequence[str], make_inner: Callable[[dist.ProcessGroup], object],
                  rail_transport: Optional[str] = None, num_rdma_bytes: int = 0, extension=None) -> None:
         self.num_hosts, self.per_host = even_hosts(hosts)
-        self.host, self.local = divmod(rank, self.per_host)
-        self.device = device
-        ranks = dist.get_process_group_ranks(group)
+        self.host, self.local = divmod(everyone.rank, self.per_host)
+        self.everyone = everyone
+        self.device = device = everyone.device
+        timeout_s = everyone.timeout_s
+        ranks = dist.get_process_group_ranks(everyone.group)
         # Each rank makes its own two groups only (local synchronisation): the group may be part of a larger world.
         host_group = dist.new_group([ranks[self.host * self.per_host + g] for g in range(self.per_host)],
                                     use_local_synchronization=True)
         rail_group = dist.new_group([ranks[h * self.per_host + self.local] for h in range(self.num_hosts)],
                                     use_local_synchronization=True)
-        self.everyone = GroupComm(group, rank, len(hosts), device, timeout_s)
         # The rail: a collective, or (rail_transport: tcp, verbs) a proxies' transport over num_rdma_bytes.
         self.rail = (CollectiveRail(GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s))
                      if rail_transport is None else
