@@ -183,7 +183,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
     _assert_equal(tuple(got[4]), tuple(want[4]), f"{tag}: handle")
     # The copy engines serve exactly the dispatches whose counts reached the host (and their combines).
     by_copy_engine = hasattr(got[4][0], HOST_COUNTS)
-    assert by_copy_engine == (copy_mode == "engine" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
+    assert by_copy_engine == (copy_mode != "sm" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
 
     # Cached dispatch: the handle reused, only x moves (fresh values).
     x2 = _inputs(case, rank, seed + 500, device)[0]
@@ -614,14 +614,15 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
 # unevenly), 30% of the pulled rows copied and 30% of the pushed rows stored by SMs and the own rows always by SMs,
 # and with one chunk each, no pulled rows copied by SMs, every pushed row stored by SMs (no combine chunk at all) and
 # the own rows by copy engine where few tokens break their runs (the cases with many experts per rank; by SMs in the
-# others).
+# others); and auto, which at 4 ranks and more moves the cached dispatches of copy-engine handles by SM stores.
 @pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,sm_push,own_rows,dispatch_rows",
                          [("engine", "", "", "", "", "", ""), ("engine", "7", "5", "30", "30", "sm", ""),
                           ("engine", "1", "1", "0", "100", "engine", ""), ("sm", "", "", "", "", "", ""),
-                          ("engine", "", "", "", "", "", "push"), ("engine", "7", "5", "30", "30", "sm", "push")],
+                          ("engine", "", "", "", "", "", "push"), ("engine", "7", "5", "30", "30", "sm", "push"),
+                          ("auto", "", "", "", "", "", "")],
                          ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm",
                               "engine-1-1-chunks-no-sm-pulls-sm-pushes-own-rows-engine", "sm", "engine-push",
-                              "engine-push-7-5-chunks-30-sm-own-rows-sm"])
+                              "engine-push-7-5-chunks-30-sm-own-rows-sm", "auto"])
 def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, sm_push, own_rows,
                                          dispatch_rows):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from uccl_ep_plugin.engines.native.normal import (COMBINE_CHUNKS_ENV, COPY_ENV, OWN_ROWS_ENV, PULL_CHUNKS_ENV,
-                                                 SM_PULL_ENV, SM_PUSH_ENV, chunk_setting, copy_mode, sm_share)
+from uccl_ep_plugin.engines.native.normal import (CACHED_BY_SM_FROM_RANKS, COMBINE_CHUNKS_ENV, COPY_ENV, OWN_ROWS_ENV,
+                                                 PULL_CHUNKS_ENV, SM_PULL_ENV, SM_PUSH_ENV,
+                                                 cached_dispatch_by_copy_engine, chunk_setting, copy_mode, sm_share)
 
 EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63,
                             NORMAL_SM_PULL_PERCENT=12, NORMAL_SM_PUSH_PERCENT=7)
@@ -16,8 +17,8 @@ DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3, SM_PULL_ENV: 12, SM_PUSH_
 
 
 @pytest.mark.parametrize("env,value,expected",
-                         [(COPY_ENV, None, "engine"), (COPY_ENV, "", "engine"), (COPY_ENV, "sm", "sm"),
-                          (COPY_ENV, " Engine ", "engine"), (OWN_ROWS_ENV, None, "auto"), (OWN_ROWS_ENV, "", "auto"),
+                         [(COPY_ENV, None, "auto"), (COPY_ENV, "", "auto"), (COPY_ENV, "sm", "sm"),
+                          (COPY_ENV, " Engine ", "engine"), (COPY_ENV, "AUTO", "auto"), (OWN_ROWS_ENV, None, "auto"), (OWN_ROWS_ENV, "", "auto"),
                           (OWN_ROWS_ENV, "SM", "sm"), (OWN_ROWS_ENV, "engine", "engine"),
                           (OWN_ROWS_ENV, " auto", "auto")])
 def test_copy_mode(monkeypatch, env, value, expected):
@@ -28,11 +29,19 @@ def test_copy_mode(monkeypatch, env, value, expected):
     assert copy_mode(env) == expected
 
 
-@pytest.mark.parametrize("env,value", [(COPY_ENV, "dma"), (COPY_ENV, "auto"), (OWN_ROWS_ENV, "dma")])
+@pytest.mark.parametrize("env,value", [(COPY_ENV, "dma"), (COPY_ENV, "pull"), (OWN_ROWS_ENV, "dma")])
 def test_copy_mode_rejects_unknown(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env):
         copy_mode(env)
+
+
+@pytest.mark.parametrize("mode,num_ranks,expected", [("auto", 2, True), ("auto", 3, True), ("auto", 4, False),
+                                                     ("auto", 8, False), ("engine", 8, True), ("sm", 2, False)])
+def test_cached_dispatch_by_copy_engine(mode, num_ranks, expected):
+    """auto leaves a cached dispatch to SM stores from CACHED_BY_SM_FROM_RANKS ranks on; engine never does."""
+    assert CACHED_BY_SM_FROM_RANKS == 4
+    assert cached_dispatch_by_copy_engine(mode, num_ranks) is expected
 
 
 @pytest.mark.parametrize("env", [COMBINE_CHUNKS_ENV, PULL_CHUNKS_ENV])

@@ -9,12 +9,14 @@
 namespace uccl_ep {
 
 NormalLauncher::NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state,
-                               int device, bool rows_by_copy_engine, bool launch_thread)
+                               int device, bool rows_by_copy_engine, bool cached_by_copy_engine,
+                               bool launch_thread)
     : region_(region),
       copy_engine_(copy_engine),
       state_(state),
       device_(device),
       rows_by_copy_engine_(rows_by_copy_engine),
+      cached_by_copy_engine_(cached_by_copy_engine),
       launch_thread_(device, region.rank, region.timeout_ns * 1e-9 + 5.0, launch_thread) {
   require(copy_engine != nullptr && state != nullptr, "NormalLauncher needs a copy engine and a state");
 }
@@ -185,6 +187,7 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
   if (failed()) return NormalCallStatus::kFailed;
   const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
   const bool by_copy_engine =
+      cached_by_copy_engine_ &&
       copy_engine_fits(host_counts, NormalRowBytes{combine_row_bytes, 0, args.num_topk}, &dispatch_rows);
   const CurrentDevice on_device(device_);
   if (!by_copy_engine) {

@@ -76,11 +76,12 @@ struct NormalDispatchResult {
 
 class NormalLauncher {
  public:
-  // copy_engine reads every dispatch's counts and, with rows_by_copy_engine, carries the rows;
+  // copy_engine reads every dispatch's counts and, with rows_by_copy_engine, carries the rows (a cached
+  // dispatch's only with cached_by_copy_engine too: SM stores beat it at 4 ranks and more);
   // state holds the failure record the kernels write. Both outlive the launcher. launch_thread: the
   // copy engines' calls after the outputs exist go to a LaunchThread (else this thread makes them).
   NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state, int device,
-                 bool rows_by_copy_engine, bool launch_thread);
+                 bool rows_by_copy_engine, bool cached_by_copy_engine, bool launch_thread);
 
   // Layout, notify and, when the counts are read on the host (num_worst_tokens == 0), the wait for
   // them; then the outputs from `allocate` (num_worst_tokens rows, or the rows received) and the rows
@@ -120,6 +121,7 @@ class NormalLauncher {
   const LowLatencyState* state_;
   int device_;
   bool rows_by_copy_engine_;
+  bool cached_by_copy_engine_;
   LaunchThread launch_thread_;
 };
 

@@ -396,12 +396,13 @@ void bind_normal(py::module_& m) {
                                       "num_nvl_bytes (nothing moved rows; the same on every rank).")
       .def(py::init([](const uccl_ep::NormalRegion& region, uccl_ep::NormalCopyEngine& copy_engine,
                        const uccl_ep::LowLatencyState& state, int device, bool rows_by_copy_engine,
-                       bool launch_thread) {
+                       bool cached_by_copy_engine, bool launch_thread) {
              return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device,
-                                                              rows_by_copy_engine, launch_thread);
+                                                              rows_by_copy_engine, cached_by_copy_engine,
+                                                              launch_thread);
            }),
            py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
-           py::arg("rows_by_copy_engine"), py::arg("launch_thread") = true, py::keep_alive<1, 3>(),
+           py::arg("rows_by_copy_engine"), py::arg("cached_by_copy_engine"), py::arg("launch_thread") = true, py::keep_alive<1, 3>(),
            py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "

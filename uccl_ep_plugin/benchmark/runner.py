@@ -14,6 +14,7 @@ from ..engines import ENGINE_ENV
 from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..engines.two_level import TwoLevel
+from ..hosts import gpus_per_node
 from ..proxies import proxy_transport
 from . import baselines, nvlink
 from .case import Case
@@ -557,7 +558,7 @@ def _path_name(case: Case, device: torch.device) -> str:
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
         if case.mode == "normal":
-            return "nvlink-ce" if copy_mode() == "engine" else "nvlink-sm"   # copy engines or SMs move the rows
+            return "nvlink-ce" if copy_mode() != "sm" else "nvlink-sm"   # copy engines or SMs move the rows
         return "nvlink"
     collective = "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines, the rails
     return f"rail-{collective}" if case.engine == TwoLevel.name else collective
@@ -576,8 +577,11 @@ def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
 
 
 def _nvlink_copy_gbps(group, rank: int, num_ranks: int, device: torch.device, note) -> Optional[float]:
-    """This machine's NVLink copy bandwidth for the normal-mode floor (GPUs and peers only), or None."""
-    if device.type != "cuda" or num_ranks < 2:
+    """This machine's NVLink copy bandwidth for the normal-mode floor (GPUs and peers of one host only), or None.
+    Ranks cut into several logical hosts (UCCL_EP_GPUS_PER_NODE) run normal mode over two hops, which has no floor
+    here: its hop between hosts is not NVLink."""
+    per_node = gpus_per_node()
+    if device.type != "cuda" or num_ranks < 2 or (per_node and per_node < num_ranks):
         return None
     from .. import _C  # noqa: WPS433 (a CPU-only install has no extension)
     gbps = nvlink.measure_copy_gbps(_C, group, rank, num_ranks, device)

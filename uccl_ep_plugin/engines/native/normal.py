@@ -7,11 +7,12 @@ to read the counts, unless ``num_worst_tokens > 0``; cached dispatch and combine
 kernel that waits too long for a peer, or finds that some rank's share does not fit, records it in
 host-mapped memory and exits; the call that reads the counts, or else the next call, raises it.
 
-Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` (default) lets the copy engines carry
-the NVLink traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a
-dispatch that read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and
-its combine go the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens),
-use SM copies (csrc/kernels/intranode.h).
+Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` lets the copy engines carry the NVLink
+traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a dispatch that
+read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and its combine go
+the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens), use SM copies
+(csrc/kernels/intranode.h). ``auto`` (the default) is ``engine`` but for cached dispatches at
+CACHED_BY_SM_FROM_RANKS ranks and more, which SM stores move faster there.
 
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
 checks for recorded failures, decides the path, allocates the outputs (with torch's allocator, from C++)
@@ -42,8 +43,11 @@ OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copi
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch: peers' rows pulled, or pushed
 LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls made by a thread of the launcher's
 # Each mode setting's values, its default first.
-_MODES = {COPY_ENV: ("engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push"),
+_MODES = {COPY_ENV: ("auto", "engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push"),
           LAUNCH_THREAD_ENV: ("off", "on")}
+# From this many ranks on, COPY_ENV=auto moves a cached dispatch's rows by SM stores: a GPU's copy engines carry
+# about 190 GB/s each way while every rank copies to every peer (4x H200), SM stores more (docs/KERNEL_NOTES.md).
+CACHED_BY_SM_FROM_RANKS = 4
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -61,7 +65,9 @@ FAILED, TOO_LARGE = 1, 2
 
 
 def copy_mode(env: str = COPY_ENV) -> str:
-    """What copies the rows, from ``env``: COPY_ENV "engine" (copy engines, the default) or "sm"; OWN_ROWS_ENV
+    """What copies the rows, from ``env``: COPY_ENV "auto" (the default: copy engines, but SMs for cached dispatches
+    at CACHED_BY_SM_FROM_RANKS ranks and more), "engine" (copy engines wherever the counts are on the host) or
+    "sm"; OWN_ROWS_ENV
     "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
     default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
     runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the caller's
@@ -72,6 +78,12 @@ def copy_mode(env: str = COPY_ENV) -> str:
     if mode not in modes:
         raise ValueError(f"{env}={mode!r}: expected one of {', '.join(modes)}")
     return mode
+
+
+def cached_dispatch_by_copy_engine(mode: str, num_ranks: int) -> bool:
+    """Whether copy engines move a cached dispatch's rows (where its handle's counts are on the host) in COPY_ENV
+    ``mode`` with ``num_ranks`` ranks; else SMs do."""
+    return mode == "engine" or (mode == "auto" and num_ranks < CACHED_BY_SM_FROM_RANKS)
 
 
 def _int_setting(env: str, default: int, low: int, high: int) -> int:
@@ -147,10 +159,13 @@ class NativeNormal:
             sm_push_percent=self.sm_push_percent,
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)],
             push_rows=copy_mode(DISPATCH_ROWS_ENV) == "push" and num_ranks <= extension.NORMAL_MAX_COMBINE_RANKS)
-        self.rows_by_copy_engine = copy_mode() == "engine"
+        mode = copy_mode()
+        self.rows_by_copy_engine = mode != "sm"
+        self.cached_by_copy_engine = cached_dispatch_by_copy_engine(mode, num_ranks)
         # Each operation is one call of it (csrc/kernels/intranode_launcher.h).
         self.launcher = extension.NormalLauncher(self.region, self.copy_engine, self.state, device.index,
-                                                 self.rows_by_copy_engine, copy_mode(LAUNCH_THREAD_ENV) == "on")
+                                                 self.rows_by_copy_engine, self.cached_by_copy_engine,
+                                                 copy_mode(LAUNCH_THREAD_ENV) == "on")
         # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
         self._last_notify = (0, False, 0)
 
