@@ -267,10 +267,11 @@ def _back_to_back_seconds(case: Case, options: BenchOptions, group, device: torc
 
 
 def num_cases(options: BenchOptions) -> int:
-    """Cases the run measures (normal mode: ours, then the NCCL baselines; low_latency_cases), for progress output."""
+    """Cases the run measures (normal mode: ours, on GPUs also with num_worst_tokens, then the NCCL baselines;
+    low_latency_cases), for progress output."""
     total = 0
     if options.normal is not None:
-        total += 3 + (baselines.NUM_CASES if options.baselines else 0)
+        total += 3 + (3 if options.device == "cuda" else 0) + (baselines.NUM_CASES if options.baselines else 0)
     if options.low_latency is not None:
         total += 7
     return total
@@ -284,36 +285,45 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     dist.all_reduce(expected_recv, group=group)
     copies = in_rank.sum(1, keepdim=True).float()
     x_fp8, scales = _per_token_fp8(x)
-    state: Dict[str, object] = {}
+    state: Dict[Tuple[str, int], object] = {}   # by operation and num_worst_tokens
 
-    def dispatch(payload) -> Callable[[], None]:
+    def dispatch(payload, num_worst_tokens: int = 0) -> Callable[[], None]:
         def run() -> None:
-            state["dispatch"] = buffer.dispatch(payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                                topk_weights=topk_weights)
+            state[("dispatch", num_worst_tokens)] = buffer.dispatch(
+                payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens)
         return run
 
-    def check_dispatch(fp8: bool) -> Callable[[], bool]:
+    def check_dispatch(fp8: bool, num_worst_tokens: int = 0) -> Callable[[], bool]:
         def check() -> bool:
-            recv_x, _, _, _, handle, _ = state["dispatch"]
+            recv_x, _, _, _, handle, _ = state[("dispatch", num_worst_tokens)]
             rows = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=1)) if fp8 else recv_x.float()
-            if rows.size(0) != int(expected_recv[rank]):
+            if rows.size(0) != (num_worst_tokens or int(expected_recv[rank])):
                 return False
             combined, _, _ = buffer.combine(rows.to(torch.bfloat16), handle)
             reference = (x_fp8.float() * scales.repeat_interleave(128, dim=1)) if fp8 else x.float()
             return _close(combined, reference * copies, 2e-2)
         return check
 
-    # Combine runs on the rows of one bf16 dispatch, made once.
-    dispatch(x)()
-    recv_x, _, recv_topk_weights, _, handle, _ = state["dispatch"]
+    def combine(num_worst_tokens: int = 0) -> Tuple[Callable[[], None], Callable[[], bool]]:
+        """A combine of the rows of one bf16 dispatch (made here, once), and its check."""
+        dispatch(x, num_worst_tokens)()
+        recv_x, _, recv_topk_weights, _, handle, _ = state[("dispatch", num_worst_tokens)]
 
-    def run_combine() -> None:
-        state["combine"] = buffer.combine(recv_x, handle, recv_topk_weights)
+        def run() -> None:
+            state[("combine", num_worst_tokens)] = buffer.combine(recv_x, handle, recv_topk_weights)
 
-    def check_combine() -> bool:
-        combined, _, _ = state["combine"]
-        return _close(combined, x.float() * copies, 2e-2)
+        def check() -> bool:
+            combined, _, _ = state[("combine", num_worst_tokens)]
+            return _close(combined, x.float() * copies, 2e-2)
+        return run, check
+
+    def served_by(num_worst_tokens: int) -> str:
+        """The engine that served that dispatch (one the native engine cannot fit goes to the reference)."""
+        handle = state[("dispatch", num_worst_tokens)][4]
+        return getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
+
+    run_combine, check_combine = combine()
 
     num_recv = int(expected_recv[rank])
     own = int(per_rank[rank])
@@ -322,8 +332,7 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     def over_nvlink(dtype: str) -> float:
         return nvlink.busier_way_bytes(sent, received, workload.hidden, dtype)
 
-    # The engine that served (a dispatch the native engine cannot fit in the Buffer goes to the reference).
-    engine = getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
+    engine = served_by(0)
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = copy_mode() == "sm"
@@ -333,7 +342,7 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # The native dispatch's wait for its peers' counts, to tell the host's own time from it.
     native = buffer._native.normal if engine == "native" else None
     count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
-    return [
+    cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
              count_wait=count_wait, nvlink_bytes=over_nvlink("fp8")),
@@ -344,6 +353,23 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
              nvlink_bytes=over_nvlink("bf16")),
     ]
+    if device.type == "cuda":
+        # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so
+        # the native engine's calls are captured in CUDA graphs and timed by replay, as a serving engine runs them.
+        worst = workload.tokens * num_ranks
+        run_worst_combine, check_worst_combine = combine(worst)
+        worst_engine = served_by(worst)
+        cases += [
+            Case("normal", "dispatch (num_worst_tokens)", "fp8", workload, dispatch((x_fp8, scales), worst),
+                 check_dispatch(True, worst), normal_bytes(num_recv, workload.hidden, "fp8"), worst_engine,
+                 nvlink_bytes=over_nvlink("fp8")),
+            Case("normal", "dispatch (num_worst_tokens)", "bf16", workload, dispatch(x, worst),
+                 check_dispatch(False, worst), normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine,
+                 nvlink_bytes=over_nvlink("bf16")),
+            Case("normal", "combine (num_worst_tokens)", "bf16", workload, run_worst_combine, check_worst_combine,
+                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16")),
+        ]
+    return cases
 
 
 def _per_token_fp8(x: torch.Tensor):
@@ -558,7 +584,8 @@ def _path_name(case: Case, device: torch.device) -> str:
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
         if case.mode == "normal":
-            return "nvlink-ce" if copy_mode() != "sm" else "nvlink-sm"   # copy engines or SMs move the rows
+            # Copy engines or SMs move the rows; always SMs with num_worst_tokens (the capturable cases).
+            return "nvlink-sm" if copy_mode() == "sm" or case.capturable else "nvlink-ce"
         return "nvlink"
     collective = "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines, the rails
     return f"rail-{collective}" if case.engine == TwoLevel.name else collective

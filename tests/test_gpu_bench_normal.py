@@ -1,0 +1,38 @@
+"""`uccl-ep bench --mode normal` on two GPUs: every row correct, and the num_worst_tokens rows captured in CUDA graphs
+and replayed on the native engine's SM path (the dispatch and combine a serving engine replays)."""
+
+import json
+
+import pytest
+
+from tests.multiprocess import needs_gpus, ranks_share_gpus
+from uccl_ep_plugin.cli.main import main
+
+
+def _has_normal_nvlink() -> bool:
+    try:
+        from uccl_ep_plugin import build_info
+        return "normal_nvlink" in build_info().get("features", [])
+    except ImportError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, needs_gpus(2),
+              pytest.mark.skipif(not _has_normal_nvlink(), reason="this build has no normal_nvlink"),
+              pytest.mark.skipif(ranks_share_gpus(), reason="the bench runs one rank per GPU")]
+
+
+def test_normal_bench_times_worst_token_calls_by_graph_replay(tmp_path):
+    path = tmp_path / "normal.json"
+    assert main(["bench", "--mode", "normal", "--ranks", "2", "--tokens", "512", "--hidden", "2048",
+                 "--warmup", "1", "--iters", "3", "--no-baselines", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(row["op"], row["dtype"]) for row in rows] == [
+        ("dispatch", "fp8"), ("dispatch", "bf16"), ("combine", "bf16"), ("dispatch (num_worst_tokens)", "fp8"),
+        ("dispatch (num_worst_tokens)", "bf16"), ("combine (num_worst_tokens)", "bf16")]
+    assert all(row["correct"] and row["engine"] == "native" for row in rows), rows
+    eager, replayed = rows[:3], rows[3:]
+    assert {row["timing"] for row in eager} == {"eager"}
+    assert {row["timing"] for row in replayed} == {"cuda-graph"}
+    assert {row["path"] for row in replayed} == {"nvlink-sm"}
+    assert all(row["median_us"] > 0 for row in rows)
