@@ -72,7 +72,7 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
 
 # Ranks on two hosts (UCCL_EP_GPUS_PER_NODE: the first half of the GPUs one host, the second another): each half
 # maps its own host's buffers and reaches the other half through the proxies, here over tcp on loopback (the
-# transport UCCL_EP_PROXY_TRANSPORT names explicitly across hosts; verbs needs an RDMA NIC). At 2 ranks every peer
+# transport UCCL_EP_PROXY_TRANSPORT names, or verbs where every rank has an RDMA NIC). At 2 ranks every peer
 # is remote; at 4, NVLink and proxy peers mix in one launch.
 _TWO_HOSTS = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES, mask_cases=(),
                           graph_cases=ll.GPU_GRAPH_CASES, two_hosts=True,

@@ -131,8 +131,10 @@ class _Verbs:
 
 
 @pytest.mark.parametrize("transport,ifname,library,devices,expected", [
-    ("", "", True, [{"name": "mlx5_0"}], "set UCCL_EP_PROXY_TRANSPORT=verbs"),
-    ("cuda-copy", "", True, [{"name": "mlx5_0"}], "set UCCL_EP_PROXY_TRANSPORT=verbs"),
+    ("", "", True, [{"name": "mlx5_0"}], None),
+    ("", "", True, [], "this host has no RDMA device"),
+    ("", "", False, [], "libibverbs.so.1 cannot be loaded"),
+    ("cuda-copy", "", True, [{"name": "mlx5_0"}], "UCCL_EP_PROXY_TRANSPORT=cuda-copy reaches this host only"),
     ("tcp", "", True, [], "needs UCCL_SOCKET_IFNAME"),
     ("tcp", "eth0", False, [], None),
     ("verbs", "", False, [], "libibverbs.so.1 cannot be loaded"),
@@ -140,8 +142,8 @@ class _Verbs:
     ("verbs", "", True, [{"name": "mlx5_0"}], None),
 ])
 def test_which_transport_reaches_other_hosts(monkeypatch, transport, ifname, library, devices, expected):
-    """Ranks on other hosts need a transport named explicitly: verbs with an RDMA device, or tcp on a routable
-    interface; without one the reference engine serves and the reason says what to set."""
+    """Ranks on other hosts need verbs with an RDMA device (named, or unset where the host has one) or tcp on a
+    routable interface; without one the reference engine serves and the reason says what to set."""
     from uccl_ep_plugin.proxies import cross_host_reason
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
     monkeypatch.setenv("UCCL_SOCKET_IFNAME", ifname)
@@ -150,3 +152,14 @@ def test_which_transport_reaches_other_hosts(monkeypatch, transport, ifname, lib
         assert reason is None
     else:
         assert expected in reason, reason
+
+
+@pytest.mark.parametrize("named,cross_host,expected", [("", False, "cuda-copy"), ("", True, "verbs"),
+                                                       ("tcp", True, "tcp"), ("cuda-copy", False, "cuda-copy")])
+def test_unset_transport_is_verbs_across_hosts(monkeypatch, named, cross_host, expected):
+    """With UCCL_EP_PROXY_TRANSPORT unset, proxies that reach other hosts use verbs (cross_host_reason has found an
+    RDMA device by then), the others cuda-copy; a named transport is kept."""
+    from uccl_ep_plugin.proxies import proxy_transport, transport_named
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", named)
+    assert proxy_transport(cross_host=cross_host) == expected
+    assert transport_named() == bool(named)

@@ -57,9 +57,15 @@ def _warn_lazy_loading(transport: str) -> None:
                   f"until the timeout. Set {MODULE_LOADING_ENV}=EAGER before CUDA starts.")
 
 
-def proxy_transport() -> str:
-    """The transport named by UCCL_EP_PROXY_TRANSPORT (``cuda-copy`` when unset)."""
-    name = os.environ.get(TRANSPORT_ENV, "").strip().lower() or "cuda-copy"
+def transport_named() -> bool:
+    """Whether UCCL_EP_PROXY_TRANSPORT is set (else the proxies' transport is chosen: proxy_transport)."""
+    return bool(os.environ.get(TRANSPORT_ENV, "").strip())
+
+
+def proxy_transport(cross_host: bool = False) -> str:
+    """The transport named by UCCL_EP_PROXY_TRANSPORT; when unset, verbs for proxies that reach ranks on other hosts
+    (``cross_host``, where cross_host_reason found an RDMA device), else cuda-copy."""
+    name = os.environ.get(TRANSPORT_ENV, "").strip().lower() or ("verbs" if cross_host else "cuda-copy")
     if name not in TRANSPORT_FEATURES:
         raise ValueError(f"{TRANSPORT_ENV}={name!r}: expected one of {sorted(TRANSPORT_FEATURES)}")
     return name
@@ -67,19 +73,24 @@ def proxy_transport() -> str:
 
 def cross_host_reason(extension) -> Optional[str]:
     """Why the native low-latency kernels cannot reach ranks on other hosts through the proxies here, or None. They
-    go over the transport UCCL_EP_PROXY_TRANSPORT names explicitly: verbs (an RDMA NIC; not yet validated on NIC
-    hardware, so never chosen by default), or tcp on the interface UCCL_SOCKET_IFNAME names (loopback cannot reach
-    another host); cuda-copy needs one host."""
+    go over verbs (an RDMA NIC: named in UCCL_EP_PROXY_TRANSPORT, or chosen when it is unset and this host has an
+    RDMA device), or tcp on the interface UCCL_SOCKET_IFNAME names (loopback cannot reach another host); cuda-copy
+    needs one host."""
     named = os.environ.get(TRANSPORT_ENV, "").strip().lower()
-    if named == "verbs":
-        return no_rdma_device_reason(extension)
+    if named in ("verbs", ""):
+        missing = no_rdma_device_reason(extension)
+        if named or missing is None:
+            return missing
+        return (f"ranks on other hosts are reached through the CPU proxies over an RDMA NIC, but {missing}; or set "
+                f"{TRANSPORT_ENV}=tcp with UCCL_SOCKET_IFNAME")
     if named == "tcp":
         if not os.environ.get("UCCL_SOCKET_IFNAME", "").strip():
             return (f"{TRANSPORT_ENV}=tcp across hosts needs UCCL_SOCKET_IFNAME (the interface the hosts reach each "
                     f"other on; the default, loopback, reaches this host only)")
         return None
-    return (f"ranks on other hosts are reached through the CPU proxies over an RDMA NIC or sockets: set {TRANSPORT_ENV}"
-            f"=verbs (not yet validated on NIC hardware) or {TRANSPORT_ENV}=tcp with UCCL_SOCKET_IFNAME")
+    return (f"{TRANSPORT_ENV}={named} reaches this host only; ranks on other hosts are reached through the CPU proxies "
+            f"over an RDMA NIC ({TRANSPORT_ENV}=verbs, or unset where the host has one) or sockets ({TRANSPORT_ENV}=tcp "
+            f"with UCCL_SOCKET_IFNAME)")
 
 
 def no_rdma_device_reason(extension) -> Optional[str]:

@@ -14,7 +14,8 @@ from .normal import NativeNormal
 from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer
 from ...platform_config import resolve_config
 from ...platform_config.loader import AUTO_ATOMIC_KEY
-from ...proxies import TRANSPORT_ENV, TRANSPORT_FEATURES, cross_host_reason, no_rdma_device_reason, proxy_transport
+from ...proxies import (TRANSPORT_ENV, TRANSPORT_FEATURES, cross_host_reason, no_rdma_device_reason, proxy_transport,
+                        transport_named)
 from .proxy_path import ProxyPath
 from .torch_tensors import use_torch_shim
 
@@ -170,8 +171,14 @@ class NativeEngine:
                 try:   # every rank raises together when a proxy cannot start (proxies.ProxyThreads)
                     proxy_path = ProxyPath(self._C, group, rank, self.num_ranks, self.device, peer_buffer, remote,
                                            timeout_s)
-                except BaseException:
+                except BaseException as error:
                     peer_buffer.release()
+                    # verbs chosen for the user (not named) and not starting: the reference engine serves instead.
+                    if peer_buffer.remote_ranks and not transport_named() and isinstance(error, Exception):
+                        return dict.fromkeys(LOW_LATENCY_OPERATIONS, (
+                            f"the verbs transport, chosen for the ranks on other hosts because this host has an RDMA "
+                            f"device, could not start ({error}); check the RDMA setup with `uccl-ep doctor`, or set "
+                            f"{TRANSPORT_ENV}=tcp with UCCL_SOCKET_IFNAME"))
                     raise
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
                                                 torch.cuda.get_device_properties(self.device).multi_processor_count,

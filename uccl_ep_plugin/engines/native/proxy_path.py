@@ -20,7 +20,7 @@ class ProxyPath:
 
     def __init__(self, extension, group, rank: int, num_ranks: int, device: torch.device, peer_buffer,
                  remote_ranks: List[int], timeout_s: float) -> None:
-        transport = proxy_transport()
+        transport = proxy_transport(cross_host=bool(peer_buffer.remote_ranks))
         memory = peer_buffer.memory if transport == "cuda-copy" else peer_buffer.tensor
         self.threads = ProxyThreads(group, rank, num_ranks, memory, device, transport=transport, low_latency=True,
                                     timeout_s=timeout_s, extension=extension)
