@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .rail import CollectiveRail, TransportRail
 from .reference.collectives import GroupComm
 from .reference.normal import DispatchResult, exchange_layout
-from .reference.rows import pack_rows, row_spec, unpack_rows
+from .reference.rows import pack_rows, row_spec, segment_ids, unpack_rows
 
 ROUTE_ATTRIBUTE = "_uccl_ep_rail_route"   # kept on the handle's rank_prefix_matrix: it travels with the handle
 
@@ -174,18 +174,20 @@ class TwoLevel:
         source host h, then token; their source rank is h * per_host + g."""
         phase = "dispatch across hosts: forwarded tokens"
         per_host = self.within_host.all_gather_ints(torch.tensor(recv_counts), phase)
-        padded = torch.full((int(per_host.sum(1).max()),), -1, dtype=torch.int64)
-        padded[:source_token.numel()] = source_token.cpu()
-        tokens = self.within_host.all_gather_ints(padded, phase)
-        rank_prefix = inner_handle[0].cpu().to(torch.int64)[:, self.local]
-        from_forwarder = torch.diff(rank_prefix, prepend=torch.zeros(1, dtype=torch.int64))
-        num_recv = int(from_forwarder.sum())
-        forwarder = torch.repeat_interleave(torch.arange(self.per_host), from_forwarder)
-        position = inner_handle[3].cpu().to(torch.int64)[:num_recv]    # row in the forwarder's input
-        host = torch.searchsorted(per_host.cumsum(1)[forwarder], position.unsqueeze(1), right=True).squeeze(1)
+        # Built on the rows' device, not on the host: there the searches and gathers over every received row each
+        # open an OpenMP region over a pool as large as the machine, in every rank's process at once, and the
+        # pools' spinning threads stretch each region to milliseconds or tens of them (of a GPU dispatch's ~1).
+        padded = torch.full((int(per_host.sum(1).max()),), -1, dtype=torch.int64, device=self.device)
+        padded[:source_token.numel()] = source_token
+        tokens = self.within_host.all_gather_ints(padded, phase).to(self.device)
+        rank_prefix = inner_handle[0][:, self.local].to(torch.int64)
+        forwarder = segment_ids(torch.diff(rank_prefix, prepend=rank_prefix.new_zeros(1)))
+        position = inner_handle[3][:forwarder.numel()].to(torch.int64)    # row in the forwarder's input
+        host = torch.searchsorted(per_host.cumsum(1).to(self.device)[forwarder], position.unsqueeze(1),
+                                  right=True).squeeze(1)
         order = torch.sort(host * self.per_host + forwarder, stable=True).indices
         sources = tokens[forwarder, position].to(torch.int32)
-        return order.to(self.device), sources.to(self.device)
+        return order, sources
 
     def _in_rank_order(self, rows: Optional[torch.Tensor], route: RailRoute, fill) -> Optional[torch.Tensor]:
         """The forward hop's valid rows in rank order, padded with ``fill`` to the outputs' size."""
