@@ -625,7 +625,9 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
         device = torch.device("cuda", rank)
         backend = "nccl"
     else:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if "OMP_NUM_THREADS" not in os.environ:
+            # The ranks share the cores: one thread each (by call: torch, imported already, read the variable then).
+            torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
     os.environ.setdefault(ENGINE_ENV, "auto")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
