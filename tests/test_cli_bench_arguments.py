@@ -30,14 +30,30 @@ def test_bad_argument_is_one_line(argv, message, capsys, monkeypatch):
     assert err == f"uccl-ep bench: {message}", err
 
 
-def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch):
-    """4 CPU ranks as 2 hosts: the normal-mode cases go through the two hops and are checked like every case."""
+@pytest.mark.parametrize("transport,path", [("", "rail-gloo"), ("tcp", "rail-tcp")])
+def _has_cpu_tcp_transport() -> bool:
+    try:
+        from uccl_ep_plugin import build_info
+        return "tcp_transport" in build_info().get("features", [])
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize("transport,path", [("", "rail-gloo"), ("tcp", "rail-tcp")])
+def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch, transport, path):
+    """4 CPU ranks as 2 hosts: the normal-mode cases go through the two hops and are checked like every case; with
+    UCCL_EP_PROXY_TRANSPORT=tcp the bench gives the Buffer num_rdma_bytes for the hop between hosts, which then goes
+    over tcp."""
     import json
     monkeypatch.setenv("UCCL_EP_GPUS_PER_NODE", "")   # restored after the run sets it for its ranks
-    path = tmp_path / "bench.json"
+    monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
+    monkeypatch.setenv("UCCL_SOCKET_IFNAME", "lo" if transport else "")
+    if transport and not _has_cpu_tcp_transport():
+        pytest.skip("this build has no tcp transport")
+    results_file = tmp_path / "bench.json"
     assert main(["bench", "--device", "cpu", "--ranks", "4", "--gpus-per-node", "2", "--mode", "normal",
                  "--tokens", "48", "--hidden", "256", "--topk", "4", "--experts", "16", "--warmup", "0",
-                 "--iters", "1", "--no-baselines", "--json", str(path)]) == 0
-    results = json.loads(path.read_text())
-    assert results and all(r["engine"] == "two_level" and r["path"] == "rail-gloo" and r["correct"]
+                 "--iters", "1", "--no-baselines", "--json", str(results_file)]) == 0
+    results = json.loads(results_file.read_text())
+    assert results and all(r["engine"] == "two_level" and r["path"] == path and r["correct"]
                            for r in results), results

@@ -23,7 +23,8 @@ class Case:
                  prepare: Optional[Callable[[], None]] = None, finish: Optional[Callable[[], None]] = None,
                  kernels: Tuple[str, ...] = (), capturable: bool = True,
                  settle: Optional[Callable[[], None]] = None, kernel_launch: int = 0,
-                 count_wait: Optional[Callable[[], float]] = None, nvlink_bytes: Optional[float] = None) -> None:
+                 count_wait: Optional[Callable[[], float]] = None, nvlink_bytes: Optional[float] = None,
+                 path: Optional[str] = None) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
         self.prepare, self.finish = prepare, finish
@@ -33,6 +34,7 @@ class Case:
         self.capturable = capturable
         self.settle = settle
         self.nvlink_bytes = nvlink_bytes
+        self.path = path   # what carried the rows, where the engine alone does not say (the two hops' rail)
 
     @property
     def label(self) -> str:

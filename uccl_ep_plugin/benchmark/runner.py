@@ -13,7 +13,8 @@ from ..buffer import Buffer
 from ..engines import ENGINE_ENV
 from ..engines.native.normal import copy_mode, exchange_bytes
 from ..engines.native.peers import force_proxy
-from ..engines.two_level import TwoLevel
+from ..engines.rail import rail_transport
+from ..engines.two_level import rail_rdma_bytes
 from ..hosts import gpus_per_node
 from ..proxies import proxy_transport
 from . import baselines, nvlink
@@ -333,6 +334,9 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         return nvlink.busier_way_bytes(sent, received, workload.hidden, dtype)
 
     engine = served_by(0)
+    # The two hops name their rail: the group's collectives (nccl, gloo) or a proxies' transport (tcp, verbs).
+    two_level = buffer._two_level
+    path = None if two_level is None else f"rail-{two_level.rail.label}"
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = copy_mode() == "sm"
@@ -345,13 +349,13 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8")),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8"), path=path),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16")),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=path),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
-             nvlink_bytes=over_nvlink("bf16")),
+             nvlink_bytes=over_nvlink("bf16"), path=path),
     ]
     if device.type == "cuda":
         # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so
@@ -362,12 +366,12 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         cases += [
             Case("normal", "dispatch (num_worst_tokens)", "fp8", workload, dispatch((x_fp8, scales), worst),
                  check_dispatch(True, worst), normal_bytes(num_recv, workload.hidden, "fp8"), worst_engine,
-                 nvlink_bytes=over_nvlink("fp8")),
+                 nvlink_bytes=over_nvlink("fp8"), path=path),
             Case("normal", "dispatch (num_worst_tokens)", "bf16", workload, dispatch(x, worst),
                  check_dispatch(False, worst), normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine,
-                 nvlink_bytes=over_nvlink("bf16")),
+                 nvlink_bytes=over_nvlink("bf16"), path=path),
             Case("normal", "combine (num_worst_tokens)", "bf16", workload, run_worst_combine, check_worst_combine,
-                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16")),
+                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16"), path=path),
         ]
     return cases
 
@@ -580,6 +584,8 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
 
 
 def _path_name(case: Case, device: torch.device) -> str:
+    if case.path is not None:
+        return case.path
     if case.engine == "native":
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
@@ -587,8 +593,7 @@ def _path_name(case: Case, device: torch.device) -> str:
             # Copy engines or SMs move the rows; always SMs with num_worst_tokens (the capturable cases).
             return "nvlink-sm" if copy_mode() == "sm" or case.capturable else "nvlink-ce"
         return "nvlink"
-    collective = "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines, the rails
-    return f"rail-{collective}" if case.engine == TwoLevel.name else collective
+    return "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines
 
 
 def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
@@ -601,6 +606,15 @@ def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
     if "normal_nvlink" not in _C.build_info().get("features", []):
         return 0
     return exchange_bytes(_C, num_ranks * workload.tokens, workload.hidden, workload.topk)
+
+
+def _rail_bytes(workload: Workload, num_ranks: int) -> int:
+    """num_rdma_bytes for the hop between hosts where the ranks are cut into hosts and UCCL_EP_PROXY_TRANSPORT names
+    a transport for it (tcp, verbs); else 0 (the group's collectives carry it, or there is one host)."""
+    per_node = gpus_per_node()
+    if rail_transport() is None or not per_node or per_node >= num_ranks:
+        return 0
+    return rail_rdma_bytes(num_ranks // per_node, per_node, workload.tokens, workload.hidden, workload.topk)
 
 
 def _nvlink_copy_gbps(group, rank: int, num_ranks: int, device: torch.device, note) -> Optional[float]:
@@ -650,7 +664,7 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
                             Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r), native_bytes)
             copy_gbps = _nvlink_copy_gbps(group, rank, r, device, note) if native_bytes else None
-            buffer = Buffer(group, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
+            buffer = Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=_rail_bytes(w, r), explicitly_destroy=True)
             for case in normal_cases(buffer, w, rank, r, options.seed, group, device):
                 results.append(measure(case, options, rank, group, device, report, copy_gbps))
             buffer.destroy()

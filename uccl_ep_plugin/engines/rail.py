@@ -21,11 +21,18 @@ _GIVEN_BACK = 1 << 30  # the immediate of an empty write: the sender has read ou
 _ALIGN = 64
 
 
+def transport_rail_bytes(num_hosts: int, rows: int, row_bytes: int) -> int:
+    """num_rdma_bytes in which a TransportRail of ``num_hosts`` hosts carries ``rows`` rows of ``row_bytes`` from one
+    rank to each host (a send and a receive slot per host)."""
+    return 2 * num_hosts * _ALIGN * -(-rows * row_bytes // _ALIGN)
+
+
 class CollectiveRail:
     name = "collective"
 
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
+        self.label = str(dist.get_backend(comm.group)).lower()   # what carries the rows: nccl, gloo
 
     def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: Optional[List[int]],
                  phase: str) -> RailRows:
@@ -50,6 +57,7 @@ class TransportRail:
     def __init__(self, group: dist.ProcessGroup, host: int, num_hosts: int, device: torch.device, num_bytes: int,
                  transport: str, timeout_s: float, extension) -> None:
         self.host, self.num_hosts, self.num_bytes, self.timeout_s = host, num_hosts, num_bytes, timeout_s
+        self.label = transport
         self.slot_bytes = num_bytes // (2 * num_hosts) // _ALIGN * _ALIGN
         if self.slot_bytes <= 0:
             raise ValueError(f"num_rdma_bytes={num_bytes} leaves no room for normal mode's rows across hosts over "
@@ -106,7 +114,7 @@ class TransportRail:
         too_large = [count & ~_TOO_LARGE for count in counts if count & _TOO_LARGE]
         if not fits or too_large:
             rows_needed = max(too_large + [max(send_counts, default=0)])
-            needed = 2 * self.num_hosts * _ALIGN * -(-rows_needed * width // _ALIGN)
+            needed = transport_rail_bytes(self.num_hosts, rows_needed, width)
             raise ValueError(f"rank {dist.get_rank()}: {phase}: {rows_needed} rows of {width} bytes from one rank to "
                              f"one host need num_rdma_bytes >= {needed}; the Buffer has {self.num_bytes}")
         received = torch.cat([self.region[self._slot(source):self._slot(source) + count * width].view(count, width)
