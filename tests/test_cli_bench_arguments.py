@@ -3,6 +3,7 @@ argument and the rule, exit code 2, no traceback."""
 
 import pytest
 
+from tests.multiprocess import needs_feature
 from uccl_ep_plugin.cli.main import main
 
 
@@ -30,16 +31,8 @@ def test_bad_argument_is_one_line(argv, message, capsys, monkeypatch):
     assert err == f"uccl-ep bench: {message}", err
 
 
-@pytest.mark.parametrize("transport,path", [("", "rail-gloo"), ("tcp", "rail-tcp")])
-def _has_cpu_tcp_transport() -> bool:
-    try:
-        from uccl_ep_plugin import build_info
-        return "tcp_transport" in build_info().get("features", [])
-    except ImportError:
-        return False
-
-
-@pytest.mark.parametrize("transport,path", [("", "rail-gloo"), ("tcp", "rail-tcp")])
+@pytest.mark.parametrize("transport,path", [("", "rail-gloo"),
+                                            pytest.param("tcp", "rail-tcp", marks=needs_feature("tcp_transport"))])
 def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch, transport, path):
     """4 CPU ranks as 2 hosts: the normal-mode cases go through the two hops and are checked like every case; with
     UCCL_EP_PROXY_TRANSPORT=tcp the bench gives the Buffer num_rdma_bytes for the hop between hosts, which then goes
@@ -48,8 +41,6 @@ def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch, t
     monkeypatch.setenv("UCCL_EP_GPUS_PER_NODE", "")   # restored after the run sets it for its ranks
     monkeypatch.setenv("UCCL_EP_PROXY_TRANSPORT", transport)
     monkeypatch.setenv("UCCL_SOCKET_IFNAME", "lo" if transport else "")
-    if transport and not _has_cpu_tcp_transport():
-        pytest.skip("this build has no tcp transport")
     results_file = tmp_path / "bench.json"
     assert main(["bench", "--device", "cpu", "--ranks", "4", "--gpus-per-node", "2", "--mode", "normal",
                  "--tokens", "48", "--hidden", "256", "--topk", "4", "--experts", "16", "--warmup", "0",

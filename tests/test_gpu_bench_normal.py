@@ -5,20 +5,11 @@ import json
 
 import pytest
 
-from tests.multiprocess import needs_gpus, ranks_share_gpus
+from tests.multiprocess import needs_feature, needs_gpus, ranks_share_gpus
 from uccl_ep_plugin.cli.main import main
 
 
-def _has_normal_nvlink() -> bool:
-    try:
-        from uccl_ep_plugin import build_info
-        return "normal_nvlink" in build_info().get("features", [])
-    except ImportError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, needs_gpus(2),
-              pytest.mark.skipif(not _has_normal_nvlink(), reason="this build has no normal_nvlink"),
+pytestmark = [pytest.mark.gpu, needs_gpus(2), needs_feature("normal_nvlink"),
               pytest.mark.skipif(ranks_share_gpus(), reason="the bench runs one rank per GPU")]
 
 

@@ -5,20 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import needs_gpus, rank_device, ranks_share_gpus, run_ranks
+from tests.multiprocess import needs_feature, needs_gpus, rank_device, ranks_share_gpus, run_ranks
 from uccl_ep_plugin.benchmark import nvlink
 
 
-def _has_normal_nvlink() -> bool:
-    try:
-        from uccl_ep_plugin import build_info
-        return "normal_nvlink" in build_info().get("features", [])
-    except ImportError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, needs_gpus(2),
-              pytest.mark.skipif(not _has_normal_nvlink(), reason="this build has no normal_nvlink"),
+pytestmark = [pytest.mark.gpu, needs_gpus(2), needs_feature("normal_nvlink"),
               pytest.mark.skipif(ranks_share_gpus(), reason="one time-shared GPU has no NVLink to measure")]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import environment, needs_gpus, rank_device, run_ranks
+from tests.multiprocess import environment, needs_feature, needs_gpus, rank_device, run_ranks
 from uccl_ep_plugin.platform_config.loader import AUTO_ATOMIC_KEY as AGGRESSIVE_ATOMIC_KEY
 
 FEATURE = "normal_nvlink"
@@ -36,17 +36,7 @@ MISSING_PEER_TIMEOUT_S = 3.0
 RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 
 
-def _has_feature() -> bool:
-    try:
-        from uccl_ep_plugin import build_info
-        return FEATURE in build_info().get("features", [])
-    except ImportError:
-        return False
-
-
-pytestmark = [pytest.mark.gpu,
-              needs_gpus(RANKS),
-              pytest.mark.skipif(not _has_feature(), reason=f"this build has no {FEATURE}")]
+pytestmark = [pytest.mark.gpu, needs_gpus(RANKS), needs_feature(FEATURE)]
 
 
 @dataclass(frozen=True)
