@@ -24,10 +24,15 @@ def test_two_hops_on_gpus_match_the_reference(per_host, use_fp8, num_worst_token
               num_worst_tokens=num_worst_tokens, num_nvl_bytes=1 << 26)
 
 
-@pytest.mark.skipif(not extension_has("tcp_device_memory"), reason="this build has no tcp transport over GPU memory")
+@pytest.mark.parametrize("rail", [
+    pytest.param("tcp", marks=pytest.mark.skipif(not extension_has("tcp_device_memory"),
+                                                 reason="this build has no tcp transport over GPU memory")),
+    pytest.param("cuda-copy", marks=pytest.mark.skipif(not extension_has("cuda_copy_transport"),
+                                                       reason="this build has no cuda-copy transport"))])
 @pytest.mark.parametrize("per_host", SPLITS, ids=lambda n: f"{n}-per-host")
 @pytest.mark.parametrize("reorder_seed", [None, 3], ids=["in-order", "reordered"])
-def test_two_hops_over_tcp_on_gpus_match_the_reference(per_host, reorder_seed):
-    """The hop between hosts through the tcp transport over a region in GPU memory."""
+def test_two_hops_over_a_transport_on_gpus_match_the_reference(rail, per_host, reorder_seed):
+    """The hop between hosts through a proxies' transport over a region in GPU memory: tcp, or cuda-copy (copy
+    engines into the other logical hosts' regions, mapped with CUDA IPC: one machine stands for several)."""
     run_ranks(RANKS, two_hops_body, backend="nccl", per_host=per_host, use_fp8=True, num_worst_tokens=0,
-              num_nvl_bytes=1 << 26, rail="tcp", reorder_seed=reorder_seed)
+              num_nvl_bytes=1 << 26, rail=rail, reorder_seed=reorder_seed)

@@ -118,6 +118,8 @@ def test_gpus_per_node_cuts_a_machine_into_hosts(monkeypatch):
     assert machine.startswith(__import__("socket").gethostname()) and hosts.host_id(7) == machine
     monkeypatch.setenv(hosts.GPUS_PER_NODE_ENV, "4")
     assert [hosts.host_id(i) for i in range(8)] == [f"{machine}/0"] * 4 + [f"{machine}/1"] * 4
+    # The machine behind its logical hosts (the cuda-copy transport maps across them).
+    assert [hosts.host_id(i, logical=False) for i in range(8)] == [machine] * 8
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(hosts.GPUS_PER_NODE_ENV, bad)
         with pytest.raises(ValueError, match=f"UCCL_EP_GPUS_PER_NODE='{bad}'"):

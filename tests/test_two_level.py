@@ -58,7 +58,7 @@ def _equal(got, expected, what):
 def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, num_nvl_bytes=0, rail=None,
                   reorder_seed=None):
     """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one. ``rail``:
-    None (the collective rail) or a transport (tcp, verbs), delivering out of order with ``reorder_seed``."""
+    None (the collective rail) or a transport (cuda-copy, tcp, verbs), delivering out of order with ``reorder_seed``."""
     device = rank_device(rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else CPU
     hosts = [f"host-{r // per_host}" for r in range(num_ranks)]
     reference = ReferenceEngine(group, rank, num_ranks, device, 60.0, None)
@@ -210,18 +210,21 @@ def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops(rail):
     run_ranks(4, _buffer_across_hosts_body, rail=rail)
 
 
-def _tcp_without_an_interface_body(rank, num_ranks, group):
-    os.environ.update(UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_PROXY_TRANSPORT="tcp")
+def _unusable_rail_transport_body(rank, num_ranks, group, transport, why):
+    os.environ.update(UCCL_EP_GPUS_PER_NODE="1", UCCL_EP_PROXY_TRANSPORT=transport)
     os.environ.pop("UCCL_SOCKET_IFNAME", None)
-    with pytest.warns(RuntimeWarning, match="not tcp: .*UCCL_SOCKET_IFNAME"):
+    with pytest.warns(RuntimeWarning, match=f"not {transport}: .*{why}"):
         buffer = Buffer(group, num_rdma_bytes=RAIL_BYTES, explicitly_destroy=True)
     assert buffer._two_level.rail.name == "collective"
     buffer.destroy()
 
 
 @pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
-def test_a_rail_transport_that_cannot_reach_other_hosts_falls_back_to_collectives():
-    run_ranks(2, _tcp_without_an_interface_body)
+@pytest.mark.parametrize("transport,why", [("tcp", "UCCL_SOCKET_IFNAME"), ("cuda-copy", "moves GPU memory")])
+def test_a_rail_transport_that_cannot_reach_other_hosts_falls_back_to_collectives(transport, why):
+    """tcp without an interface that reaches other hosts, and cuda-copy on CPU ranks: the group's collectives carry
+    the hop between hosts, with a warning that says why."""
+    run_ranks(2, _unusable_rail_transport_body, transport=transport, why=why)
 
 
 def _uneven_hosts_body(rank, num_ranks, group):

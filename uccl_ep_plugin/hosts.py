@@ -26,23 +26,25 @@ def gpus_per_node() -> int:
     return int(text)
 
 
-def host_id(slot: int) -> str:
+def host_id(slot: int, logical: bool = True) -> str:
     """The host of the rank in ``slot`` of its machine (its GPU's index; on CPU, its process's rank): the machine
     (its hostname with the boot id, which tells two machines with one hostname apart: containers often share
-    names), cut into hosts of UCCL_EP_GPUS_PER_NODE slots where that is set (slot i is in host i // N)."""
+    names), cut into hosts of UCCL_EP_GPUS_PER_NODE slots where that is set (slot i is in host i // N) unless
+    ``logical`` is False (then the machine itself)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             machine = f"{socket.gethostname()}/{boot.read().strip()}"
     except OSError:
         machine = socket.gethostname()
-    per_node = gpus_per_node()
+    per_node = gpus_per_node() if logical else 0
     return f"{machine}/{slot // per_node}" if per_node else machine
 
 
-def host_or_error(slot: int, rank: int) -> Tuple[Optional[str], Optional[str]]:
-    """``(host, None)``, or ``(None, reason)`` naming ``rank``: what a rank contributes to the exchange of hosts."""
+def host_or_error(slot: int, rank: int, logical: bool = True) -> Tuple[Optional[str], Optional[str]]:
+    """``(host, None)``, or ``(None, reason)`` naming ``rank``: what a rank contributes to the exchange of hosts
+    (machines where ``logical`` is False)."""
     try:
-        return host_id(slot), None
+        return host_id(slot, logical), None
     except ValueError as error:
         return None, f"rank {rank}: {error}"
 

@@ -1,7 +1,8 @@
 """The rail hop of normal mode across hosts: each rank's rows to the ranks with its own local index on every host.
 
 Two ways behind one ``exchange``: :class:`CollectiveRail`, an all-to-all over the rail's torch.distributed group
-(NCCL, gloo), and :class:`TransportRail`, writes through a transport of the CPU proxies (tcp, verbs) into a
+(NCCL, gloo), and :class:`TransportRail`, writes through a transport of the CPU proxies (verbs, tcp, or cuda-copy
+between the logical hosts of one machine) into a
 region of ``num_rdma_bytes``: one write with an immediate (the row count) to each rail peer, so no host collective
 runs and unordered delivery is fine (the immediate comes after its bytes). The host drives the transport here;
 the rows still stage through this rank's region.
@@ -62,10 +63,10 @@ class TransportRail:
         if self.slot_bytes <= 0:
             raise ValueError(f"num_rdma_bytes={num_bytes} leaves no room for normal mode's rows across hosts over "
                              f"the {transport} transport")
-        self.region = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        self.transport = None
+        self.region = self.transport = self.peer_buffer = None
         try:
-            self.transport = _open_transport(extension, transport, host, num_hosts, self.region, device, timeout_s)
+            self.region, self.transport, self.peer_buffer = _open_transport(extension, transport, group, host,
+                                                                            num_hosts, num_bytes, device, timeout_s)
             mine = (self.transport.listen_address(), None)
         except Exception as error:   # every rail peer hears of it instead of waiting for this one
             mine = (None, f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
@@ -137,28 +138,47 @@ class TransportRail:
             self.transport.close()
             self.transport = None
         self.region = None
+        if self.peer_buffer is not None:   # after the transport, which copies into it
+            self.peer_buffer.release()
+            self.peer_buffer = None
 
 
-def _open_transport(extension, transport: str, rank: int, num_ranks: int, region: torch.Tensor,
+def _open_transport(extension, transport: str, group, rank: int, num_ranks: int, num_bytes: int,
                     device: torch.device, timeout_s: float):
+    """``(region, transport, peer_buffer)``: this rank's region of ``num_bytes`` and the transport over it (collective
+    over the rail's ``group``); ``peer_buffer`` the CUDA IPC mapping that is the region over cuda-copy, else None."""
     from ..platform_config import resolve_config
     from ..proxies import verbs_device, verbs_settings
+    from .native.peers import map_peer_buffer
 
     gpu = device.index if device.type == "cuda" else None
+    if transport == "cuda-copy":   # logical hosts of one machine: the rail's ranks map each other's regions
+        peer_buffer, reason = map_peer_buffer(extension, group, rank, device, num_bytes, logical_hosts=False)
+        if peer_buffer is None:
+            raise RuntimeError(f"the cuda-copy transport carries the hop between the logical hosts of one machine "
+                               f"only: {reason}")
+        try:
+            return peer_buffer.tensor, extension.CudaCopyTransport(rank, num_ranks, peer_buffer.memory,
+                                                                   timeout_s=timeout_s), peer_buffer
+        except BaseException:
+            peer_buffer.release()
+            raise
+    region = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
     if transport == "tcp":
-        return extension.TcpTransport(rank, num_ranks, region.data_ptr(), region.numel(), timeout_s=timeout_s,
-                                      device=gpu)
+        return region, extension.TcpTransport(rank, num_ranks, region.data_ptr(), region.numel(),
+                                              timeout_s=timeout_s, device=gpu), None
     if transport == "verbs":
-        return extension.VerbsTransport(rank, num_ranks, region.data_ptr(), region.numel(),
-                                        device=verbs_device(gpu), gpu=-1 if gpu is None else gpu,
-                                        timeout_s=timeout_s, **verbs_settings(resolve_config()))
-    raise ValueError(f"the rail of normal mode across hosts runs over tcp or verbs, not {transport!r}")
+        return region, extension.VerbsTransport(rank, num_ranks, region.data_ptr(), region.numel(),
+                                                device=verbs_device(gpu), gpu=-1 if gpu is None else gpu,
+                                                timeout_s=timeout_s, **verbs_settings(resolve_config())), None
+    raise ValueError(f"the rail of normal mode across hosts runs over cuda-copy, tcp or verbs, not {transport!r}")
 
 
 def rail_transport() -> Optional[str]:
-    """The transport UCCL_EP_PROXY_TRANSPORT names for the rail (tcp, verbs), or None: the collective rail."""
+    """The transport UCCL_EP_PROXY_TRANSPORT names for the rail (cuda-copy, tcp, verbs), or None: the collective
+    rail."""
     named = os.environ.get("UCCL_EP_PROXY_TRANSPORT", "").strip().lower()
-    return named if named in ("tcp", "verbs") else None
+    return named if named in ("cuda-copy", "tcp", "verbs") else None
 
 
 def rail_setup_reason(extension, transport: str, num_bytes: int, device: torch.device) -> Optional[str]:
@@ -167,10 +187,13 @@ def rail_setup_reason(extension, transport: str, num_bytes: int, device: torch.d
 
     if extension is None:
         return "the native extension (with its transports) is not importable"
+    if transport == "cuda-copy" and device.type != "cuda":
+        return "the cuda-copy transport moves GPU memory, and these ranks run on the CPU"
     feature = TRANSPORT_FEATURES[transport] if device.type == "cuda" else f"{transport}_transport"
     if feature not in extension.build_info()["features"]:
         return f"this build has no {feature}"
     if num_bytes <= 0:
         return (f"UCCL_EP_PROXY_TRANSPORT={transport} carries normal mode across hosts in num_rdma_bytes, "
                 f"which is 0")
-    return cross_host_reason(extension)
+    # cuda-copy reaches only the logical hosts of this machine: its own mapping says so if a peer is on another.
+    return None if transport == "cuda-copy" else cross_host_reason(extension)

@@ -61,12 +61,13 @@ class PeerBuffer:
             self.memory = None
 
 
-def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int, other_hosts: bool = False
-                    ) -> Tuple[Optional[PeerBuffer], Optional[str]]:
+def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int, other_hosts: bool = False,
+                    logical_hosts: bool = True) -> Tuple[Optional[PeerBuffer], Optional[str]]:
     """``(buffer, None)`` when every rank mapped the buffers of every other rank of its host, else ``(None,
     reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
-    (``buffer.remote_ranks``)."""
-    hosts = hosts_of(_all_gather(group, host_or_error(device.index, rank)))
+    (``buffer.remote_ranks``). ``logical_hosts`` False: the logical hosts UCCL_EP_GPUS_PER_NODE cuts a machine into
+    count as one (the cuda-copy transport between them)."""
+    hosts = hosts_of(_all_gather(group, host_or_error(device.index, rank, logical_hosts)))
     remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
     if remote and not other_hosts:
         return None, f"rank {remote[0]} is on another host, beyond NVLink"
