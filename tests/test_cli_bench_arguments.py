@@ -48,3 +48,8 @@ def test_gpus_per_node_runs_the_normal_mode_in_two_hops(tmp_path, monkeypatch, t
     results = json.loads(results_file.read_text())
     assert results and all(r["engine"] == "two_level" and r["path"] == path and r["correct"]
                            for r in results), results
+    # Each hop's time, the rail's bandwidth to the other host, and its writes: over tcp one with the rows and one
+    # giving the slot back per host (2 hosts) for a dispatch's or a combine's one exchange; none over gloo.
+    for r in results:
+        assert r["rail_us"] > 0 and r["forward_us"] > 0 and r["rail_gbps"] > 0, r
+        assert r["rail_writes"] == (4 if transport else 0), r

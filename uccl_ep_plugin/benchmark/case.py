@@ -1,6 +1,6 @@
 """A measured operation of the benchmark."""
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from .workloads import Workload
 
@@ -24,7 +24,7 @@ class Case:
                  kernels: Tuple[str, ...] = (), capturable: bool = True,
                  settle: Optional[Callable[[], None]] = None, kernel_launch: int = 0,
                  count_wait: Optional[Callable[[], float]] = None, nvlink_bytes: Optional[float] = None,
-                 path: Optional[str] = None) -> None:
+                 path: Optional[str] = None, hops: Optional[Callable[[], Dict[str, float]]] = None) -> None:
         self.mode, self.op, self.dtype, self.workload = mode, op, dtype, workload
         self.run, self.check, self.bytes_per_rank, self.engine = run, check, bytes_per_rank, engine
         self.prepare, self.finish = prepare, finish
@@ -35,6 +35,7 @@ class Case:
         self.settle = settle
         self.nvlink_bytes = nvlink_bytes
         self.path = path   # what carried the rows, where the engine alone does not say (the two hops' rail)
+        self.hops = hops   # the two hops' figures of the last run() (HopTimes.last), once its work is done
 
     @property
     def label(self) -> str:

@@ -15,7 +15,9 @@ COLUMNS = (("mode", "mode", "{}"), ("op", "op", "{}"), ("dtype", "dtype", "{}"),
            ("host_us", "host", time_cell), ("host_back_to_back_us", "host b2b", time_cell),
            ("gbps", "GB/s", "{:.2f}"), ("nvlink_floor_us", "NVLink floor", time_cell),
            ("back_to_back_us", "b2b", time_cell),
-           ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("correct", "correct", "{}"))
+           ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("rail_us", "rail", time_cell),
+           ("rail_gbps", "rail GB/s", "{:.2f}"), ("rail_writes", "rail writes", "{:.0f}"),
+           ("forward_us", "forward", time_cell), ("correct", "correct", "{}"))
 
 
 def progress_line(index: int, total: int, result: Dict) -> str:
@@ -26,7 +28,8 @@ def progress_line(index: int, total: int, result: Dict) -> str:
                                                                   "host beyond the count wait"),
                                                                  ("host_back_to_back_us", "host back to back"),
                                                                  ("back_to_back_us", "back to back"),
-                                                                 ("nvlink_floor_us", "NVLink floor"))
+                                                                 ("nvlink_floor_us", "NVLink floor"),
+                                                                 ("rail_us", "rail"), ("forward_us", "forward"))
                if result.get(key) is not None]
     kernel = f" ({', '.join(details)})" if details else ""
     note = f"; {result['kernel_note']}" if result.get("kernel_note") else ""

@@ -67,10 +67,14 @@ class _EagerTimes:
     samples: List[float]
     host: List[float]
     host_beyond_wait: List[float]
+    hops: List[Dict[str, float]]   # the two hops' figures of each call (case.hops)
+
+
+_HOP_KEYS = ("rail_s", "forward_s", "rail_bytes", "rail_writes")   # HopTimes.last's, in this order
 
 
 def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device) -> _EagerTimes:
-    times = _EagerTimes([], [], [])
+    times = _EagerTimes([], [], [], [])
     on_gpu = device.type == "cuda"
     for i in range(options.warmup + options.iters):
         if case.prepare is not None:
@@ -91,6 +95,8 @@ def _timed_eager(case: Case, options: BenchOptions, group, device: torch.device)
         if i < options.warmup:
             continue
         times.samples.append(start.elapsed_time(end) / 1e3 if on_gpu else returned)
+        if case.hops is not None:
+            times.hops.append(case.hops())
         if on_gpu:
             times.host.append(returned)
             if case.count_wait is not None:
@@ -336,7 +342,11 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     engine = served_by(0)
     # The two hops name their rail: the group's collectives (nccl, gloo) or a proxies' transport (tcp, verbs).
     two_level = buffer._two_level
-    path = None if two_level is None else f"rail-{two_level.rail.label}"
+    path = hops = None
+    if two_level is not None:
+        path = f"rail-{two_level.rail.label}"
+        two_level.hops.enabled = True
+        hops = two_level.hops.last
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = copy_mode() == "sm"
@@ -349,13 +359,13 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8"), path=path),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8"), path=path, hops=hops),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=path),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
-             nvlink_bytes=over_nvlink("bf16"), path=path),
+             nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
     ]
     if device.type == "cuda":
         # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so
@@ -366,12 +376,12 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         cases += [
             Case("normal", "dispatch (num_worst_tokens)", "fp8", workload, dispatch((x_fp8, scales), worst),
                  check_dispatch(True, worst), normal_bytes(num_recv, workload.hidden, "fp8"), worst_engine,
-                 nvlink_bytes=over_nvlink("fp8"), path=path),
+                 nvlink_bytes=over_nvlink("fp8"), path=path, hops=hops),
             Case("normal", "dispatch (num_worst_tokens)", "bf16", workload, dispatch(x, worst),
                  check_dispatch(False, worst), normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine,
-                 nvlink_bytes=over_nvlink("bf16"), path=path),
+                 nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
             Case("normal", "combine (num_worst_tokens)", "bf16", workload, run_worst_combine, check_worst_combine,
-                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16"), path=path),
+                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
         ]
     return cases
 
@@ -532,8 +542,9 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     correct = case.check()
     _settle(case, device)
     kernel_names = sorted(kernels) if kernels is not None else []
+    hops = [statistics.median(call[key] for call in eager.hops) if eager.hops else 0.0 for key in _HOP_KEYS]
     extra = ([case.bytes_per_rank or 0.0, float(correct)] + host + [kernels[name] for name in kernel_names] +
-             (back_to_back or []) + [case.nvlink_bytes or 0.0])
+             (back_to_back or []) + hops + [case.nvlink_bytes or 0.0])
     per_rank = _gather_floats(samples + extra, group, device)
 
     def slowest(first: int, count: int) -> List[float]:   # the slowest rank's value of each
@@ -549,6 +560,8 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     kernel_us = dict(zip(kernel_names, (value * 1e6 for value in slowest(n + 5, len(kernel_names)))))
     back_to_back_s = (statistics.median(slowest(n + 5 + len(kernel_names), len(back_to_back)))
                       if back_to_back else None)
+    rail_s, forward_s = slowest(n + 5 + len(kernel_names) + len(back_to_back or []), 2)
+    rail_bytes, rail_writes = per_rank[:, -3:-1].mean(0).tolist()
     floor = (nvlink.floor_us(per_rank[:, -1].tolist(), copy_gbps)
              if copy_gbps and case.nvlink_bytes is not None and case.engine == "native" else None)
     workload = case.workload
@@ -571,6 +584,12 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),
               "nvlink_floor_us": floor, "copy_gbps": copy_gbps if floor is not None else None,
+              # The two hops: time in the hop between hosts and in the forward hop inside the host (the slowest
+              # rank's), what the rail carried to other hosts per rank and second, and its transport writes.
+              "rail_us": rail_s * 1e6 if eager.hops else None,
+              "forward_us": forward_s * 1e6 if eager.hops else None,
+              "rail_gbps": rail_bytes / rail_s / 1e9 if eager.hops and rail_s > 0 else None,
+              "rail_writes": rail_writes if eager.hops else None,
               "correct": all_correct, "iters": options.iters, "device": options.device_name, "commit": options.commit}
     if case.mode == "normal" and case.engine == "native":
         # The normal mode's switches this run set (UCCL_EP_NORMAL_*), so A/B runs say which side they are.

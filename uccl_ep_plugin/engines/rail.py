@@ -30,6 +30,7 @@ def transport_rail_bytes(num_hosts: int, rows: int, row_bytes: int) -> int:
 
 class CollectiveRail:
     name = "collective"
+    writes = 0   # no transport writes: the collective carries the rows
 
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
@@ -78,6 +79,7 @@ class TransportRail:
             raise RuntimeError(f"the {transport} transport of normal mode across hosts could not start: {failure}")
         self.transport.connect([address for address, _ in records])
         dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
+        self.writes = 0                      # transport writes issued (rows and give-backs), for the bench
         self.returned = [0] * num_hosts      # slots each host gave back (exchanges it finished reading)
         self.arrived: List[List[int]] = [[] for _ in range(num_hosts)]   # row immediates not yet taken
         self.finished = 0
@@ -108,6 +110,7 @@ class TransportRail:
         for host, (count, length) in enumerate(zip(send_counts, blocks)):
             self.transport.write(host, offset, self._slot(self.host), length if fits else 0,
                                  imm=count if fits else _TOO_LARGE | count)
+            self.writes += 1
             offset += length if fits else 0
         self._wait(lambda: all(self.arrived), phase, "the rows of every host")
         counts = [imms.pop(0) for imms in self.arrived]
@@ -122,6 +125,7 @@ class TransportRail:
                               for source, count in enumerate(counts)])
         for host in range(self.num_hosts):   # that host may write into our slot for it again
             self.transport.write(host, 0, 0, 0, imm=_GIVEN_BACK)
+            self.writes += 1
         self.transport.poll_completions()
         self.finished += 1
         return received, counts

@@ -5,13 +5,15 @@ rail), which forwards it inside that host through an intranode Buffer (NVLink ke
 sums inside each host first; only the hosts' partial sums cross back, and the source rank adds them in host
 order.
 
-The rail hop is an all-to-all over the rail's group (the collective backend: NCCL or gloo; the CPU proxies'
-transports are to take its place). Received rows come out grouped by source rank in rank order, in token order
+The rail hop is an all-to-all over the rail's group (the collective backend: NCCL or gloo), or writes through a
+transport of the CPU proxies (rail.py). Received rows come out grouped by source rank in rank order, in token order
 within a source, as from every other path: the forward hop delivers them by forwarding rank, then by source
 host, and one gather puts them in rank order.
 """
 
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,46 @@ def even_hosts(hosts: Sequence[str]) -> Tuple[int, int]:
                        for host in order)
     raise ValueError(f"normal mode across hosts needs the same number of GPUs on every host, as consecutive "
                      f"ranks; the group has {listed}")
+
+
+class HopTimes:
+    """Where the last dispatch or combine spent its time, hop by hop, for the bench (off unless ``enabled``): CUDA
+    events on the caller's stream (read once the call's work is done) or, on CPU ranks, the host's clock; with the
+    bytes the rail sent to other hosts and the transport writes it took."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = False
+        self.reset()
+
+    def reset(self) -> None:
+        self._spans: Dict[str, List[Tuple[object, object]]] = {}
+        self.rail_bytes = self.rail_writes = 0
+
+    def _now(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextmanager
+    def span(self, hop: str):
+        if not self.enabled:
+            yield
+            return
+        begin = self._now()
+        yield
+        self._spans.setdefault(hop, []).append((begin, self._now()))
+
+    def last(self) -> Dict[str, float]:
+        """``rail_s`` and ``forward_s`` (seconds in each hop), ``rail_bytes`` and ``rail_writes`` of the last call."""
+        def seconds(begin, end) -> float:
+            return begin.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - begin
+
+        times = {f"{hop}_s": sum(seconds(*span) for span in spans) for hop, spans in self._spans.items()}
+        return dict(rail_s=times.get("rail_s", 0.0), forward_s=times.get("forward_s", 0.0),
+                    rail_bytes=float(self.rail_bytes), rail_writes=float(self.rail_writes))
 
 
 class RailRoute(NamedTuple):
@@ -83,6 +125,7 @@ class TwoLevel:
                      TransportRail(rail_group, self.host, self.num_hosts, device, num_rdma_bytes, rail_transport,
                                    timeout_s, extension))
         self.within_host = GroupComm(host_group, self.local, self.per_host, device, timeout_s)
+        self.hops = HopTimes(device)
         try:
             self.inner = make_inner(host_group)
         except BaseException:
@@ -110,11 +153,13 @@ class TwoLevel:
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                  num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
                  stream: int = 0) -> DispatchResult:
+        self.hops.reset()
         if cached_handle is not None:
             route = getattr(cached_handle[0], ROUTE_ATTRIBUTE)
             rows, _ = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts,
                                  route.recv_counts, "dispatch across hosts")
-            recv = self.inner.dispatch(self._x(rows, x.dtype, x_scales), handle=route.inner_handle)[0]
+            with self.hops.span("forward"):
+                recv = self.inner.dispatch(self._x(rows, x.dtype, x_scales), handle=route.inner_handle)[0]
             recv_x, recv_scales = recv if x_scales is not None else (recv, None)
             return DispatchResult(self._in_rank_order(recv_x, route, 0), self._in_rank_order(recv_scales, route, 0),
                                   None, None, [], tuple(cached_handle))
@@ -141,10 +186,11 @@ class TwoLevel:
         f_idx, f_weights = (rows[count + 2], rows[count + 3]) if topk_idx is not None else (None, None)
         per_expert = (torch.bincount(f_idx[f_idx >= 0], minlength=experts_here).to(torch.int32) if f_idx is not None
                       else torch.zeros(experts_here, dtype=torch.int32, device=self.device))
-        recv, recv_idx, recv_weights, _, inner_handle, _ = self.inner.dispatch(
-            forwarded, num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=f_idx, topk_weights=f_weights,
-            num_worst_tokens=num_worst_tokens)
+        with self.hops.span("forward"):
+            recv, recv_idx, recv_weights, _, inner_handle, _ = self.inner.dispatch(
+                forwarded, num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=f_idx, topk_weights=f_weights,
+                num_worst_tokens=num_worst_tokens)
         recv_x, recv_scales = recv if x_scales is not None else (recv, None)
 
         order, sources = self._rank_order(inner_handle, recv_counts, source_token)
@@ -172,8 +218,12 @@ class TwoLevel:
         """Each host's block of ``payload``'s rows to the rail's rank on that host; the blocks received, and how
         many rows came from each host."""
         specs = [row_spec(p) for p in payload]
-        rows, recv_counts = self.rail.exchange(pack_rows(payload, payload[0].size(0), self.device), send_counts,
-                                               recv_counts, phase)
+        packed = pack_rows(payload, payload[0].size(0), self.device)
+        writes = self.rail.writes
+        with self.hops.span("rail"):
+            rows, recv_counts = self.rail.exchange(packed, send_counts, recv_counts, phase)
+        self.hops.rail_bytes += (sum(send_counts) - send_counts[self.host]) * packed.size(1)
+        self.hops.rail_writes += self.rail.writes - writes
         return unpack_rows(rows, specs), recv_counts
 
     def _rank_order(self, inner_handle, recv_counts: List[int], source_token: torch.Tensor
@@ -211,6 +261,7 @@ class TwoLevel:
                 biases: Sequence[torch.Tensor], num_channels: int = 0, stream: int = 0
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum every token's copies inside each host, then across hosts on its source rank; add the biases."""
+        self.hops.reset()
         route = getattr(handle[0], ROUTE_ATTRIBUTE)
         inner_rows = route.inner_handle[3].size(0)
         num_valid = route.order.numel()
@@ -220,7 +271,8 @@ class TwoLevel:
         if topk_weights is not None:
             inner_weights = topk_weights.new_zeros((inner_rows, topk_weights.size(1)))
             inner_weights[route.order] = topk_weights[:num_valid]
-        partial, partial_weights, _ = self.inner.combine(inner_x, route.inner_handle, inner_weights)
+        with self.hops.span("forward"):
+            partial, partial_weights, _ = self.inner.combine(inner_x, route.inner_handle, inner_weights)
         payload = [partial] + ([] if partial_weights is None else [partial_weights])
         rows, _ = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
         num_tokens = handle[4].size(0)
