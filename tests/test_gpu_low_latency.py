@@ -71,22 +71,26 @@ def test_low_latency_through_the_proxy_matches_reference(section, transport_orde
 
 
 # Ranks on two hosts (UCCL_EP_GPUS_PER_NODE: the first half of the GPUs one host, the second another): each half
-# maps its own host's buffers and reaches the other half through the proxies, here over tcp on loopback (the
-# transport UCCL_EP_PROXY_TRANSPORT names, or verbs where every rank has an RDMA NIC). At 2 ranks every peer
-# is remote; at 4, NVLink and proxy peers mix in one launch.
-_TWO_HOSTS = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES, mask_cases=(),
-                          graph_cases=ll.GPU_GRAPH_CASES, two_hosts=True,
-                          environment={"UCCL_EP_PROXY_TRANSPORT": "tcp", "UCCL_SOCKET_IFNAME": "lo"})
+# reaches the other half through the proxies, over tcp on loopback or over cuda-copy (the copy engines into the
+# other logical host's buffers, mapped with CUDA IPC since it is the same machine); the transport
+# UCCL_EP_PROXY_TRANSPORT names, or verbs where every rank has an RDMA NIC. At 2 ranks every peer is remote; at 4,
+# NVLink and proxy peers mix in one launch.
+_TWO_HOSTS = {transport: SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
+                                      mask_cases=(), graph_cases=ll.GPU_GRAPH_CASES, two_hosts=True,
+                                      environment=environment_of)
+              for transport, environment_of in (("tcp", {"UCCL_EP_PROXY_TRANSPORT": "tcp", "UCCL_SOCKET_IFNAME": "lo"}),
+                                                ("cuda-copy", {"UCCL_EP_PROXY_TRANSPORT": "cuda-copy"}))}
 
 
 @pytest.mark.gpu
 @needs_rank_gpus
 @needs_native
 @pytest.mark.skipif(ranks_share_gpus(), reason=f"too slow on a time-shared GPU ({SHARE_GPU_ENV}=1)")
+@pytest.mark.parametrize("transport", sorted(_TWO_HOSTS))
 @pytest.mark.parametrize("section", PROXY_SECTIONS)
-def test_low_latency_across_two_hosts_matches_reference(section):
+def test_low_latency_across_two_hosts_matches_reference(section, transport):
     with environment(MODULE_LOADING_ENV, "EAGER"):  # the spawned ranks inherit it (uccl_ep_plugin/proxies.py)
-        results = _TWO_HOSTS.get(RANKS)
+        results = _TWO_HOSTS[transport].get(RANKS)
     assert_section(results, section)
 
 

@@ -11,7 +11,7 @@ import torch
 from ...hosts import RdmaRanks
 from .low_latency import NativeLowLatency
 from .normal import NativeNormal
-from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer
+from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer, ranks_on_other_hosts
 from ...platform_config import resolve_config
 from ...platform_config.loader import AUTO_ATOMIC_KEY
 from ...proxies import (TRANSPORT_ENV, TRANSPORT_FEATURES, cross_host_reason, no_rdma_device_reason, proxy_transport,
@@ -152,14 +152,19 @@ class NativeEngine:
             proxy_path.threads.drain(timeout_s)
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
-        """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts, or every peer with
-        UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns ``{operation: reason}`` for the
+        """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts (logical hosts of this
+        machine too), or every peer with UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns ``{operation: reason}`` for the
         operations that cannot run natively after all (the same on every rank)."""
         with torch.cuda.device(self.device):
-            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes, other_hosts=True)
+            # cuda-copy named: the logical hosts UCCL_EP_GPUS_PER_NODE cuts this machine into reach each other
+            # through the proxies' copy engines, which write into every rank's buffer: the whole machine is mapped,
+            # and the kernels still send to the other logical hosts through the proxies.
+            machine_wide = transport_named() and proxy_transport() == "cuda-copy"
+            peer_buffer, reason = map_peer_buffer(self._C, group, rank, self.device, num_bytes, other_hosts=True,
+                                                  logical_hosts=not machine_wide)
             if peer_buffer is None:
                 return dict.fromkeys(LOW_LATENCY_OPERATIONS, reason)
-            remote = peer_buffer.remote_ranks
+            remote = (ranks_on_other_hosts(group, rank, self.device) if machine_wide else peer_buffer.remote_ranks)
             if force_proxy():   # every peer as if on another host
                 remote = [peer for peer in range(self.num_ranks) if peer != rank]
             reason = first_reason(group, cross_host_reason(self._C) if peer_buffer.remote_ranks else None)

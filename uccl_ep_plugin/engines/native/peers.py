@@ -61,14 +61,20 @@ class PeerBuffer:
             self.memory = None
 
 
+def ranks_on_other_hosts(group, rank: int, device: torch.device, logical_hosts: bool = True) -> List[int]:
+    """The ranks of ``group`` on other hosts than this rank (other machines where ``logical_hosts`` is False).
+    Collective."""
+    hosts = hosts_of(_all_gather(group, host_or_error(device.index, rank, logical_hosts)))
+    return [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
+
+
 def map_peer_buffer(extension, group, rank: int, device: torch.device, num_bytes: int, other_hosts: bool = False,
                     logical_hosts: bool = True) -> Tuple[Optional[PeerBuffer], Optional[str]]:
     """``(buffer, None)`` when every rank mapped the buffers of every other rank of its host, else ``(None,
     reason)``. Ranks on other hosts are a reason unless ``other_hosts``; then they stay unmapped
     (``buffer.remote_ranks``). ``logical_hosts`` False: the logical hosts UCCL_EP_GPUS_PER_NODE cuts a machine into
     count as one (the cuda-copy transport between them)."""
-    hosts = hosts_of(_all_gather(group, host_or_error(device.index, rank, logical_hosts)))
-    remote = [peer for peer, host in enumerate(hosts) if host != hosts[rank]]
+    remote = ranks_on_other_hosts(group, rank, device, logical_hosts)
     if remote and not other_hosts:
         return None, f"rank {remote[0]} is on another host, beyond NVLink"
     memory = extension.PeerMemory(num_bytes, device.index)
