@@ -27,9 +27,9 @@ ROUTE_ATTRIBUTE = "_uccl_ep_rail_route"   # kept on the handle's rank_prefix_mat
 
 
 def rail_rdma_bytes(num_hosts: int, gpus_per_host: int, num_tokens: int, hidden: int, num_topk: int) -> int:
-    """num_rdma_bytes for the hop between hosts over a proxies' transport (tcp, verbs): all of a rank's ``num_tokens``
-    tokens to every host at worst, each as a bf16 dispatch row (the widest: the row, which of the host's ranks take
-    it, its index, its experts and weights) or a combine row (the partial sum and its weights)."""
+    """num_rdma_bytes for the hop between hosts over a proxies' transport (verbs, tcp, cuda-copy): all of a rank's
+    ``num_tokens`` tokens to every host at worst, each as a bf16 dispatch row (the widest: the row, which of the
+    host's ranks take it, its index, its experts and weights) or a combine row (the partial sum and its weights)."""
     dispatch_row = 2 * hidden + gpus_per_host + 4 + (8 + 4) * num_topk
     combine_row = 2 * hidden + 4 * num_topk
     return transport_rail_bytes(num_hosts, num_tokens, max(dispatch_row, combine_row))
@@ -84,8 +84,8 @@ class HopTimes:
         def seconds(begin, end) -> float:
             return begin.elapsed_time(end) / 1e3 if self.device.type == "cuda" else end - begin
 
-        times = {f"{hop}_s": sum(seconds(*span) for span in spans) for hop, spans in self._spans.items()}
-        return dict(rail_s=times.get("rail_s", 0.0), forward_s=times.get("forward_s", 0.0),
+        spent = {hop: sum(seconds(*span) for span in spans) for hop, spans in self._spans.items()}
+        return dict(rail_s=spent.get("rail", 0.0), forward_s=spent.get("forward", 0.0),
                     rail_bytes=float(self.rail_bytes), rail_writes=float(self.rail_writes))
 
 
