@@ -18,7 +18,8 @@ DEFAULTS = {COMBINE_CHUNKS_ENV: 4, PULL_CHUNKS_ENV: 3, SM_PULL_ENV: 12, SM_PUSH_
 
 @pytest.mark.parametrize("env,value,expected",
                          [(COPY_ENV, None, "auto"), (COPY_ENV, "", "auto"), (COPY_ENV, "sm", "sm"),
-                          (COPY_ENV, " Engine ", "engine"), (COPY_ENV, "AUTO", "auto"), (OWN_ROWS_ENV, None, "auto"), (OWN_ROWS_ENV, "", "auto"),
+                          (COPY_ENV, " Engine ", "engine"), (COPY_ENV, "AUTO", "auto"), (OWN_ROWS_ENV, None, "auto"),
+                          (OWN_ROWS_ENV, "", "auto"),
                           (OWN_ROWS_ENV, "SM", "sm"), (OWN_ROWS_ENV, "engine", "engine"),
                           (OWN_ROWS_ENV, " auto", "auto")])
 def test_copy_mode(monkeypatch, env, value, expected):

@@ -89,8 +89,8 @@ def cross_host_reason(extension) -> Optional[str]:
                     f"other on; the default, loopback, reaches this host only)")
         return None
     return (f"{TRANSPORT_ENV}={named} reaches this host only; ranks on other hosts are reached through the CPU proxies "
-            f"over an RDMA NIC ({TRANSPORT_ENV}=verbs, or unset where the host has one) or sockets ({TRANSPORT_ENV}=tcp "
-            f"with UCCL_SOCKET_IFNAME)")
+            f"over an RDMA NIC ({TRANSPORT_ENV}=verbs, or unset where the host has one) or sockets "
+            f"({TRANSPORT_ENV}=tcp with UCCL_SOCKET_IFNAME)")
 
 
 def no_rdma_device_reason(extension) -> Optional[str]:

@@ -402,8 +402,8 @@ void bind_normal(py::module_& m) {
                                                               launch_thread);
            }),
            py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
-           py::arg("rows_by_copy_engine"), py::arg("cached_by_copy_engine"), py::arg("launch_thread") = true, py::keep_alive<1, 3>(),
-           py::keep_alive<1, 4>())
+           py::arg("rows_by_copy_engine"), py::arg("cached_by_copy_engine"), py::arg("launch_thread") = true,
+           py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "
            "topk_weights, num_topk, is_token_in_rank, num_tokens, num_tokens_per_rank, num_tokens_per_expert, "

@@ -340,7 +340,8 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         return nvlink.busier_way_bytes(sent, received, workload.hidden, dtype)
 
     engine = served_by(0)
-    # The two hops name their rail: the group's collectives (nccl, gloo) or a proxies' transport (tcp, verbs).
+    # The two hops name their rail: the group's collectives (nccl, gloo) or a proxies' transport (verbs, tcp,
+    # cuda-copy), and time each hop of every call.
     two_level = buffer._two_level
     path = hops = None
     if two_level is not None:
@@ -381,7 +382,8 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
                  check_dispatch(False, worst), normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine,
                  nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
             Case("normal", "combine (num_worst_tokens)", "bf16", workload, run_worst_combine, check_worst_combine,
-                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
+                 normal_bytes(num_recv, workload.hidden, "bf16"), worst_engine, nvlink_bytes=over_nvlink("bf16"),
+                 path=path, hops=hops),
         ]
     return cases
 
@@ -629,7 +631,7 @@ def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
 
 def _rail_bytes(workload: Workload, num_ranks: int) -> int:
     """num_rdma_bytes for the hop between hosts where the ranks are cut into hosts and UCCL_EP_PROXY_TRANSPORT names
-    a transport for it (tcp, verbs); else 0 (the group's collectives carry it, or there is one host)."""
+    a transport for it (verbs, tcp, cuda-copy); else 0 (the group's collectives carry it, or there is one host)."""
     per_node = gpus_per_node()
     if rail_transport() is None or not per_node or per_node >= num_ranks:
         return 0

@@ -153,8 +153,8 @@ class NativeEngine:
 
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts (logical hosts of this
-        machine too), or every peer with UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns ``{operation: reason}`` for the
-        operations that cannot run natively after all (the same on every rank)."""
+        machine too), or every peer with UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns
+        ``{operation: reason}`` for the operations that cannot run natively after all (the same on every rank)."""
         with torch.cuda.device(self.device):
             # cuda-copy named: the logical hosts UCCL_EP_GPUS_PER_NODE cuts this machine into reach each other
             # through the proxies' copy engines, which write into every rank's buffer: the whole machine is mapped,

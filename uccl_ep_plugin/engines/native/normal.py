@@ -43,8 +43,8 @@ OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copi
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch: peers' rows pulled, or pushed
 LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls made by a thread of the launcher's
 # Each mode setting's values, its default first.
-_MODES = {COPY_ENV: ("auto", "engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"), DISPATCH_ROWS_ENV: ("pull", "push"),
-          LAUNCH_THREAD_ENV: ("off", "on")}
+_MODES = {COPY_ENV: ("auto", "engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"),
+          DISPATCH_ROWS_ENV: ("pull", "push"), LAUNCH_THREAD_ENV: ("off", "on")}
 # From this many ranks on, COPY_ENV=auto moves a cached dispatch's rows by SM stores: a GPU's copy engines carry
 # about 190 GB/s each way while every rank copies to every peer (4x H200), SM stores more (docs/KERNEL_NOTES.md).
 CACHED_BY_SM_FROM_RANKS = 4
