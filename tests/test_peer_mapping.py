@@ -55,7 +55,7 @@ def _open_fails_on_rank_1(rank, num_ranks, group):
 
 
 def _ranks_on_two_hosts(rank, num_ranks, group):
-    hosts.host_id = lambda slot: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
+    hosts.host_id = lambda slot, logical=True: f"host-{rank // 2}"   # ranks 0-1 on one host, 2 on another
     extension = _FakeExtension(fail_open=False)
     buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", 0), 1 << 20)
     assert buffer is None and extension.created == [], "nothing is allocated when a peer is on another host"
@@ -63,19 +63,22 @@ def _ranks_on_two_hosts(rank, num_ranks, group):
     assert reason.startswith(expected), reason
 
 
-def _ranks_on_two_hosts_map_their_own(rank, num_ranks, group):
-    """Where other hosts are allowed, a rank maps its own host's buffers only and learns which ranks are remote."""
+def _ranks_on_two_hosts_map_their_own(rank, num_ranks, group, logical_hosts=True):
+    """Where other hosts are allowed, a rank maps its own host's buffers only and learns which ranks are remote; with
+    ``logical_hosts`` False the two logical hosts are one machine, and every buffer is mapped (cuda-copy between
+    them)."""
     import os
     os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # GPUs 0-1 one host, 2-3 the other
     peers.device_bytes = lambda owner, address, num_bytes, device: torch.empty(num_bytes, dtype=torch.uint8)
     extension = _FakeExtension(fail_open=False)
     buffer, reason = peers.map_peer_buffer(extension, group, rank, torch.device("cuda", rank), 1 << 20,
-                                           other_hosts=True)
+                                           other_hosts=True, logical_hosts=logical_hosts)
     assert reason is None and buffer is not None
-    mine = rank // 2
-    assert buffer.remote_ranks == [peer for peer in range(num_ranks) if peer // 2 != mine]
+    mine = rank // 2 if logical_hosts else 0
+    assert buffer.remote_ranks == [peer for peer in range(num_ranks) if peer // 2 != mine and logical_hosts]
     (memory,) = extension.created
-    assert memory.handles == [b"handle-of-%d" % peer if peer // 2 == mine else b"" for peer in range(num_ranks)]
+    assert memory.handles == [b"handle-of-%d" % peer if peer // 2 == mine or not logical_hosts else b""
+                              for peer in range(num_ranks)]
 
 
 def _reasons_of_some_ranks(rank, num_ranks, group):
@@ -104,8 +107,9 @@ def test_peers_on_another_host_are_not_mapped():
     run_ranks(3, _ranks_on_two_hosts)
 
 
-def test_ranks_on_two_hosts_map_only_their_own_host():
-    run_ranks(4, _ranks_on_two_hosts_map_their_own)
+@pytest.mark.parametrize("logical_hosts", [True, False], ids=["logical-hosts", "whole-machine"])
+def test_ranks_on_two_hosts_map_only_their_own_host(logical_hosts):
+    run_ranks(4, _ranks_on_two_hosts_map_their_own, logical_hosts=logical_hosts)
 
 
 def test_every_rank_takes_the_first_ranks_reason():
