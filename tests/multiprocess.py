@@ -41,14 +41,18 @@ def needs_gpus(num_ranks: int):
                               reason=f"needs {num_ranks} CUDA GPUs (or any GPU with {SHARE_GPU_ENV}=1)")
 
 
-def needs_feature(feature: str):
-    """Skip mark for tests that need ``feature`` in the extension's build_info (skipped too where it is not built)."""
+def has_feature(feature: str) -> bool:
+    """Whether the extension is built, with ``feature`` in its build_info."""
     try:
         from uccl_ep_plugin import build_info
-        present = feature in build_info().get("features", [])
+        return feature in build_info().get("features", [])
     except ImportError:
-        present = False
-    return pytest.mark.skipif(not present, reason=f"this build has no {feature}")
+        return False
+
+
+def needs_feature(feature: str):
+    """Skip mark for tests that need ``feature`` in the extension's build_info (skipped too where it is not built)."""
+    return pytest.mark.skipif(not has_feature(feature), reason=f"this build has no {feature}")
 
 
 def rank_device(rank: int) -> torch.device:

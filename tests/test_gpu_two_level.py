@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.multiprocess import needs_gpus, run_ranks
-from tests.test_two_level import extension_has, two_hops_body
+from tests.multiprocess import needs_feature, needs_gpus, run_ranks
+from tests.test_two_level import two_hops_body
 
 RANKS = int(os.environ.get("UCCL_EP_TEST_RANKS", "2"))
 # hosts of 1 GPU each, and (with 4 or more) of 2
@@ -25,10 +25,8 @@ def test_two_hops_on_gpus_match_the_reference(per_host, use_fp8, num_worst_token
 
 
 @pytest.mark.parametrize("rail", [
-    pytest.param("tcp", marks=pytest.mark.skipif(not extension_has("tcp_device_memory"),
-                                                 reason="this build has no tcp transport over GPU memory")),
-    pytest.param("cuda-copy", marks=pytest.mark.skipif(not extension_has("cuda_copy_transport"),
-                                                       reason="this build has no cuda-copy transport"))])
+    pytest.param("tcp", marks=needs_feature("tcp_device_memory")),
+    pytest.param("cuda-copy", marks=needs_feature("cuda_copy_transport"))])
 @pytest.mark.parametrize("per_host", SPLITS, ids=lambda n: f"{n}-per-host")
 @pytest.mark.parametrize("reorder_seed", [None, 3], ids=["in-order", "reordered"])
 def test_two_hops_over_a_transport_on_gpus_match_the_reference(rail, per_host, reorder_seed):

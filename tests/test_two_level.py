@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import rank_device, run_ranks
+from tests.multiprocess import has_feature, needs_feature, rank_device, run_ranks
 from tests.reference_checks import random_bf16, random_topk_idx, random_weights
 from uccl_ep_plugin import Buffer
 from uccl_ep_plugin.engines.reference import ReferenceEngine
@@ -23,13 +23,6 @@ RAIL_BYTES = 1 << 20   # the transport rail's region: room for every case here
 def _extension():
     from uccl_ep_plugin import _C
     return _C
-
-
-def extension_has(feature):
-    try:
-        return feature in _extension().build_info()["features"]
-    except ImportError:
-        return False
 
 
 def _inputs(gen, rank, num_ranks, use_fp8, device=CPU):
@@ -116,7 +109,7 @@ def test_two_hops_with_worst_tokens():
 
 
 
-@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
+@needs_feature("tcp_transport")
 @pytest.mark.parametrize("num_ranks, per_host", [(4, 2), (6, 3), (6, 2)], ids=lambda v: str(v))
 @pytest.mark.parametrize("reorder_seed", [None, 11], ids=["in-order", "reordered"])
 def test_two_hops_over_the_tcp_transport(num_ranks, per_host, reorder_seed):
@@ -127,7 +120,7 @@ def test_two_hops_over_the_tcp_transport(num_ranks, per_host, reorder_seed):
 
 def _verbs_devices():
     from tests.transport_exchange import rdma_devices
-    return rdma_devices() if extension_has("verbs_transport") else []
+    return rdma_devices() if has_feature("verbs_transport") else []
 
 
 @pytest.mark.skipif(not _verbs_devices(), reason="no RDMA device (tests/soft_roce/run_tests.sh runs it on soft-RoCE)")
@@ -151,7 +144,7 @@ def _rail_too_small_body(rank, num_ranks, group):
     two_level.release()
 
 
-@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
+@needs_feature("tcp_transport")
 def test_a_rail_region_too_small_names_the_size_on_every_rank():
     run_ranks(4, _rail_too_small_body)
 
@@ -203,8 +196,7 @@ def _buffer_across_hosts_body(rank, num_ranks, group, rail):
     buffer.destroy()
 
 
-@pytest.mark.parametrize("rail", [None, pytest.param("tcp", marks=pytest.mark.skipif(
-    not extension_has("tcp_transport"), reason="the extension has no tcp transport"))], ids=["collective", "tcp"])
+@pytest.mark.parametrize("rail", [None, pytest.param("tcp", marks=needs_feature("tcp_transport"))], ids=["collective", "tcp"])
 def test_buffer_across_hosts_serves_dispatch_and_combine_in_two_hops(rail):
     """UCCL_EP_PROXY_TRANSPORT=tcp (with the interface UCCL_SOCKET_IFNAME names) carries the hop between hosts."""
     run_ranks(4, _buffer_across_hosts_body, rail=rail)
@@ -219,7 +211,7 @@ def _unusable_rail_transport_body(rank, num_ranks, group, transport, why):
     buffer.destroy()
 
 
-@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
+@needs_feature("tcp_transport")
 @pytest.mark.parametrize("transport,why", [("tcp", "UCCL_SOCKET_IFNAME"), ("cuda-copy", "moves GPU memory")])
 def test_a_rail_transport_that_cannot_reach_other_hosts_falls_back_to_collectives(transport, why):
     """tcp without an interface that reaches other hosts, and cuda-copy on CPU ranks: the group's collectives carry
@@ -293,6 +285,6 @@ def _silent_rail_peer_body(rank, num_ranks, group):
     rail.close()
 
 
-@pytest.mark.skipif(not extension_has("tcp_transport"), reason="the extension has no tcp transport")
+@needs_feature("tcp_transport")
 def test_a_silent_rail_peer_times_out_naming_the_phase():
     run_ranks(2, _silent_rail_peer_body)

@@ -245,8 +245,8 @@ class Buffer:
                           num_rdma_bytes: int) -> None:
         """Ranks on several hosts: dispatch and combine cross to each host once and are forwarded inside it by a
         Buffer over that host's ranks (engines/two_level.py); uneven hosts make those calls raise, naming them.
-        The hop between hosts goes through the transport UCCL_EP_PROXY_TRANSPORT names (tcp, verbs) in
-        ``num_rdma_bytes`` of its own, else over the group's collectives."""
+        The hop between hosts goes through the transport UCCL_EP_PROXY_TRANSPORT names (verbs, tcp, or cuda-copy
+        between logical hosts of one machine) in ``num_rdma_bytes`` of its own, else over the group's collectives."""
         choice.by_operation.update(dict.fromkeys(NORMAL_OPERATIONS, TwoLevel.name))
         for operation in NORMAL_OPERATIONS:
             choice.reasons.pop(operation, None)
