@@ -14,29 +14,6 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
-// Steps 2 and 4 of an exchange, by one block.
-__device__ void block_announce_arrival(const NormalRegion& r) {
-  __shared__ int skip;  // one answer for the block: it meets at barriers below
-  if (threadIdx.x == 0) skip = aborted(r);
-  __syncthreads();
-  if (skip) return;
-  const uint64_t epoch = exchanges_done(r) + 1;
-  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    publish_flag(arrived_word(r, peer, r.rank), epoch, r.aggressive_atomics);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
-  __syncthreads();  // the whole block sees the new count
-}
-
-__device__ void block_announce_freed(const NormalRegion& r) {
-  if (aborted(r)) return;
-  const uint64_t epoch = exchanges_done(r);
-  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
-  }
-}
-
 __global__ void announce_arrival(NormalRegion r) { block_announce_arrival(r); }
 __global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 

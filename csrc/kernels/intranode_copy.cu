@@ -27,14 +27,16 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
 constexpr int kLocalCopyUnroll = 4;
 
 // Combine, before the pushes: every rank has freed the previous exchange. Then the values each pushed
-// chunk's 8-byte copy writes into its owner's chunk word (the arrival after this kernel counts the
-// exchange, whose number only the device knows).
-__global__ void wait_destinations_freed(NormalRegion r, uint64_t* chunk_values, int32_t chunks) {
-  if (!wait_destinations_free(r, kNormalCombineSend)) return;
-  const uint64_t epoch = exchanges_done(r) + 1;
-  for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
-    chunk_values[chunk] = normal_chunk_word(epoch, chunk + 1, chunks);
+// chunk's 8-byte copy writes into its owner's chunk word (the exchange's number, which only the device
+// knows), and the arrival, which counts the exchange (the chunk words tell when rows landed).
+__global__ void wait_destinations_freed_then_arrive(NormalRegion r, uint64_t* chunk_values, int32_t chunks) {
+  if (wait_destinations_free(r, kNormalCombineSend)) {
+    const uint64_t epoch = exchanges_done(r) + 1;
+    for (int chunk = threadIdx.x; chunk < chunks; chunk += blockDim.x) {
+      chunk_values[chunk] = normal_chunk_word(epoch, chunk + 1, chunks);
+    }
   }
+  block_announce_arrival(r);  // not after a failed wait: it recorded the failure, and the arrival skips
 }
 
 // Dispatch, on `source`'s stream before its pull: `source` announced this exchange (its staging is
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 
 void load_normal_copy_kernels() {
   using namespace normal_kernels;
-  gpu_load_kernels(wait_destinations_freed, wait_source_arrived, gather_for_peers, receive_own_rows,
+  gpu_load_kernels(wait_destinations_freed_then_arrive, wait_source_arrived, gather_for_peers, receive_own_rows,
                    reduce_from_staging);
 }
 
@@ -779,11 +781,10 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
             "the rows rank " + std::to_string(owner) + " gets back do not fit in the data area");
   }
   const int chunks = normal_combine_chunks(combine_chunks_, a.num_sms);
-  normal_kernels::wait_destinations_freed<<<1, kNormalMaxRanks, 0, stream>>>(a.region, chunk_values_, chunks);
+  // The arrival goes first: the pushes on the peers' streams and the sums on this one then share its epoch.
+  normal_kernels::wait_destinations_freed_then_arrive<<<1, kNormalMaxRanks, 0, stream>>>(a.region, chunk_values_,
+                                                                                        chunks);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  // The arrival only counts the exchange here (the chunk words tell when rows landed), so it goes
-  // first: the pushes on the peers' streams and the sums on this one then share its epoch.
-  launch_normal_announce_arrival(a.region, stream);
   // Each owner's chunks in order on its own stream, every owner at once: the sums start early everywhere.
   // Copies only: a kernel between them would hold each next copy back by its launch.
   fork_peer_streams(me, stream, nullptr, [&](int owner, gpuStream_t peer_stream) {

@@ -114,6 +114,29 @@ __device__ inline bool wait_sources_arrived(const NormalRegion& r, int32_t phase
   return block_wait_all(r, [&](int peer) { return arrived_word(r, r.rank, peer); }, exchanges_done(r), phase);
 }
 
+// Steps 2 and 4 of an exchange, by one block.
+__device__ inline void block_announce_arrival(const NormalRegion& r) {
+  __shared__ int skip;  // one answer for the block: it meets at barriers below
+  if (threadIdx.x == 0) skip = aborted(r);
+  __syncthreads();
+  if (skip) return;
+  const uint64_t epoch = exchanges_done(r) + 1;
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    publish_flag(arrived_word(r, peer, r.rank), epoch, r.aggressive_atomics);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
+  __syncthreads();  // the whole block sees the new count
+}
+
+__device__ inline void block_announce_freed(const NormalRegion& r) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r);
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
+  }
+}
+
 // ------------------------------------------------------------------------------ copies
 __device__ __forceinline__ WarpPosition warp_position() {
   return warp_position_of(threadIdx.x, blockIdx.x, gridDim.x, blockDim.x, kWarpSize);

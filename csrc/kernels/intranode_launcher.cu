@@ -154,9 +154,14 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
 
 void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, bool by_copy_engine,
                              const std::vector<int32_t>& rank_prefix_matrix, gpuStream_t stream) {
+  // Queued by this thread, the pulls start before the other outputs are allocated: the GPU idles until the first.
+  const bool pulls_first = by_copy_engine && !launch_thread_.usable();
   try {
-    const NormalDispatchOutputs outputs = allocate(args.num_rows_out);
+    NormalDispatchOutputs outputs{};
+    outputs.recv_x = allocate.recv_x(args.num_rows_out);
     args.recv_x = outputs.recv_x;
+    if (pulls_first) copy_engine_->pull_rows(args, rank_prefix_matrix, stream);
+    allocate.rest(args.num_rows_out, outputs);
     args.recv_x_scales = outputs.recv_x_scales;
     args.recv_topk_idx = outputs.recv_topk_idx;
     args.recv_topk_weights = outputs.recv_topk_weights;
@@ -168,6 +173,10 @@ void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocat
   }
   if (!by_copy_engine) {
     launch_normal_dispatch(args, stream);
+    return;
+  }
+  if (pulls_first) {
+    copy_engine_->receive_rest(args, stream);  // ends the exchange whatever happens
     return;
   }
   launch_thread_.run_on(stream, "dispatch", [this, args, rank_prefix_matrix](gpuStream_t work_stream) {

@@ -35,8 +35,13 @@ struct NormalDispatchOutputs {
   int32_t* recv_src_idx;
 };
 // Makes a dispatch's outputs once its rows are known (the caller's allocator, called on the host
-// thread of the dispatch); an exception it throws ends the exchange for the peers, then propagates.
-using NormalOutputsAllocator = std::function<NormalDispatchOutputs(int64_t rows)>;
+// thread of the dispatch), in two steps: recv_x, which is all the copy engines' pulls need (they are
+// queued before the other outputs exist), then the others into `outputs`. An exception either step
+// throws ends the exchange for the peers, then propagates.
+struct NormalOutputsAllocator {
+  std::function<void*(int64_t rows)> recv_x;
+  std::function<void(int64_t rows, NormalDispatchOutputs& outputs)> rest;
+};
 
 // A fresh dispatch (no handle). handle_ints: one int32 array holding send_pos [N, R],
 // channel_prefix_matrix [R, C], send_head [N, R], recv_channel_prefix_matrix [R, C], then the

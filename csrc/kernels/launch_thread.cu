@@ -59,10 +59,14 @@ void LaunchThread::wake() {
 void LaunchThread::run_on(gpuStream_t caller, const char* operation, Work work) {
   require(!released_, "rank " + std::to_string(rank_) + ": this normal-mode launcher was released");
   join();
+  if (!usable_) {
+    work(caller);
+    return;
+  }
   bool capturing = false;
   UCCL_EP_GPU_CHECK(gpu_stream_capturing(caller, &capturing));
-  if (!thread_.joinable() && usable_) start();
-  if (!usable_ || capturing || !awake_.load(std::memory_order_acquire)) {
+  if (!thread_.joinable()) start();
+  if (capturing || !awake_.load(std::memory_order_acquire)) {
     wake();  // for the next work
     work(caller);
     return;

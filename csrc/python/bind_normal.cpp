@@ -118,17 +118,16 @@ struct NormalLauncherCalls {
                                                  static_cast<int32_t*>(handle_ints),
                                                  2 * static_cast<int64_t>(hidden)};
     // Called once the rows are known, on this thread, without the GIL.
-    const uccl_ep::NormalOutputsAllocator allocate = [&](int64_t rows) {
-      uccl_ep::NormalDispatchOutputs outputs{};
-      outputs.recv_x = tensors.add({rows, hidden}, static_cast<TensorDtype>(x_dtype));
-      outputs.recv_x_scales = optional_rows(tensors, rows, num_scales, scales_dtype);
-      outputs.recv_topk_idx = static_cast<int64_t*>(
-          optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kInt64) : -1));
-      outputs.recv_topk_weights = static_cast<float*>(
-          optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kFloat32) : -1));
-      outputs.recv_src_idx = static_cast<int32_t*>(tensors.add({rows}, TensorDtype::kInt32));
-      return outputs;
-    };
+    const uccl_ep::NormalOutputsAllocator allocate{
+        [&](int64_t rows) { return tensors.add({rows, hidden}, static_cast<TensorDtype>(x_dtype)); },
+        [&](int64_t rows, uccl_ep::NormalDispatchOutputs& outputs) {
+          outputs.recv_x_scales = optional_rows(tensors, rows, num_scales, scales_dtype);
+          outputs.recv_topk_idx = static_cast<int64_t*>(
+              optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kInt64) : -1));
+          outputs.recv_topk_weights = static_cast<float*>(
+              optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kFloat32) : -1));
+          outputs.recv_src_idx = static_cast<int32_t*>(tensors.add({rows}, TensorDtype::kInt32));
+        }};
     uccl_ep::NormalDispatchResult result;
     {
       py::gil_scoped_release no_gil;

@@ -371,7 +371,7 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     if device.type == "cuda":
         # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so
         # the native engine's calls are captured in CUDA graphs and timed by replay, as a serving engine runs them.
-        worst = workload.tokens * num_ranks
+        worst = worst_tokens(workload, num_ranks)
         run_worst_combine, check_worst_combine = combine(worst)
         worst_engine = served_by(worst)
         cases += [
@@ -617,16 +617,25 @@ def _path_name(case: Case, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines
 
 
-def _native_normal_bytes(workload: Workload, num_ranks: int) -> int:
-    """Room for the native normal mode's whole exchange at this workload (every token of every rank to one
-    rank, at worst), or 0 where this build has no native normal mode."""
+def worst_tokens(workload: Workload, num_ranks: int) -> int:
+    """The num_worst_tokens of the bench's graph-replayed normal-mode cases: every token of every rank."""
+    return workload.tokens * num_ranks
+
+
+def _native_normal_bytes(workload: Workload, num_ranks: int, device: torch.device) -> int:
+    """Room for the native normal mode's whole exchange at this workload, or 0 where this build has no native normal
+    mode. Without counts on the host (the num_worst_tokens cases, on GPUs) a rank receives at most num_worst_tokens
+    rows and, for all any rank knows, sent up to num_ranks times that; else every token of every rank to one rank."""
     try:
         from .. import _C  # noqa: WPS433 (a CPU-only install has no extension)
     except ImportError:
         return 0
     if "normal_nvlink" not in _C.build_info().get("features", []):
         return 0
-    return exchange_bytes(_C, num_ranks * workload.tokens, workload.hidden, workload.topk)
+    rows = num_ranks * workload.tokens
+    if device.type == "cuda":
+        rows = num_ranks * worst_tokens(workload, num_ranks)
+    return exchange_bytes(_C, rows, workload.hidden, workload.topk)
 
 
 def _rail_bytes(workload: Workload, num_ranks: int) -> int:
@@ -681,7 +690,7 @@ def run_rank(rank: int, options: BenchOptions, port: int, results_queue) -> None
         if options.normal is not None:
             w, r = options.normal, options.num_ranks
             hidden_bytes = w.hidden * 2
-            native_bytes = _native_normal_bytes(w, r)
+            native_bytes = _native_normal_bytes(w, r, device)
             nvl_bytes = max(Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r),
                             Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r), native_bytes)
             copy_gbps = _nvlink_copy_gbps(group, rank, r, device, note) if native_bytes else None
