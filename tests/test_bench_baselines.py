@@ -18,14 +18,14 @@ def _body(rank, num_ranks, group):
         case.run()
         assert case.check(), f"rank {rank}: {case.op} fails its check"
         assert case.bytes_per_rank > 0
-        outputs[case.op] = case
+        outputs[(case.op, case.dtype)] = case
     # Each check reads what its case produced: corrupt the output tensors the closures hold and the checks fail.
-    for op, case in outputs.items():
+    for (op, dtype), case in outputs.items():
         cells = [c.cell_contents for c in case.run.__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
         written = [t for t in cells if t.numel() > 0]
         for tensor in written:
             tensor.mul_(-1).add_(1)
-        assert not case.check(), f"rank {rank}: {op} still passes with its tensors corrupted"
+        assert not case.check(), f"rank {rank}: {op} {dtype} still passes with its tensors corrupted"
 
 
 def test_baselines_run_and_check_on_gloo():

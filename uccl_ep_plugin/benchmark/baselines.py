@@ -2,7 +2,8 @@
 run as our engine, on the same tokens and routing:
 
 - vLLM's default all2all backend: dispatch all-gathers every rank's hidden states, combine reduce-scatters
-  the expert outputs of all tokens (each rank returns a partial sum for every token).
+  the expert outputs of all tokens (each rank returns a partial sum for every token). The all_gather also
+  for fp8 rows with their scales, as bytes: the payload of our fp8 dispatch.
 - all_to_all_single: each token goes to every rank holding one of its experts (DeepEP's is_token_in_rank),
   and combine sends the rows back and adds them up per token.
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .case import Case
-from .workloads import Workload, normal_bytes, routing
+from .workloads import Workload, normal_bytes, per_token_fp8, routing
 
 ENGINE = "baseline"
 # The same collectives under the names torch >= 2.13 gives them (the old names warn there); older torch has only
@@ -31,7 +32,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, rel: float) -> bool:
 
 def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, group,
                    device: torch.device) -> List[Case]:
-    """all_gather dispatch, reduce_scatter combine, all_to_all_single dispatch and combine."""
+    """all_gather dispatch (bf16 and fp8), reduce_scatter combine, all_to_all_single dispatch and combine."""
     inputs = [routing(workload, r, seed) for r in range(num_ranks)]     # every rank's tokens, to check with
     x, topk_idx, _ = (t.to(device) for t in inputs[rank])
     tokens, hidden = x.shape
@@ -43,6 +44,16 @@ def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, gro
 
     def all_gather() -> None:
         _ALL_GATHER(gathered, x, group=group)
+
+    def fp8_bytes(x_r: torch.Tensor) -> torch.Tensor:
+        values, scales = per_token_fp8(x_r)
+        return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], 1)
+
+    x_fp8 = fp8_bytes(x)
+    gathered_fp8 = torch.empty((num_ranks * tokens, x_fp8.size(1)), dtype=torch.uint8, device=device)
+
+    def all_gather_fp8() -> None:
+        _ALL_GATHER(gathered_fp8, x_fp8, group=group)
 
     partial = torch.empty_like(gathered)
     partial.copy_(everyone)
@@ -79,6 +90,8 @@ def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, gro
     copies = mine.sum(1, keepdim=True).float()
     checks: Dict[str, Callable[[], bool]] = {
         "all_gather": lambda: torch.equal(gathered, everyone),
+        "all_gather_fp8": lambda: torch.equal(gathered_fp8,
+                                              torch.cat([fp8_bytes(x_r.to(device)) for x_r, _, _ in inputs])),
         "reduce_scatter": lambda: _close(reduced, x.float() * num_ranks, 2e-2),
         "a2a_dispatch": lambda: torch.equal(received, expected_received()),
         "a2a_combine": lambda: _close(combined, x.float() * copies, 1e-2),
@@ -88,6 +101,8 @@ def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, gro
     return [
         Case("normal", "dispatch (all_gather)", "bf16", workload, all_gather, checks["all_gather"],
                   normal_bytes(all_rows, hidden, "bf16"), ENGINE),
+        Case("normal", "dispatch (all_gather)", "fp8", workload, all_gather_fp8, checks["all_gather_fp8"],
+                  normal_bytes(all_rows, hidden, "fp8"), ENGINE),
         Case("normal", "combine (reduce_scatter)", "bf16", workload, reduce_scatter, checks["reduce_scatter"],
                   normal_bytes(all_rows, hidden, "bf16"), ENGINE),
         Case("normal", "dispatch (all_to_all_single)", "bf16", workload, a2a_dispatch, checks["a2a_dispatch"],
@@ -97,4 +112,4 @@ def baseline_cases(workload: Workload, rank: int, num_ranks: int, seed: int, gro
     ]
 
 
-NUM_CASES = 4
+NUM_CASES = 5

@@ -19,7 +19,7 @@ from ..hosts import gpus_per_node
 from ..proxies import proxy_transport
 from . import baselines, nvlink
 from .case import Case
-from .workloads import Workload, low_latency_bytes, normal_bytes, routing
+from .workloads import Workload, low_latency_bytes, normal_bytes, per_token_fp8, routing
 
 
 @dataclass
@@ -291,7 +291,7 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     expected_recv = per_rank.clone()
     dist.all_reduce(expected_recv, group=group)
     copies = in_rank.sum(1, keepdim=True).float()
-    x_fp8, scales = _per_token_fp8(x)
+    x_fp8, scales = per_token_fp8(x)
     state: Dict[Tuple[str, int], object] = {}   # by operation and num_worst_tokens
 
     def dispatch(payload, num_worst_tokens: int = 0) -> Callable[[], None]:
@@ -386,12 +386,6 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
                  path=path, hops=hops),
         ]
     return cases
-
-
-def _per_token_fp8(x: torch.Tensor):
-    groups = x.float().view(x.size(0), -1, 128)
-    scales = groups.abs().amax(-1).clamp(min=1e-4) / 448.0
-    return (groups / scales.unsqueeze(-1)).view_as(x).to(torch.float8_e4m3fn), scales
 
 
 class _OverlapCompute:

@@ -30,6 +30,13 @@ def routing(workload: Workload, rank: int, seed: int, drop_entries: int = 0):
     return x, topk_idx, topk_weights
 
 
+def per_token_fp8(x: torch.Tensor):
+    """``x`` as DeepEP's fp8 dispatch takes it: e4m3 values and one float scale per 128 channels of a row."""
+    groups = x.float().view(x.size(0), -1, 128)
+    scales = groups.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (groups / scales.unsqueeze(-1)).view_as(x).to(torch.float8_e4m3fn), scales
+
+
 def normal_bytes(num_recv_rows: int, hidden: int, dtype: str) -> float:
     """Bytes of the rows a rank receives (dispatch) or sends back (combine); fp8 counts its scales."""
     per_element = FP8_BYTES_PER_ELEMENT if dtype == "fp8" else 2
