@@ -49,9 +49,10 @@ def _equal(got, expected, what):
 
 
 def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, num_nvl_bytes=0, rail=None,
-                  reorder_seed=None):
+                  reorder_seed=None, rail_bytes=RAIL_BYTES):
     """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one. ``rail``:
-    None (the collective rail) or a transport (cuda-copy, tcp, verbs), delivering out of order with ``reorder_seed``."""
+    None (the collective rail) or a transport (cuda-copy, tcp, verbs), delivering out of order with ``reorder_seed``,
+    in a region of ``rail_bytes``."""
     device = rank_device(rank) if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else CPU
     hosts = [f"host-{r // per_host}" for r in range(num_ranks)]
     reference = ReferenceEngine(group, rank, num_ranks, device, 60.0, None)
@@ -62,7 +63,7 @@ def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, n
         os.environ["UCCL_IB_HCA"] = devices[rank % len(devices)]
     two_level = TwoLevel(reference.comm, hosts,
                          lambda host_group: Buffer(host_group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True),
-                         rail_transport=rail, num_rdma_bytes=RAIL_BYTES, extension=_extension() if rail else None)
+                         rail_transport=rail, num_rdma_bytes=rail_bytes, extension=_extension() if rail else None)
     gen = torch.Generator().manual_seed(7000 + 31 * rank + num_ranks)
     x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8, device)
     per_rank, _, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, 0)
@@ -130,14 +131,16 @@ def test_two_hops_over_verbs():
 
 
 def _rail_too_small_body(rank, num_ranks, group):
+    # Four slots of 512 bytes: a bf16 row of 256 values with its routing does not fit one.
     two_level = TwoLevel(GroupComm(group, rank, num_ranks, CPU, 60.0), ["a", "a", "b", "b"],
                          lambda host_group: Buffer(host_group, explicitly_destroy=True),
-                         rail_transport="tcp", num_rdma_bytes=8192, extension=_extension())
+                         rail_transport="tcp", num_rdma_bytes=2048, extension=_extension())
     x, _, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks, False)
     per_rank, _, per_expert, in_rank = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None).get_dispatch_layout(
         topk_idx, num_experts, 0)
-    # Rank 2 has the fewest tokens but hears of its rail peer's: every rank of a rail raises, naming the size.
-    with pytest.raises(ValueError, match=r"need num_rdma_bytes >= \d+; the Buffer has 8192"):
+    # Every rank raises before any write (a rank with no tokens too), naming the size.
+    with pytest.raises(ValueError, match=r"a row of \d+ bytes needs num_rdma_bytes >= \d+ to cross hosts; "
+                                         r"the Buffer has 2048"):
         two_level.dispatch(x, None, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
                            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                            expert_alignment=1, num_worst_tokens=0, num_channels=4, cached_handle=None)
@@ -156,6 +159,58 @@ def test_uneven_hosts_are_named():
         even_hosts(["a", "a", "a", "b"])
     with pytest.raises(ValueError, match=r"a: 2 GPUs \(ranks 0, 2\); b: 2 GPUs \(ranks 1, 3\)"):
         even_hosts(["a", "b", "a", "b"])
+
+
+@needs_feature("tcp_transport")
+@pytest.mark.parametrize("num_ranks, per_host", [(4, 2), (6, 2)], ids=lambda v: str(v))
+def test_two_hops_over_tcp_in_pieces(num_ranks, per_host):
+    """A rail region of a few rows per slot: each block crosses in pieces, each after its slot is given back, out
+    of order."""
+    run_ranks(num_ranks, two_hops_body, per_host=per_host, use_fp8=num_ranks == 6, num_worst_tokens=0, rail="tcp",
+              reorder_seed=3, rail_bytes=8192)
+
+
+def _rail_pieces_body(rank, num_ranks, group, reorder_seed):
+    from uccl_ep_plugin.engines.rail import TransportRail
+    if reorder_seed is not None:
+        os.environ["UCCL_EP_TRANSPORT_REORDER"] = str(reorder_seed + rank)
+    width, slot_rows = 40, 3
+    rail = TransportRail(group, rank, num_ranks, CPU, 2 * num_ranks * 128, "tcp", 20.0, _extension())
+    assert rail.slot_bytes // width == slot_rows
+
+    def block(source, host, step):   # what ``source`` sends ``host`` in exchange ``step``: every byte says whose
+        count = (7 * source + 5 * host + 3 * step) % 11 if (source + host + step) % 4 else 0
+        gen = torch.Generator().manual_seed(1000 * step + 100 * source + host)
+        return torch.randint(0, 256, (count, width), generator=gen, dtype=torch.uint8)
+
+    for step in range(6):   # back to back: a host may start the next exchange before the others finish this one
+        blocks = [block(rank, host, step) for host in range(num_ranks)]
+        received, counts = rail.exchange(torch.cat(blocks), [b.size(0) for b in blocks], None, f"exchange {step}")
+        expected = [block(source, rank, step) for source in range(num_ranks)]
+        assert counts == [b.size(0) for b in expected]
+        assert torch.equal(received, torch.cat(expected)), f"rank {rank}, exchange {step}"
+    assert rail.writes > 2 * num_ranks * 6   # some blocks went in more than one piece
+    dist.barrier(group=group)
+    rail.close()
+
+
+@needs_feature("tcp_transport")
+@pytest.mark.parametrize("reorder_seed", [None, 17], ids=["in-order", "reordered"])
+def test_a_transport_rail_sends_blocks_larger_than_a_slot_in_pieces(reorder_seed):
+    """Blocks of 0 to 10 rows through slots of 3, six exchanges back to back: every row arrives once, in order."""
+    run_ranks(3, _rail_pieces_body, reorder_seed=reorder_seed)
+
+
+def _unequal_rail_bytes_body(rank, num_ranks, group):
+    from uccl_ep_plugin.engines.rail import TransportRail
+    with pytest.raises(RuntimeError, match=r"num_rdma_bytes differs between the ranks of a rail: host 0: 4096, "
+                                           r"host 1: 8192"):
+        TransportRail(group, rank, num_ranks, CPU, 4096 * (rank + 1), "tcp", 20.0, _extension())
+
+
+@needs_feature("tcp_transport")
+def test_rail_ranks_with_different_num_rdma_bytes_fail_to_start_on_every_rank():
+    run_ranks(2, _unequal_rail_bytes_body)
 
 
 def _buffer_across_hosts_body(rank, num_ranks, group, rail):
@@ -279,7 +334,7 @@ def _silent_rail_peer_body(rank, num_ranks, group):
     rail = TransportRail(group, rank, num_ranks, CPU, RAIL_BYTES, "tcp", 2.0, _extension())
     if rank == 0:   # rank 1 never sends its rows
         with pytest.raises(CommTimeoutError, match=r"rank 0 timed out after 2s in phase 'dispatch across hosts' "
-                                                   r"waiting for the rows of every host \(rail transport\)"):
+                                                   r"waiting for the rows of host\(s\) 1 \(rail transport\)"):
             rail.exchange(torch.ones((3, 64), dtype=torch.uint8), [1, 2], None, "dispatch across hosts")
     dist.barrier(group=group)
     rail.close()

@@ -3,11 +3,12 @@
 Two ways behind one ``exchange``: :class:`CollectiveRail`, an all-to-all over the rail's torch.distributed group
 (NCCL, gloo), and :class:`TransportRail`, writes through a transport of the CPU proxies (verbs, tcp, or cuda-copy
 between the logical hosts of one machine) into a
-region of ``num_rdma_bytes``: one write with an immediate (the row count) to each rail peer, so no host collective
-runs and unordered delivery is fine (the immediate comes after its bytes). The host drives the transport here;
-the rows still stage through this rank's region.
+region of ``num_rdma_bytes``: writes with immediates (the rows left to come) to each rail peer, a slot at a time, so no
+host collective runs and unordered delivery is fine (an immediate comes after its bytes). The host drives the
+transport here; the rows still stage through this rank's region.
 """
 
+import itertools
 import os
 from typing import List, Optional, Tuple
 
@@ -17,8 +18,7 @@ import torch.distributed as dist
 from .reference.collectives import GroupComm, wait_until
 
 RailRows = Tuple[torch.Tensor, List[int]]
-_TOO_LARGE = 1 << 31   # an immediate's flag: the rows did not fit; the rest of it is their count
-_GIVEN_BACK = 1 << 30  # the immediate of an empty write: the sender has read our rows out of its slot
+_GIVEN_BACK = 1 << 30  # an empty write's immediate: our rows are read out of its slot (row counts stay below)
 _ALIGN = 64
 
 
@@ -51,8 +51,10 @@ class CollectiveRail:
 
 class TransportRail:
     """The rail over a proxies' transport. This rank's region holds one send slot and one receive slot per host. Every
-    message is a write with an immediate: the rows with their count, and an empty write that gives a slot back
-    once its rows are read (no atomics: EFA's SRD has none)."""
+    message is a write with an immediate: a piece of rows (at most a slot) announcing how many rows are left with it,
+    and an empty write that gives a slot back once its rows are read (no atomics: EFA's SRD has none). A block larger
+    than a slot goes piece by piece, each after the receiver gave the slot back, so a region far smaller than a whole
+    dispatch serves it."""
 
     name = "transport"
 
@@ -68,21 +70,25 @@ class TransportRail:
         try:
             self.region, self.transport, self.peer_buffer = _open_transport(extension, transport, group, host,
                                                                             num_hosts, num_bytes, device, timeout_s)
-            mine = (self.transport.listen_address(), None)
+            mine = (self.transport.listen_address(), None, num_bytes)
         except Exception as error:   # every rail peer hears of it instead of waiting for this one
-            mine = (None, f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
+            mine = (None, f"rank {dist.get_rank()}: {type(error).__name__}: {error}", num_bytes)
         records = [None] * num_hosts
         dist.all_gather_object(records, mine, group=group)
-        failure = next((why for _, why in records if why is not None), None)
+        failure = next((why for _, why, _ in records if why is not None), None)
+        sizes = [size for _, _, size in records]
+        if failure is None and len(set(sizes)) > 1:   # the pieces' size is the slot's: both ends must agree on it
+            failure = ("num_rdma_bytes differs between the ranks of a rail: " +
+                       ", ".join(f"host {h}: {size}" for h, size in enumerate(sizes)))
         if failure is not None:
             self.close()
             raise RuntimeError(f"the {transport} transport of normal mode across hosts could not start: {failure}")
-        self.transport.connect([address for address, _ in records])
+        self.transport.connect([address for address, _, _ in records])
         dist.barrier(group=group)   # verbs: every queue pair can receive before any request is posted
-        self.writes = 0                      # transport writes issued (rows and give-backs), for the bench
-        self.returned = [0] * num_hosts      # slots each host gave back (exchanges it finished reading)
-        self.arrived: List[List[int]] = [[] for _ in range(num_hosts)]   # row immediates not yet taken
-        self.finished = 0
+        self.writes = 0                      # transport writes issued (pieces and give-backs), for the bench
+        self.sent = [0] * num_hosts          # pieces sent to each host
+        self.returned = [0] * num_hosts      # of those, the ones whose slot the host gave back
+        self.arrived: List[List[int]] = [[] for _ in range(num_hosts)]   # piece immediates not yet taken
 
     def _slot(self, host: int) -> int:
         """Where host ``host``'s rows land here (the send slots come first)."""
@@ -95,40 +101,72 @@ class TransportRail:
             else:
                 self.arrived[source].append(imm)
 
+    def _sync(self) -> None:
+        """The region's copies on the stream done before the transport reads it or a peer may overwrite it."""
+        if self.region.is_cuda:
+            torch.cuda.current_stream(self.region.device).synchronize()
+
     def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: Optional[List[int]],
                  phase: str) -> RailRows:
         width = rows.size(1)
-        blocks = [count * width for count in send_counts]
-        fits = max(blocks, default=0) <= self.slot_bytes
-        self._wait(lambda: min(self.returned) >= self.finished, phase,
-                   "every host to give back its slot of the previous exchange")
-        if fits and rows.numel() > 0:
-            self.region[:rows.numel()].copy_(rows.reshape(-1))
-            if self.region.is_cuda:
-                torch.cuda.current_stream(self.region.device).synchronize()   # the transport reads it next
-        offset = 0
-        for host, (count, length) in enumerate(zip(send_counts, blocks)):
-            self.transport.write(host, offset, self._slot(self.host), length if fits else 0,
-                                 imm=count if fits else _TOO_LARGE | count)
-            self.writes += 1
-            offset += length if fits else 0
-        self._wait(lambda: all(self.arrived), phase, "the rows of every host")
-        counts = [imms.pop(0) for imms in self.arrived]
-        self.transport.quiet()   # our writes are done: the send area is free again
-        too_large = [count & ~_TOO_LARGE for count in counts if count & _TOO_LARGE]
-        if not fits or too_large:
-            rows_needed = max(too_large + [max(send_counts, default=0)])
-            needed = transport_rail_bytes(self.num_hosts, rows_needed, width)
-            raise ValueError(f"rank {dist.get_rank()}: {phase}: {rows_needed} rows of {width} bytes from one rank to "
-                             f"one host need num_rdma_bytes >= {needed}; the Buffer has {self.num_bytes}")
-        received = torch.cat([self.region[self._slot(source):self._slot(source) + count * width].view(count, width)
-                              for source, count in enumerate(counts)])
-        for host in range(self.num_hosts):   # that host may write into our slot for it again
-            self.transport.write(host, 0, 0, 0, imm=_GIVEN_BACK)
-            self.writes += 1
+        cap = self.slot_bytes // max(width, 1)   # rows per piece; the same on every rank of the rail
+        if cap == 0:   # the same on every rank: all of them raise before any write
+            needed = transport_rail_bytes(self.num_hosts, 1, width)
+            raise ValueError(f"rank {dist.get_rank()}: {phase}: a row of {width} bytes needs num_rdma_bytes >= "
+                             f"{needed} to cross hosts; the Buffer has {self.num_bytes}")
+        left = list(send_counts)                      # rows not yet sent to each host
+        start = [0] + list(itertools.accumulate(send_counts))[:-1]
+        unsent = set(range(self.num_hosts))           # hosts owed a piece (an empty block is one empty piece)
+        total: List[Optional[int]] = [None] * self.num_hosts   # rows coming from each host, from its first piece
+        received: List[Optional[torch.Tensor]] = [None] * self.num_hosts
+        taken = [0] * self.num_hosts
+        incomplete = set(range(self.num_hosts))
+        while unsent or incomplete:
+            ready = [h for h in unsent if self.returned[h] == self.sent[h]]   # its slot there is free again
+            arrivals = [s for s in incomplete if self.arrived[s]]
+            if not ready and not arrivals:
+                self._wait(lambda: any(self.returned[h] == self.sent[h] for h in unsent) or
+                           any(self.arrived[s] for s in incomplete), phase, _awaited(incomplete, unsent))
+                continue
+            for host in ready:   # stage every piece, then one wait for the copies, then the writes
+                count = min(cap, left[host])
+                offset = self.slot_bytes * host
+                self.region[offset:offset + count * width].view(count, width).copy_(
+                    rows[start[host]:start[host] + count])
+            if ready:
+                self._sync()
+            for host in ready:
+                count = min(cap, left[host])
+                self.transport.write(host, self.slot_bytes * host, self._slot(self.host), count * width,
+                                     imm=left[host])
+                left[host] -= count
+                start[host] += count
+                self.sent[host] += 1
+                self.writes += 1
+                if left[host] == 0:
+                    unsent.discard(host)
+            for source in arrivals:   # read every piece out, then one wait for the copies, then the give-backs
+                remaining = self.arrived[source].pop(0)
+                if total[source] is None:
+                    total[source] = remaining
+                    received[source] = torch.empty((remaining, width), dtype=torch.uint8, device=rows.device)
+                elif remaining != total[source] - taken[source]:
+                    raise RuntimeError(f"rank {dist.get_rank()}: {phase}: host {source} announced {remaining} rows "
+                                       f"left after {taken[source]} of {total[source]} (rail transport)")
+                count = min(cap, remaining)
+                slot = self._slot(source)
+                received[source][taken[source]:taken[source] + count] = \
+                    self.region[slot:slot + count * width].view(count, width)
+                taken[source] += count
+                if taken[source] == total[source]:
+                    incomplete.discard(source)
+            if arrivals:
+                self._sync()
+                for source in arrivals:   # that host may write into our slot for it again
+                    self.transport.write(source, 0, 0, 0, imm=_GIVEN_BACK)
+                    self.writes += 1
         self.transport.poll_completions()
-        self.finished += 1
-        return received, counts
+        return torch.cat(received) if self.num_hosts > 1 else received[0], total
 
     def _wait(self, ready, phase: str, expected: str) -> None:
         def polled() -> bool:
@@ -145,6 +183,13 @@ class TransportRail:
         if self.peer_buffer is not None:   # after the transport, which copies into it
             self.peer_buffer.release()
             self.peer_buffer = None
+
+
+def _awaited(incomplete, unsent) -> str:
+    """What an exchange waits for, in words: rows still to come, slots still to be given back."""
+    parts = ([f"the rows of host(s) {', '.join(map(str, sorted(incomplete)))}"] if incomplete else []) + \
+        ([f"host(s) {', '.join(map(str, sorted(unsent)))} to give back a slot for more rows"] if unsent else [])
+    return " and ".join(parts)
 
 
 def _open_transport(extension, transport: str, group, rank: int, num_ranks: int, num_bytes: int,

@@ -29,7 +29,8 @@ ROUTE_ATTRIBUTE = "_uccl_ep_rail_route"   # kept on the handle's rank_prefix_mat
 def rail_rdma_bytes(num_hosts: int, gpus_per_host: int, num_tokens: int, hidden: int, num_topk: int) -> int:
     """num_rdma_bytes for the hop between hosts over a proxies' transport (verbs, tcp, cuda-copy): all of a rank's
     ``num_tokens`` tokens to every host at worst, each as a bf16 dispatch row (the widest: the row, which of the
-    host's ranks take it, its index, its experts and weights) or a combine row (the partial sum and its weights)."""
+    host's ranks take it, its index, its experts and weights) or a combine row (the partial sum and its weights):
+    every exchange in one piece per host. A smaller region serves too, in more pieces."""
     dispatch_row = 2 * hidden + gpus_per_host + 4 + (8 + 4) * num_topk
     combine_row = 2 * hidden + 4 * num_topk
     return transport_rail_bytes(num_hosts, num_tokens, max(dispatch_row, combine_row))
