@@ -144,6 +144,22 @@ def test_static_methods_return_deepep_types():
             assert isinstance(rdma, int) and (rdma == 0) == (num_ranks <= 8)
 
 
+def test_the_rdma_hint_counts_the_gpus_of_a_node(monkeypatch):
+    """Nodes of fewer than 8 GPUs (UCCL_EP_GPUS_PER_NODE, else torchrun's LOCAL_WORLD_SIZE) get a region for the
+    hop between them, as large as DeepEP's recipe gives for as many nodes of 8."""
+    config = Buffer.get_dispatch_config(8)
+    monkeypatch.setenv("UCCL_EP_GPUS_PER_NODE", "8")   # the project's own setting comes first
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    two_nodes_of_8 = config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert two_nodes_of_8 > 0 and config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    monkeypatch.delenv("UCCL_EP_GPUS_PER_NODE")
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == two_nodes_of_8
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 4) == 0
+    monkeypatch.setenv("UCCL_EP_GPUS_PER_NODE", "1")
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 2) == two_nodes_of_8
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 1) == 0
+
+
 def test_config_defaults_and_event_overlap():
     config = Config()
     # Like DeepEP's Config, the RDMA receive queue is rounded up to whole send chunks: 256 -> 258 for chunks of 6.

@@ -217,7 +217,10 @@ def _buffer_across_hosts_body(rank, num_ranks, group, rail):
     os.environ["UCCL_EP_GPUS_PER_NODE"] = "2"    # CPU ranks 0-1 one host, 2-3 the other
     if rail == "tcp":
         os.environ.update(UCCL_EP_PROXY_TRANSPORT="tcp", UCCL_SOCKET_IFNAME="lo")
-    buffer = Buffer(group, num_nvl_bytes=1 << 16, num_rdma_bytes=RAIL_BYTES, explicitly_destroy=True)
+    # DeepEP's recipe sizes the region of the hop between hosts (the hint counts UCCL_EP_GPUS_PER_NODE).
+    config = Buffer.get_dispatch_config(num_ranks)
+    buffer = Buffer(group, num_nvl_bytes=1 << 16, num_rdma_bytes=config.get_rdma_buffer_size_hint(2 * H, num_ranks),
+                    explicitly_destroy=True)
     assert buffer.engine_by_operation["dispatch"] == buffer.engine_by_operation["combine"] == "two_level"
     assert buffer._two_level.rail.name == ("transport" if rail == "tcp" else "collective")
     # One NVLink buffer per rank: the host's Buffer's, not a second one of the same size.

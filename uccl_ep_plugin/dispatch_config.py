@@ -4,6 +4,7 @@ The size hints are this library's own: they describe the buffers the engines nee
 callers that size buffers from them (SGLang, vLLM, DeepEP's tests) always get enough.
 """
 
+import os
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -80,12 +81,15 @@ class Config:
         return _align_up(num_bytes, BUFFER_ALIGNMENT_BYTES)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of the NIC-registered buffer for normal mode; 0 when all ranks share one node."""
+        """Bytes of the NIC-registered buffer for normal mode; 0 when all ranks share one node. A node holds
+        UCCL_EP_GPUS_PER_NODE ranks where that cuts machines into hosts, else torchrun's LOCAL_WORLD_SIZE, else
+        8 (DeepEP's assumption)."""
         _check_positive("hidden_bytes", hidden_bytes)
         _check_positive("num_ranks", num_ranks)
-        if num_ranks <= NVL_PEERS_PER_NODE:
+        per_node = _ranks_per_node()
+        if num_ranks <= per_node:
             return 0
-        num_rdma_peers = (num_ranks + NVL_PEERS_PER_NODE - 1) // NVL_PEERS_PER_NODE
+        num_rdma_peers = (num_ranks + per_node - 1) // per_node
         # Send and receive queues per peer node.
         num_bytes = 2 * self._queue_bytes(hidden_bytes, num_rdma_peers, self.num_max_rdma_chunked_recv_tokens)
         return _align_up(num_bytes, BUFFER_ALIGNMENT_BYTES)
@@ -95,6 +99,13 @@ class Config:
                 f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
                 f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
                 f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+
+def _ranks_per_node() -> int:
+    from .hosts import gpus_per_node   # hosts.py reads this module's constants
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return gpus_per_node() or (int(local) if local.isdigit() and int(local) > 0 else NVL_PEERS_PER_NODE)
 
 
 def _check_positive(name: str, value: int) -> None:
