@@ -34,3 +34,13 @@ def test_two_hops_over_a_transport_on_gpus_match_the_reference(rail, per_host, r
     engines into the other logical hosts' regions, mapped with CUDA IPC: one machine stands for several)."""
     run_ranks(RANKS, two_hops_body, backend="nccl", per_host=per_host, use_fp8=True, num_worst_tokens=0,
               num_nvl_bytes=1 << 26, rail=rail, reorder_seed=reorder_seed)
+
+
+@pytest.mark.parametrize("rail", [
+    pytest.param("tcp", marks=needs_feature("tcp_device_memory")),
+    pytest.param("cuda-copy", marks=needs_feature("cuda_copy_transport"))])
+def test_two_hops_in_pieces_over_a_transport_on_gpus(rail):
+    """A rail region of a few rows per slot in GPU memory: the copies into and out of it finish before a write reads
+    them or a give-back lets the peer overwrite them."""
+    run_ranks(RANKS, two_hops_body, backend="nccl", per_host=1, use_fp8=True, num_worst_tokens=0,
+              num_nvl_bytes=1 << 26, rail=rail, reorder_seed=7, rail_bytes=8192)
