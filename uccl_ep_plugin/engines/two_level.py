@@ -165,12 +165,16 @@ class TwoLevel:
             return DispatchResult(self._in_rank_order(recv_x, route, 0), self._in_rank_order(recv_scales, route, 0),
                                   None, None, [], tuple(cached_handle))
 
-        tables = exchange_layout(self.everyone, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                                 expert_alignment, num_worst_tokens, num_channels)
         ranks_per_host = is_token_in_rank.reshape(-1, self.num_hosts, self.per_host)
         to_host = ranks_per_host.any(-1)
-        dst_host, send_tokens = torch.nonzero(to_host.t()).unbind(1)
-        send_counts = to_host.sum(0).tolist()
+        # The layout's one gather also tells every rank how many tokens each rank sends to each host: the rail's
+        # counts, and what each rank of this host gets along its rail, with no collective and no sync of their own.
+        tables = exchange_layout(self.everyone, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                                 expert_alignment, num_worst_tokens, num_channels, extra=to_host.sum(0))
+        to_hosts = tables.extra.view(self.num_hosts, self.per_host, self.num_hosts)   # [host, local, to host]
+        send_counts = to_hosts[self.host, self.local].tolist()
+        rail_counts = to_hosts[:, :, self.host].t()    # [local rank here, source host]: rows along each rail
+        dst_host, send_tokens = torch.nonzero_static(to_host.t(), size=sum(send_counts)).unbind(1)
         # Past the rail a token needs: which ranks of its new host take it, its experts there (numbered from
         # the host's first), and its index on the source rank.
         payload = self._payload(x, x_scales, send_tokens)
@@ -180,13 +184,16 @@ class TwoLevel:
             local = topk_idx[send_tokens] - dst_host[:, None] * experts_here
             here = (topk_idx[send_tokens] >= 0) & (local >= 0) & (local < experts_here)
             payload += [torch.where(here, local, torch.full_like(local, -1)), topk_weights[send_tokens]]
-        rows, recv_counts = self._rail(payload, send_counts, None, "dispatch across hosts")
+        rows, recv_counts = self._rail(payload, send_counts, rail_counts[self.local].tolist(),
+                                       "dispatch across hosts")
         forwarded = self._x(rows, x.dtype, x_scales)
         count = 2 if x_scales is not None else 1
         in_rank, source_token = rows[count], rows[count + 1]
         f_idx, f_weights = (rows[count + 2], rows[count + 3]) if topk_idx is not None else (None, None)
-        per_expert = (torch.bincount(f_idx[f_idx >= 0], minlength=experts_here).to(torch.int32) if f_idx is not None
-                      else torch.zeros(experts_here, dtype=torch.int32, device=self.device))
+        per_expert = torch.zeros(experts_here + 1, dtype=torch.int64, device=self.device)   # [0]: no expert here
+        if f_idx is not None:   # a scatter, not a bincount: no sync for the largest index
+            per_expert.scatter_add_(0, f_idx.flatten() + 1, torch.ones_like(f_idx).flatten())
+        per_expert = per_expert[1:].to(torch.int32)
         with self.hops.span("forward"):
             recv, recv_idx, recv_weights, _, inner_handle, _ = self.inner.dispatch(
                 forwarded, num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
@@ -194,7 +201,8 @@ class TwoLevel:
                 num_worst_tokens=num_worst_tokens)
         recv_x, recv_scales = recv if x_scales is not None else (recv, None)
 
-        order, sources = self._rank_order(inner_handle, recv_counts, source_token)
+        order, sources = self._rank_order(inner_handle, rail_counts, source_token,
+                                          None if num_worst_tokens else recv_x.size(0))
         route = RailRoute(send_tokens, send_counts, recv_counts, tuple(inner_handle), order, recv_x.size(0))
         recv_src_idx = self._in_rank_order(sources, route, -1)
         rank_prefix_matrix = tables.rank_prefix_matrix
@@ -227,23 +235,22 @@ class TwoLevel:
         self.hops.rail_writes += self.rail.writes - writes
         return unpack_rows(rows, specs), recv_counts
 
-    def _rank_order(self, inner_handle, recv_counts: List[int], source_token: torch.Tensor
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _rank_order(self, inner_handle, rail_counts: torch.Tensor, source_token: torch.Tensor,
+                    num_rows: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(order, sources)``: the forward hop's rows in rank order, and each forward-hop row's token index on
         its source rank. The forward hop delivers rows by forwarding rank g, each block in g's own order: by
-        source host h, then token; their source rank is h * per_host + g."""
-        phase = "dispatch across hosts: forwarded tokens"
-        per_host = self.within_host.all_gather_ints(torch.tensor(recv_counts), phase)
+        source host h, then token (``rail_counts[g, h]`` of them); their source rank is h * per_host + g.
+        ``num_rows``: the rows the forward hop delivered, where the caller knows it (else read on the device)."""
         # Built on the rows' device, not on the host: there the searches and gathers over every received row each
         # open an OpenMP region over a pool as large as the machine, in every rank's process at once, and the
         # pools' spinning threads stretch each region to milliseconds or tens of them (of a GPU dispatch's ~1).
-        padded = torch.full((int(per_host.sum(1).max()),), -1, dtype=torch.int64, device=self.device)
+        padded = torch.full((int(rail_counts.sum(1).max()),), -1, dtype=torch.int64, device=self.device)
         padded[:source_token.numel()] = source_token
-        tokens = self.within_host.all_gather_ints(padded, phase).to(self.device)
+        tokens = self.within_host.all_gather_rows(padded, "dispatch across hosts: forwarded tokens")
         rank_prefix = inner_handle[0][:, self.local].to(torch.int64)
-        forwarder = segment_ids(torch.diff(rank_prefix, prepend=rank_prefix.new_zeros(1)))
+        forwarder = segment_ids(torch.diff(rank_prefix, prepend=rank_prefix.new_zeros(1)), num_rows)
         position = inner_handle[3][:forwarder.numel()].to(torch.int64)    # row in the forwarder's input
-        host = torch.searchsorted(per_host.cumsum(1).to(self.device)[forwarder], position.unsqueeze(1),
+        host = torch.searchsorted(rail_counts.cumsum(1).to(self.device)[forwarder], position.unsqueeze(1),
                                   right=True).squeeze(1)
         order = torch.sort(host * self.per_host + forwarder, stable=True).indices
         sources = tokens[forwarder, position].to(torch.int32)

@@ -53,6 +53,18 @@ class GroupComm:
         self.wait(work, phase, f"{values.numel()} integers from each of {self.num_ranks} ranks")
         return torch.stack(gathered).cpu()
 
+    def all_gather_rows(self, values: torch.Tensor, phase: str) -> torch.Tensor:
+        """Gather a 1-D tensor from every rank; returns ``[num_ranks, len]`` on ``device``. Over NCCL the stream
+        waits for it, not the host (as for the rows of an exchange)."""
+        values = values.to(self.wire_device).contiguous()
+        gathered = torch.empty((self.num_ranks, values.numel()), dtype=values.dtype, device=self.wire_device)
+        work = dist.all_gather(list(gathered.unbind(0)), values, group=self.group, async_op=True)
+        if self.wire_device.type == "cuda":
+            work.wait()
+        else:
+            self.wait(work, phase, f"{values.numel()} values from each of {self.num_ranks} ranks")
+        return gathered.to(self.device)
+
     def exchange_counts(self, send_counts: Sequence[int], phase: str) -> List[int]:
         """Tell every rank how many rows it will get from us; returns the rows we will get from each."""
         send = torch.tensor(list(send_counts), dtype=torch.int64, device=self.wire_device)

@@ -43,23 +43,24 @@ class LayoutTables(NamedTuple):
     recv_channel_prefix_matrix: torch.Tensor
     send_head: torch.Tensor
     num_recv_tokens_per_expert_list: List[int]
+    extra: Optional[torch.Tensor] = None   # [R, n] on the host: every rank's ``extra`` integers, where given
 
 
 def exchange_layout(comm: GroupComm, is_token_in_rank: torch.Tensor, num_tokens_per_rank: torch.Tensor,
                     num_tokens_per_expert: torch.Tensor, expert_alignment: int, num_worst_tokens: int,
-                    num_channels: int) -> LayoutTables:
+                    num_channels: int, extra: Optional[torch.Tensor] = None) -> LayoutTables:
     """A fresh dispatch's tables of the handle and its count list (empty with ``num_worst_tokens``), from one
-    gather of every rank's layout over ``comm``."""
+    gather of every rank's layout over ``comm`` (with ``extra``, integers of the caller's that every rank needs)."""
     rank, num_ranks, device = comm.rank, comm.num_ranks, comm.device
-    sent_per_rank = is_token_in_rank.sum(0, dtype=torch.int64).cpu()
-    if not torch.equal(sent_per_rank, num_tokens_per_rank.cpu().to(torch.int64)):
+    sent_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)
+    if not torch.equal(sent_per_rank, num_tokens_per_rank.to(torch.int64)):   # before any communication
         raise ValueError("num_tokens_per_rank does not match is_token_in_rank: "
                          f"{num_tokens_per_rank.tolist()} vs {sent_per_rank.tolist()}")
     channel_prefix_matrix, send_head = channel_layout(is_token_in_rank, num_channels)
     num_experts = num_tokens_per_expert.numel()
     local_experts = num_experts // num_ranks
-    meta = torch.cat([num_tokens_per_rank.to(torch.int64), channel_prefix_matrix.flatten().to(torch.int64),
-                      num_tokens_per_expert.to(torch.int64)])
+    parts = [num_tokens_per_rank, channel_prefix_matrix.flatten(), num_tokens_per_expert]
+    meta = torch.cat([part.to(torch.int64) for part in parts + ([] if extra is None else [extra])])
     gathered = comm.all_gather_ints(meta, "dispatch: exchange layout")
     counts = gathered[:, :num_ranks]
     # Every rank knows every rank's count, so all of them stop together instead of some waiting.
@@ -69,15 +70,18 @@ def exchange_layout(comm: GroupComm, is_token_in_rank: torch.Tensor, num_tokens_
         raise RuntimeError(f"uccl_ep_plugin: dispatch on rank {rank}: rank {worst} would receive "
                            f"{int(received_by_rank[worst])} tokens, more than num_worst_tokens={num_worst_tokens}")
     rank_prefix_matrix = counts.cumsum(0).to(torch.int32).to(device)
-    sent_by_channel = gathered[:, num_ranks:num_ranks + num_ranks * num_channels].view(num_ranks, num_ranks,
-                                                                                       num_channels)[:, rank]
+    start = num_ranks
+    sent_by_channel = gathered[:, start:start + num_ranks * num_channels].view(num_ranks, num_ranks,
+                                                                               num_channels)[:, rank]
+    start += num_ranks * num_channels
     recv_channel_prefix_matrix = torch.zeros((num_ranks, num_channels), dtype=torch.int32)
     recv_channel_prefix_matrix[:, 1:] = sent_by_channel[:, :-1]
-    per_expert = gathered[:, num_ranks + num_ranks * num_channels:].view(num_ranks, num_experts)
+    per_expert = gathered[:, start:start + num_experts].view(num_ranks, num_experts)
     received = per_expert[:, rank * local_experts:(rank + 1) * local_experts].sum(0)
     aligned = (received + expert_alignment - 1) // expert_alignment * expert_alignment
     return LayoutTables(counts, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix.to(device),
-                        send_head, [] if num_worst_tokens > 0 else aligned.tolist())
+                        send_head, [] if num_worst_tokens > 0 else aligned.tolist(),
+                        None if extra is None else gathered[:, start + num_experts:])
 
 
 def dispatch(comm: GroupComm, x: torch.Tensor, x_scales: Optional[torch.Tensor], *,
