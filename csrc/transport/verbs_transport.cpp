@@ -75,6 +75,9 @@ std::string advice(ibv_wc_status status) {
       return "; the peer's region does not allow this access or the range is outside it";
     case IBV_WC_RNR_RETRY_EXC_ERR:
       return "; the peer posted no receive for an immediate in time";
+    case IBV_WC_WR_FLUSH_ERR:
+      return "; its queue pair had failed before (no other error completion here named why: the peer's own "
+             "error, or the device's, says it)";
     default:
       return "";
   }
@@ -599,7 +602,8 @@ void VerbsTransport::progress() {
       --outstanding_;
       if (wc.status != IBV_WC_SUCCESS) {
         fail(who() + ": request " + std::to_string(id) + " to rank " + std::to_string(peer) + " failed: " +
-             ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")" + advice(wc.status));
+                 ibv_.wc_status_str(wc.status) + " (" + std::to_string(wc.status) + ")" + advice(wc.status),
+             wc.status == IBV_WC_WR_FLUSH_ERR);
         continue;
       }
       completed_.push_back(id);
@@ -645,8 +649,11 @@ void VerbsTransport::progress() {
   }
 }
 
-void VerbsTransport::fail(const std::string& message) {
-  if (failure_.empty()) failure_ = message;
+void VerbsTransport::fail(const std::string& message, bool flushed) {
+  if (failure_.empty() || (failure_flushed_ && !flushed && !failure_reported_)) {
+    failure_ = message;
+    failure_flushed_ = flushed;
+  }
 }
 
 void VerbsTransport::throw_failure() {

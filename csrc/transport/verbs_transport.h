@@ -160,7 +160,9 @@ class VerbsTransport final : public Transport {
   static uint64_t bytes_of(const Request& request) { return request.atomic ? 8 : request.length; }
   void apply_locally(const Request& request);
   void progress();                         // polls both CQs, posts what waited; lock held
-  void fail(const std::string& message);   // first failure: reported once, later posts refused
+  // The first failure: reported once, later posts refused. A flushed request only follows a queue pair's
+  // failure, so a cause found later (before the report) takes its place.
+  void fail(const std::string& message, bool flushed = false);
   void throw_failure();
   std::string oldest_outstanding_locked() const;
   void release_resources();
@@ -207,6 +209,7 @@ class VerbsTransport final : public Transport {
   bool closed_ = false;
   std::string failure_;            // the first failure
   bool failure_reported_ = false;
+  bool failure_flushed_ = false;   // failure_ is a flushed request, not a cause
   std::deque<uint64_t> completed_;
   std::deque<ImmediateEvent> immediates_;
   struct InFlight {
