@@ -185,9 +185,9 @@ def _rail_pieces_body(rank, num_ranks, group, reorder_seed):
 
     for step in range(6):   # back to back: a host may start the next exchange before the others finish this one
         blocks = [block(rank, host, step) for host in range(num_ranks)]
-        received, counts = rail.exchange(torch.cat(blocks), [b.size(0) for b in blocks], None, f"exchange {step}")
         expected = [block(source, rank, step) for source in range(num_ranks)]
-        assert counts == [b.size(0) for b in expected]
+        received = rail.exchange(torch.cat(blocks), [b.size(0) for b in blocks], [b.size(0) for b in expected],
+                                 f"exchange {step}")
         assert torch.equal(received, torch.cat(expected)), f"rank {rank}, exchange {step}"
     assert rail.writes > 2 * num_ranks * 6   # some blocks went in more than one piece
     dist.barrier(group=group)
@@ -338,9 +338,28 @@ def _silent_rail_peer_body(rank, num_ranks, group):
     if rank == 0:   # rank 1 never sends its rows
         with pytest.raises(CommTimeoutError, match=r"rank 0 timed out after 2s in phase 'dispatch across hosts' "
                                                    r"waiting for the rows of host\(s\) 1 \(rail transport\)"):
-            rail.exchange(torch.ones((3, 64), dtype=torch.uint8), [1, 2], None, "dispatch across hosts")
+            rail.exchange(torch.ones((3, 64), dtype=torch.uint8), [1, 2], [1, 4], "dispatch across hosts")
     dist.barrier(group=group)
     rail.close()
+
+
+def _unexpected_rows_body(rank, num_ranks, group):
+    from uccl_ep_plugin.engines.rail import TransportRail
+    rail = TransportRail(group, rank, num_ranks, CPU, RAIL_BYTES, "tcp", 20.0, _extension())
+    rows = torch.arange(4 * 16, dtype=torch.uint8).view(4, 16)
+    if rank == 0:   # expects 3 rows from host 1, which sends 2
+        with pytest.raises(RuntimeError, match=r"host 1 announced 2 rows left after 0 of the 3 expected"):
+            rail.exchange(rows, [2, 2], [2, 3], "combine across hosts")
+    else:
+        assert torch.equal(rail.exchange(rows, [2, 2], [2, 2], "combine across hosts"),
+                           torch.cat([rows[2:], rows[2:]]))
+    dist.barrier(group=group)
+    rail.close()
+
+
+@needs_feature("tcp_transport")
+def test_rows_a_rail_peer_did_not_announce_raise_naming_it():
+    run_ranks(2, _unexpected_rows_body)
 
 
 @needs_feature("tcp_transport")

@@ -10,14 +10,13 @@ transport here; the rows still stage through this rank's region.
 
 import itertools
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .reference.collectives import GroupComm, wait_until
 
-RailRows = Tuple[torch.Tensor, List[int]]
 _GIVEN_BACK = 1 << 30  # an empty write's immediate: our rows are read out of its slot (row counts stay below)
 _ALIGN = 64
 
@@ -36,14 +35,10 @@ class CollectiveRail:
         self.comm = comm
         self.label = str(dist.get_backend(comm.group)).lower()   # what carries the rows: nccl, gloo
 
-    def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: Optional[List[int]],
-                 phase: str) -> RailRows:
-        """Each host's block of ``rows`` (uint8 ``[M, W]``, by host) to the rail's rank there; the blocks received,
-        by host, with their row counts (``recv_counts`` where the caller knows them already)."""
-        if recv_counts is None:
-            recv_counts = self.comm.exchange_counts(send_counts, f"{phase}: rail counts")
-        received = self.comm.start_row_exchange(rows, send_counts, recv_counts, f"{phase}: rail rows").finish()
-        return received, recv_counts
+    def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int], phase: str) -> torch.Tensor:
+        """Each host's block of ``rows`` (uint8 ``[M, W]``, by host, ``send_counts`` rows each) to the rail's rank
+        there; the blocks received, by host (``recv_counts`` rows each: the layout told every rank)."""
+        return self.comm.start_row_exchange(rows, send_counts, recv_counts, f"{phase}: rail rows").finish()
 
     def close(self) -> None:
         pass
@@ -106,8 +101,7 @@ class TransportRail:
         if self.region.is_cuda:
             torch.cuda.current_stream(self.region.device).synchronize()
 
-    def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: Optional[List[int]],
-                 phase: str) -> RailRows:
+    def exchange(self, rows: torch.Tensor, send_counts: List[int], recv_counts: List[int], phase: str) -> torch.Tensor:
         width = rows.size(1)
         cap = self.slot_bytes // max(width, 1)   # rows per piece; the same on every rank of the rail
         if cap == 0:   # the same on every rank: all of them raise before any write
@@ -117,8 +111,9 @@ class TransportRail:
         left = list(send_counts)                      # rows not yet sent to each host
         start = [0] + list(itertools.accumulate(send_counts))[:-1]
         unsent = set(range(self.num_hosts))           # hosts owed a piece (an empty block is one empty piece)
-        total: List[Optional[int]] = [None] * self.num_hosts   # rows coming from each host, from its first piece
-        received: List[Optional[torch.Tensor]] = [None] * self.num_hosts
+        # Each host's rows go straight to their place in the output, piece by piece.
+        received = torch.empty((sum(recv_counts), width), dtype=torch.uint8, device=rows.device)
+        place = [0] + list(itertools.accumulate(recv_counts))[:-1]
         taken = [0] * self.num_hosts
         incomplete = set(range(self.num_hosts))
         while unsent or incomplete:
@@ -147,18 +142,15 @@ class TransportRail:
                     unsent.discard(host)
             for source in arrivals:   # read every piece out, then one wait for the copies, then the give-backs
                 remaining = self.arrived[source].pop(0)
-                if total[source] is None:
-                    total[source] = remaining
-                    received[source] = torch.empty((remaining, width), dtype=torch.uint8, device=rows.device)
-                elif remaining != total[source] - taken[source]:
+                if remaining != recv_counts[source] - taken[source]:
                     raise RuntimeError(f"rank {dist.get_rank()}: {phase}: host {source} announced {remaining} rows "
-                                       f"left after {taken[source]} of {total[source]} (rail transport)")
+                                       f"left after {taken[source]} of the {recv_counts[source]} expected "
+                                       f"(rail transport)")
                 count = min(cap, remaining)
-                slot = self._slot(source)
-                received[source][taken[source]:taken[source] + count] = \
-                    self.region[slot:slot + count * width].view(count, width)
+                slot, at = self._slot(source), place[source] + taken[source]
+                received[at:at + count] = self.region[slot:slot + count * width].view(count, width)
                 taken[source] += count
-                if taken[source] == total[source]:
+                if taken[source] == recv_counts[source]:
                     incomplete.discard(source)
             if arrivals:
                 self._sync()
@@ -166,7 +158,7 @@ class TransportRail:
                     self.transport.write(source, 0, 0, 0, imm=_GIVEN_BACK)
                     self.writes += 1
         self.transport.poll_completions()
-        return torch.cat(received) if self.num_hosts > 1 else received[0], total
+        return received
 
     def _wait(self, ready, phase: str, expected: str) -> None:
         def polled() -> bool:

@@ -157,8 +157,8 @@ class TwoLevel:
         self.hops.reset()
         if cached_handle is not None:
             route = getattr(cached_handle[0], ROUTE_ATTRIBUTE)
-            rows, _ = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts,
-                                 route.recv_counts, "dispatch across hosts")
+            rows = self._rail(self._payload(x, x_scales, route.send_tokens), route.send_counts, route.recv_counts,
+                              "dispatch across hosts")
             with self.hops.span("forward"):
                 recv = self.inner.dispatch(self._x(rows, x.dtype, x_scales), handle=route.inner_handle)[0]
             recv_x, recv_scales = recv if x_scales is not None else (recv, None)
@@ -184,8 +184,8 @@ class TwoLevel:
             local = topk_idx[send_tokens] - dst_host[:, None] * experts_here
             here = (topk_idx[send_tokens] >= 0) & (local >= 0) & (local < experts_here)
             payload += [torch.where(here, local, torch.full_like(local, -1)), topk_weights[send_tokens]]
-        rows, recv_counts = self._rail(payload, send_counts, rail_counts[self.local].tolist(),
-                                       "dispatch across hosts")
+        recv_counts = rail_counts[self.local].tolist()
+        rows = self._rail(payload, send_counts, recv_counts, "dispatch across hosts")
         forwarded = self._x(rows, x.dtype, x_scales)
         count = 2 if x_scales is not None else 1
         in_rank, source_token = rows[count], rows[count + 1]
@@ -222,18 +222,18 @@ class TwoLevel:
     def _x(rows: List[torch.Tensor], dtype: torch.dtype, x_scales: Optional[torch.Tensor]):
         return (rows[0].view(dtype), rows[1]) if x_scales is not None else rows[0].view(dtype)
 
-    def _rail(self, payload: List[torch.Tensor], send_counts: List[int], recv_counts: Optional[List[int]],
-              phase: str) -> Tuple[List[torch.Tensor], List[int]]:
-        """Each host's block of ``payload``'s rows to the rail's rank on that host; the blocks received, and how
-        many rows came from each host."""
+    def _rail(self, payload: List[torch.Tensor], send_counts: List[int], recv_counts: List[int],
+              phase: str) -> List[torch.Tensor]:
+        """Each host's block of ``payload``'s rows (``send_counts``) to the rail's rank on that host; the blocks
+        received (``recv_counts``), by host."""
         specs = [row_spec(p) for p in payload]
         packed = pack_rows(payload, payload[0].size(0), self.device)
         writes = self.rail.writes
         with self.hops.span("rail"):
-            rows, recv_counts = self.rail.exchange(packed, send_counts, recv_counts, phase)
+            rows = self.rail.exchange(packed, send_counts, recv_counts, phase)
         self.hops.rail_bytes += (sum(send_counts) - send_counts[self.host]) * packed.size(1)
         self.hops.rail_writes += self.rail.writes - writes
-        return unpack_rows(rows, specs), recv_counts
+        return unpack_rows(rows, specs)
 
     def _rank_order(self, inner_handle, rail_counts: torch.Tensor, source_token: torch.Tensor,
                     num_rows: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +282,7 @@ class TwoLevel:
         with self.hops.span("forward"):
             partial, partial_weights, _ = self.inner.combine(inner_x, route.inner_handle, inner_weights)
         payload = [partial] + ([] if partial_weights is None else [partial_weights])
-        rows, _ = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
+        rows = self._rail(payload, route.recv_counts, route.send_counts, "combine across hosts")
         num_tokens = handle[4].size(0)
         summed = torch.zeros((num_tokens, x.size(1)), dtype=torch.float32, device=x.device)
         weights = None if topk_weights is None else torch.zeros((num_tokens, topk_weights.size(1)),
