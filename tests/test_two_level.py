@@ -312,6 +312,50 @@ def test_too_many_tokens_for_num_worst_tokens_raise_on_every_rank():
     run_ranks(4, _too_many_for_worst_tokens_body)
 
 
+def _collectives_body(rank, num_ranks, group):
+    reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
+    two_level = TwoLevel(reference.comm, ["a", "a", "b", "b"],
+                         lambda host_group: Buffer(host_group, explicitly_destroy=True))
+    x, scales, topk_idx, topk_weights, num_experts = _inputs(torch.Generator().manual_seed(rank), rank, num_ranks,
+                                                             use_fp8=True)
+    per_rank, _, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, 0)
+    # The collectives of the two hops themselves: the host's Buffer (the native engine on GPUs) is left out.
+    calls = []
+    for name in ("all_gather", "all_to_all_single", "all_reduce", "all_gather_into_tensor", "broadcast", "barrier"):
+        def counted(*args, _collective=getattr(dist, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _collective(*args, **kwargs)
+        setattr(dist, name, counted)
+    for operation in ("dispatch", "combine"):
+        def uncounted(*args, _operation=getattr(two_level.inner, operation), **kwargs):
+            before = len(calls)
+            try:
+                return _operation(*args, **kwargs)
+            finally:
+                del calls[before:]
+        setattr(two_level.inner, operation, uncounted)
+    got = two_level.dispatch(x, scales, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                             expert_alignment=1, num_worst_tokens=0, num_channels=4, cached_handle=None)
+    # One gather of the layout (with the rail's counts), the rows along the rail, the forwarded rows' source tokens.
+    assert calls == ["all_gather", "all_to_all_single", "all_gather"], calls
+    calls.clear()
+    two_level.dispatch(x, scales, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank,
+                       num_tokens_per_expert=per_expert, topk_idx=None, topk_weights=None, expert_alignment=1,
+                       num_worst_tokens=0, num_channels=4, cached_handle=got.handle)
+    assert calls == ["all_to_all_single"], calls   # a cached dispatch: the rows alone
+    calls.clear()
+    rows = random_bf16(torch.Generator().manual_seed(rank), (got.recv_x.size(0), H), 0.25, 2.0)
+    two_level.combine(rows, got.handle, got.recv_topk_weights, [])
+    assert calls == ["all_to_all_single"], calls   # the partial sums alone
+    two_level.destroy()
+
+
+def test_the_two_hops_run_three_collectives_per_dispatch_and_one_per_combine():
+    """A change that adds a collective (each one a host wait on NCCL) to the two hops fails here."""
+    run_ranks(4, _collectives_body)
+
+
 def _release_body(rank, num_ranks, group):
     import os
     os.environ["UCCL_EP_GPUS_PER_NODE"] = "1"
