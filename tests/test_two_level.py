@@ -312,6 +312,34 @@ def test_too_many_tokens_for_num_worst_tokens_raise_on_every_rank():
     run_ranks(4, _too_many_for_worst_tokens_body)
 
 
+def _without_topk_body(rank, num_ranks, group):
+    reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
+    two_level = TwoLevel(reference.comm, ["a", "a", "b", "b"],
+                         lambda host_group: Buffer(host_group, explicitly_destroy=True))
+    gen = torch.Generator().manual_seed(300 + rank)
+    x, _, topk_idx, _, num_experts = _inputs(gen, rank, num_ranks, use_fp8=False)
+    per_rank, _, per_expert, in_rank = reference.get_dispatch_layout(topk_idx, num_experts, 0)
+    # The routing alone (DeepEP allows a dispatch without top-k): no experts, no weights, past either hop.
+    arguments = dict(is_token_in_rank=in_rank, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                     topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, num_channels=4,
+                     cached_handle=None)
+    got = two_level.dispatch(x, None, **arguments)
+    expected = reference.dispatch(x, None, stream=0, **arguments)
+    _equal(got.recv_x, expected.recv_x, f"rank {rank}: recv_x")
+    assert got.recv_topk_idx is None and got.recv_topk_weights is None
+    _equal(got.handle[3], expected.handle[3], f"rank {rank}: recv_src_idx")
+    rows = random_bf16(gen, (got.recv_x.size(0), H), 0.25, 2.0)
+    combined, weights = two_level.combine(rows, got.handle, None, [])
+    reference_combined, reference_weights = reference.combine(rows, expected.handle, None, [], 4, 0)
+    assert weights is None and reference_weights is None
+    torch.testing.assert_close(combined.float(), reference_combined.float(), rtol=2e-2, atol=4e-2)
+    two_level.destroy()
+
+
+def test_two_hops_without_topk():
+    run_ranks(4, _without_topk_body)
+
+
 def _collectives_body(rank, num_ranks, group):
     reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
     two_level = TwoLevel(reference.comm, ["a", "a", "b", "b"],
