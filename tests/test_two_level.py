@@ -223,9 +223,13 @@ def _buffer_across_hosts_body(rank, num_ranks, group, rail):
                     explicitly_destroy=True)
     assert buffer.engine_by_operation["dispatch"] == buffer.engine_by_operation["combine"] == "two_level"
     assert buffer._two_level.rail.name == ("transport" if rail == "tcp" else "collective")
-    # One NVLink buffer per rank: the host's Buffer's, not a second one of the same size.
+    # One NVLink buffer per rank: the host's Buffer's, not a second one of the same size; and over a transport one
+    # region of num_rdma_bytes: the rail's.
     assert buffer.get_local_buffer_tensor(torch.uint8).data_ptr() == \
         buffer._two_level.inner.get_local_buffer_tensor(torch.uint8).data_ptr()
+    if rail == "tcp":
+        assert buffer.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True).data_ptr() == \
+            buffer._two_level.rail.region.data_ptr()
     reference = ReferenceEngine(group, rank, num_ranks, CPU, 60.0, None)
     gen = torch.Generator().manual_seed(500 + rank)
     x, scales, topk_idx, topk_weights, num_experts = _inputs(gen, rank, num_ranks, use_fp8=True)

@@ -194,8 +194,12 @@ class Buffer:
                 native_normal_buffer = self._two_level.inner._nvl_buffer
             self._nvl_buffer = (native_normal_buffer if native_normal_buffer is not None
                                 else torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self.device))
-            native_low_latency_buffer = None if self._native is None else self._native.low_latency_buffer
-            self._rdma_buffer = (native_low_latency_buffer if native_low_latency_buffer is not None
+            # num_rdma_bytes: low-latency mode's buffer, else across hosts the rail's region (over a transport), else
+            # a buffer of our own.
+            rdma_buffer = None if self._native is None else self._native.low_latency_buffer
+            if rdma_buffer is None and self._two_level is not None:
+                rdma_buffer = self._two_level.rail.region
+            self._rdma_buffer = (rdma_buffer if rdma_buffer is not None
                                  else torch.empty(num_rdma_bytes, dtype=torch.uint8, device=self.device))
             self._low_latency_buffer_idx = 0
             self._mask = torch.zeros(self.group_size, dtype=torch.bool, device=self.device) if enable_shrink else None

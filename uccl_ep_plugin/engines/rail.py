@@ -29,7 +29,8 @@ def transport_rail_bytes(num_hosts: int, rows: int, row_bytes: int) -> int:
 
 class CollectiveRail:
     name = "collective"
-    writes = 0   # no transport writes: the collective carries the rows
+    writes = 0      # no transport writes: the collective carries the rows
+    region = None   # nor a region of num_rdma_bytes
 
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
