@@ -178,7 +178,7 @@ def _rail_pieces_body(rank, num_ranks, group, reorder_seed):
     rail = TransportRail(group, rank, num_ranks, CPU, 2 * num_ranks * 128, "tcp", 20.0, _extension())
     assert rail.slot_bytes // width == slot_rows
 
-    def block(source, host, step):   # what ``source`` sends ``host`` in exchange ``step``: every byte says whose
+    def block(source, host, step):   # what ``source`` sends ``host`` in exchange ``step``: random, seeded by all 3
         count = (7 * source + 5 * host + 3 * step) % 11 if (source + host + step) % 4 else 0
         gen = torch.Generator().manual_seed(1000 * step + 100 * source + host)
         return torch.randint(0, 256, (count, width), generator=gen, dtype=torch.uint8)
