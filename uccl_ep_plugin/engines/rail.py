@@ -158,6 +158,10 @@ class TransportRail:
                 for source in arrivals:   # that host may write into our slot for it again
                     self.transport.write(source, 0, 0, 0, imm=_GIVEN_BACK)
                     self.writes += 1
+        # Hand every request to the device before the caller moves on: a transport driven by its caller (verbs,
+        # cuda-copy) may still hold our last piece or give-back (reorder injection, in-flight limits), and a peer
+        # would wait for it while this rank waits elsewhere.
+        self.transport.quiet()
         self.transport.poll_completions()
         return received
 
