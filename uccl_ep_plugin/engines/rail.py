@@ -124,15 +124,14 @@ class TransportRail:
                 self._wait(lambda: any(self.returned[h] == self.sent[h] for h in unsent) or
                            any(self.arrived[s] for s in incomplete), phase, _awaited(incomplete, unsent))
                 continue
-            for host in ready:   # stage every piece, then one wait for the copies, then the writes
-                count = min(cap, left[host])
+            pieces = {host: min(cap, left[host]) for host in ready}
+            for host, count in pieces.items():   # stage every piece, then one wait for the copies, then the writes
                 offset = self.slot_bytes * host
                 self.region[offset:offset + count * width].view(count, width).copy_(
                     rows[start[host]:start[host] + count])
-            if ready:
+            if pieces:
                 self._sync()
-            for host in ready:
-                count = min(cap, left[host])
+            for host, count in pieces.items():
                 self.transport.write(host, self.slot_bytes * host, self._slot(self.host), count * width,
                                      imm=left[host])
                 left[host] -= count

@@ -46,24 +46,21 @@ class GroupComm:
         work.wait()
 
     def all_gather_ints(self, values: torch.Tensor, phase: str) -> torch.Tensor:
-        """Gather a 1-D int tensor from every rank; returns ``[num_ranks, len]`` on the host."""
-        values = values.to(device=self.wire_device, dtype=torch.int64).contiguous()
-        gathered = [torch.empty_like(values) for _ in range(self.num_ranks)]
-        work = dist.all_gather(gathered, values, group=self.group, async_op=True)
-        self.wait(work, phase, f"{values.numel()} integers from each of {self.num_ranks} ranks")
-        return torch.stack(gathered).cpu()
+        """Gather a 1-D int tensor from every rank; returns ``[num_ranks, len]`` int64 on the host."""
+        return self.all_gather_rows(values.to(torch.int64), phase, on_host=True)
 
-    def all_gather_rows(self, values: torch.Tensor, phase: str) -> torch.Tensor:
-        """Gather a 1-D tensor from every rank; returns ``[num_ranks, len]`` on ``device``. Over NCCL the stream
-        waits for it, not the host (as for the rows of an exchange)."""
+    def all_gather_rows(self, values: torch.Tensor, phase: str, on_host: bool = False) -> torch.Tensor:
+        """Gather a 1-D tensor from every rank; returns ``[num_ranks, len]`` on ``device`` (on the host with
+        ``on_host``, which waits for it there). Otherwise over NCCL the stream waits for it, not the host (as for the
+        rows of an exchange)."""
         values = values.to(self.wire_device).contiguous()
         gathered = torch.empty((self.num_ranks, values.numel()), dtype=values.dtype, device=self.wire_device)
         work = dist.all_gather(list(gathered.unbind(0)), values, group=self.group, async_op=True)
-        if self.wire_device.type == "cuda":
-            work.wait()
-        else:
+        if on_host or self.wire_device.type != "cuda":
             self.wait(work, phase, f"{values.numel()} values from each of {self.num_ranks} ranks")
-        return gathered.to(self.device)
+        else:
+            work.wait()
+        return gathered.cpu() if on_host else gathered.to(self.device)
 
     def exchange_counts(self, send_counts: Sequence[int], phase: str) -> List[int]:
         """Tell every rank how many rows it will get from us; returns the rows we will get from each."""
