@@ -63,7 +63,8 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     # source's token count
     assert ext.normal_notify_area_bytes(2, 10, 144) == 16 + 2 * 4 * 157
     assert ext.normal_notify_area_bytes(5, 1, 1) == 32 + 5 * 4 * 8
-    assert ext.NORMAL_CONTROL_BYTES == 4 * 8 * ext.NORMAL_MAX_RANKS   # arrived, freed, chunk, sm_pushed words
+    # arrived, freed, chunk and sm_pushed words per rank, then the SM path's channel words
+    assert ext.NORMAL_CONTROL_BYTES == 4 * 8 * ext.NORMAL_MAX_RANKS + 8 * ext.NORMAL_CHANNEL_WORDS
 
 
 def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():

@@ -1,9 +1,10 @@
 // Normal-mode dispatch and combine over mapped peer memory, SMs moving every row (protocol in
 // intranode.h). The copy-engine path (intranode_copy.cu) shares the notify and the checks.
 //
-// Work split: a warp per token (dispatch send, combine receive) or per received row (dispatch
-// receive, combine send); warps of all blocks take units in turn. Every block of a send or
-// receive kernel waits for the same flags itself, so no block depends on another.
+// Work split: a block per channel at a time; within it a warp per token (dispatch send, combine
+// receive) or per row (dispatch receive, combine send). A receiver block depends on the sender
+// blocks of every rank (their channel words), so the kernel's blocks must all be resident: at most
+// one per SM, no more than the GPU has (DeepEP's num_sms rule).
 #include "kernels/intranode.h"
 
 #include <string>
@@ -193,6 +194,70 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) 
   *reinterpret_cast<volatile uint64_t*>(a.host_counts + normal_host_counts_epoch_index(a)) = epoch;
 }
 
+// ------------------------------------------------------------------------------ channels
+// Threads of an SM-path block (DeepEP's too): 24 warps keep rows in flight, and their 80 registers hold
+// a sender's and a receiver's work (at 1024 threads, 64 registers, both spilled 100 bytes or more).
+constexpr int kChannelThreads = 768;
+// The SM path's exchange (intranode.h): blocks [0, S) send and [S, 2S) receive, S = gridDim.x / 2;
+// the block with index b among its kind takes the channels b, b + S, ...
+struct ChannelBlock {
+  bool sends;
+  int first_channel;
+  int channel_stride;
+  WarpPosition warp;  // among the block's warps
+};
+__device__ __forceinline__ ChannelBlock channel_block() {
+  const int senders = gridDim.x / 2;
+  const bool sends = static_cast<int>(blockIdx.x) < senders;
+  return ChannelBlock{sends, sends ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) - senders, senders,
+                      warp_position_of(threadIdx.x, 0, 1, blockDim.x, kWarpSize)};
+}
+
+// In `rank`'s control area: the word of (src, channel).
+__device__ __forceinline__ uint64_t* channel_word(const NormalRegion& r, int rank, int src, int channel,
+                                                  int num_channels) {
+  return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_channel_word_offset(src, channel, num_channels));
+}
+
+// A warp waits until `src` has stored send position `position` of `channel` here. It remembers the last
+// word it saw (one source at a time), so that rows in order cost no load of a word they already passed.
+struct ChannelWatch {
+  int src = -1;
+  uint64_t seen = 0;
+  __device__ bool wait(const NormalRegion& r, int src_rank, int channel, int num_channels, uint64_t epoch,
+                       int64_t position, int32_t phase, int lane) {
+    const uint64_t target = normal_channel_progress(epoch, position + 1);
+    if (src_rank == src && seen >= target) return true;
+    bool ready = true;
+    uint64_t value = 0;
+    if (lane == 0) {
+      ready = wait_until(
+          r, channel_word(r, r.rank, src_rank, channel, num_channels),
+          [&](uint64_t word) { return (value = word) >= target; }, phase, src_rank);
+    }
+    src = src_rank;
+    seen = warp_shuffle(static_cast<unsigned long long>(value), 0);
+    return warp_shuffle(ready ? 1 : 0, 0) != 0;
+  }
+};
+
+// After a round of stores by every warp of the block: thread t, for rank t, raises that rank's word of
+// this channel to `positions(t)` (-1: nothing to tell). The block's barrier, then the publishing thread's
+// system fence, make every warp's stores of the round visible before the word (as a grid barrier does).
+template <typename Positions>
+__device__ __forceinline__ void publish_round(const NormalRegion& r, int channel, int num_channels, uint64_t epoch,
+                                              Positions positions) {
+  __syncthreads();
+  for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
+    const int64_t stored = positions(dst);
+    if (stored >= 0) {
+      __threadfence_system();
+      publish_flag(channel_word(r, dst, r.rank, channel, num_channels), normal_channel_progress(epoch, stored),
+                   r.aggressive_atomics);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ dispatch
 __device__ __forceinline__ NormalDispatchArea dispatch_area_of(const NormalDispatchArgs& a, int rank) {
   const int64_t rows = received_rows(a.rank_prefix_matrix, a.region.num_ranks, rank);
@@ -207,65 +272,140 @@ __device__ bool dispatch_fits(const NormalDispatchArgs& a) {
   return true;
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_send(NormalDispatchArgs a) {
+// A sender block: its channels' tokens, a token per warp in each round; a row's place at the destination
+// is the rows of the sources below this rank there plus its send position.
+__device__ void send_dispatch_channels(const NormalDispatchArgs& a, const ChannelBlock& b, uint64_t epoch) {
   const NormalRegion& r = a.region;
-  if (!wait_destinations_free(r, kNormalDispatchSend)) return;
+  const int num_ranks = r.num_ranks;
+  // Per destination, the highest send position stored in a round, + 1, by the round's parity: a round
+  // fills one while the rank's thread reads and clears the other round's (one barrier per round).
+  __shared__ int32_t round_most[2][kNormalMaxRanks];
+  __shared__ int64_t first_row[kNormalMaxRanks];
+  __shared__ NormalDispatchArea area[kNormalMaxRanks];
+  for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
+    first_row[dst] = normal_rows_before(a.rank_prefix_matrix, num_ranks, r.rank, dst);
+    area[dst] = dispatch_area_of(a, dst);
+    round_most[0][dst] = round_most[1][dst] = 0;
+  }
+  __syncthreads();
+  int32_t told = 0;  // thread t: what rank t's word of this channel says
+  int parity = 0;
+  for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
+    told = 0;
+    const NormalTokenRange tokens = normal_channel_tokens(a.num_channels, channel, channel + 1, a.num_tokens);
+    for (int64_t round = tokens.first; round < tokens.end; round += b.warp.stride, parity ^= 1) {
+      const int64_t token = round + b.warp.first;
+      if (token < tokens.end) {
+        for (int dst = 0; dst < num_ranks; ++dst) {
+          const int32_t pos = a.send_pos[token * num_ranks + dst];
+          if (pos < 0) continue;
+          write_dispatch_row<kWideCopyUnroll>(
+              a, static_cast<int>(token), dst, dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + pos, a),
+              b.warp.lane);
+          if (b.warp.lane == 0) atomicMax(&round_most[parity][dst], pos + 1);
+        }
+      }
+      publish_round(r, channel, a.num_channels, epoch, [&](int dst) -> int64_t {
+        const int32_t most = round_most[parity][dst];
+        round_most[parity][dst] = 0;
+        if (most <= told) return -1;
+        told = most;
+        return most;
+      });
+    }
+  }
+}
+
+// A receiver block: the rows of its channels from every source, sources in turn, each once its word says
+// it is there, into the outputs (received rows are grouped by source, then in token order).
+__device__ void receive_dispatch_channels(const NormalDispatchArgs& a, const ChannelBlock& b, uint64_t epoch) {
+  const NormalRegion& r = a.region;
+  const int num_ranks = r.num_ranks, k = a.num_topk;
+  const NormalDispatchArea area = dispatch_area_of(a, r.rank);
+  const uint8_t* base = data_area(r, r.rank);
+  __shared__ int32_t first_pos[kNormalMaxRanks], count[kNormalMaxRanks];
+  __shared__ int64_t first_row[kNormalMaxRanks];
+  __shared__ int32_t most;
+  bool failed = false;  // a wait gave up: the warp skips its other rows but meets the block's barriers
+  for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
+    ChannelWatch watch;
+    if (threadIdx.x == 0) most = 0;
+    __syncthreads();
+    for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+      const int32_t* prefix = a.recv_channel_prefix_matrix + static_cast<int64_t>(src) * a.num_channels;
+      const int32_t end = channel + 1 < a.num_channels
+                              ? prefix[channel + 1]
+                              : static_cast<int32_t>(normal_sent(a.rank_prefix_matrix, num_ranks, src, r.rank));
+      first_pos[src] = prefix[channel];
+      count[src] = end - prefix[channel];
+      first_row[src] = normal_rows_before(a.rank_prefix_matrix, num_ranks, src, r.rank);
+      atomicMax(&most, count[src]);
+    }
+    __syncthreads();
+    const int64_t items = static_cast<int64_t>(most) * num_ranks;
+    for (int64_t item = b.warp.first; item < items; item += b.warp.stride) {
+      const int src = static_cast<int>(item % num_ranks);
+      const int32_t index = static_cast<int32_t>(item / num_ranks);
+      if (failed || index >= count[src]) continue;
+      const int64_t pos = first_pos[src] + index;
+      if (!watch.wait(r, src, channel, a.num_channels, epoch, pos, kNormalDispatchRecv, b.warp.lane)) {
+        failed = true;
+        continue;
+      }
+      const int64_t row = first_row[src] + pos;
+      warp_copy<kWideCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes,
+                                    base + area.x + row * a.x_row_bytes, a.x_row_bytes, b.warp.lane);
+      if (a.scale_row_bytes > 0) {
+        warp_copy(static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes,
+                  base + area.scales + row * a.scale_row_bytes, a.scale_row_bytes, b.warp.lane);
+      }
+      if (a.recv_topk_idx != nullptr && b.warp.lane < k) {
+        a.recv_topk_idx[row * k + b.warp.lane] =
+            load_l2(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + b.warp.lane);
+        a.recv_topk_weights[row * k + b.warp.lane] =
+            load_l2(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + b.warp.lane);
+      }
+      if (a.recv_src_idx != nullptr && b.warp.lane == 0) {
+        a.recv_src_idx[row] = load_l2(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
+      }
+    }
+    __syncthreads();  // `most` and the tables serve the next channel
+  }
+}
+
+// Rows past the received ones (num_worst_tokens), as the reference pads them: the receiver blocks' warps in turn.
+__device__ void pad_dispatch_rows(const NormalDispatchArgs& a, const ChannelBlock& b) {
+  const int64_t received = received_rows(a.rank_prefix_matrix, a.region.num_ranks, a.region.rank);
+  const int k = a.num_topk;
+  const int64_t stride = static_cast<int64_t>(b.channel_stride) * b.warp.stride;
+  for (int64_t row = received + static_cast<int64_t>(b.first_channel) * b.warp.stride + b.warp.first;
+       row < a.num_rows_out; row += stride) {
+    warp_zero(static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes, a.x_row_bytes, b.warp.lane);
+    if (a.scale_row_bytes > 0) {
+      warp_zero(static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes, a.scale_row_bytes, b.warp.lane);
+    }
+    if (a.recv_topk_idx != nullptr && b.warp.lane < k) {
+      a.recv_topk_idx[row * k + b.warp.lane] = -1;
+      a.recv_topk_weights[row * k + b.warp.lane] = 0.0f;
+    }
+    if (a.recv_src_idx != nullptr && b.warp.lane == 0) a.recv_src_idx[row] = -1;
+  }
+}
+
+__global__ void __launch_bounds__(kChannelThreads, 1) dispatch_by_channels(NormalDispatchArgs a) {
+  const NormalRegion& r = a.region;
+  const ChannelBlock b = channel_block();
+  const uint64_t epoch = exchanges_done(r) + 1;
   if (!dispatch_fits(a)) {
     if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalDispatchSend, -1, 0);
     return;
   }
-  const WarpPosition w = warp_position();
-  const int num_ranks = r.num_ranks;
-  for (int token = w.first; token < a.num_tokens; token += w.stride) {
-    for (int dst = 0; dst < num_ranks; ++dst) {
-      const int32_t pos = a.send_pos[static_cast<int64_t>(token) * num_ranks + dst];
-      if (pos < 0) continue;
-      const int64_t row = normal_rows_before(a.rank_prefix_matrix, num_ranks, r.rank, dst) + pos;
-      const NormalDispatchArea area = dispatch_area_of(a, dst);
-      write_dispatch_row(a, token, dst, dispatch_row_in_area(data_area(r, dst), area, row, a), w.lane);
-    }
+  if (b.sends) {
+    if (wait_destinations_free(r, kNormalDispatchSend)) send_dispatch_channels(a, b, epoch);
+    return;
   }
-  __threadfence_system();
-}
-
-__global__ void __launch_bounds__(kThreads) dispatch_receive(NormalDispatchArgs a) {
-  const NormalRegion& r = a.region;
-  if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
-  if (!dispatch_fits(a)) return;  // the send kernel recorded it
-  const WarpPosition w = warp_position();
-  const int64_t received = received_rows(a.rank_prefix_matrix, r.num_ranks, r.rank);
-  const int64_t num_recv = received < a.num_rows_out ? received : a.num_rows_out;
-  const NormalDispatchArea area = dispatch_area_of(a, r.rank);
-  const uint8_t* base = data_area(r, r.rank);
-  const int k = a.num_topk;
-  for (int64_t row = w.first; row < a.num_rows_out; row += w.stride) {
-    uint8_t* x_out = static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes;
-    uint8_t* scales_out =
-        a.scale_row_bytes == 0 ? nullptr : static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes;
-    if (row < num_recv) {
-      warp_copy(x_out, base + area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
-      if (scales_out != nullptr) {
-        warp_copy(scales_out, base + area.scales + row * a.scale_row_bytes, a.scale_row_bytes, w.lane);
-      }
-      if (a.recv_topk_idx != nullptr && w.lane < k) {
-        a.recv_topk_idx[row * k + w.lane] =
-            load_l2(reinterpret_cast<const long long*>(base + area.topk_idx) + row * k + w.lane);
-        a.recv_topk_weights[row * k + w.lane] =
-            load_l2(reinterpret_cast<const float*>(base + area.topk_weights) + row * k + w.lane);
-      }
-      if (a.recv_src_idx != nullptr && w.lane == 0) {
-        a.recv_src_idx[row] = load_l2(reinterpret_cast<const int32_t*>(base + area.src_idx) + row);
-      }
-    } else {  // padding rows, as the reference pads them
-      warp_zero(x_out, a.x_row_bytes, w.lane);
-      if (scales_out != nullptr) warp_zero(scales_out, a.scale_row_bytes, w.lane);
-      if (a.recv_topk_idx != nullptr && w.lane < k) {
-        a.recv_topk_idx[row * k + w.lane] = -1;
-        a.recv_topk_weights[row * k + w.lane] = 0.0f;
-      }
-      if (a.recv_src_idx != nullptr && w.lane == 0) a.recv_src_idx[row] = -1;
-    }
-  }
+  receive_dispatch_channels(a, b, epoch);
+  pad_dispatch_rows(a, b);
 }
 
 // ------------------------------------------------------------------------------ combine
@@ -281,55 +421,125 @@ __device__ bool combine_fits(const NormalCombineArgs& a) {
   return true;
 }
 
-__global__ void __launch_bounds__(kThreads) combine_send(NormalCombineArgs a) {
+// A sender block (this rank as the experts' rank): the rows of its channels back to the other sources,
+// in turn, a row per warp in each round. A source's area holds the rows it sent, ordered like its sends
+// (by receiver, then send position); its own rows it reads from x (receive_combine_channels).
+__device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelBlock& b, uint64_t epoch) {
   const NormalRegion& r = a.region;
-  if (!wait_destinations_free(r, kNormalCombineSend)) return;
+  const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk, others = num_ranks - 1;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  __shared__ int32_t first_pos[kNormalMaxCombineRanks], count[kNormalMaxCombineRanks];
+  __shared__ const uint8_t* from[kNormalMaxCombineRanks];  // this rank's rows from each source, in x
+  __shared__ uint8_t* x_to[kNormalMaxCombineRanks];         // and where the source's area takes them
+  __shared__ float* weights_to[kNormalMaxCombineRanks];
+  __shared__ int32_t most;
+  for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
+    if (threadIdx.x == 0) most = 0;
+    __syncthreads();
+    for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+      const int32_t* prefix = a.recv_channel_prefix_matrix + static_cast<int64_t>(src) * a.num_channels;
+      const int32_t end = channel + 1 < a.num_channels
+                              ? prefix[channel + 1]
+                              : static_cast<int32_t>(normal_sent(a.rank_prefix_matrix, num_ranks, src, me));
+      first_pos[src] = prefix[channel];
+      count[src] = src == me ? 0 : end - prefix[channel];
+      from[src] = static_cast<const uint8_t*>(a.x) + normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) * row_bytes;
+      int64_t before = 0;  // the rows `src` sent to ranks below this one
+      for (int rank = 0; rank < me; ++rank) before += normal_sent(a.rank_prefix_matrix, num_ranks, src, rank);
+      const NormalCombineArea area = combine_area_of(a, src);
+      x_to[src] = data_area(r, src) + area.x + before * row_bytes;
+      weights_to[src] = reinterpret_cast<float*>(data_area(r, src) + area.topk_weights) + before * k;
+      atomicMax(&most, count[src]);
+    }
+    __syncthreads();
+    const int64_t items = static_cast<int64_t>(most) * others;
+    for (int64_t round = 0; round < items; round += b.warp.stride) {
+      const int64_t item = round + b.warp.first;
+      const int other = static_cast<int>(item % others);
+      const int src = other < me ? other : other + 1;
+      const int32_t index = static_cast<int32_t>(item / others);
+      if (item < items && index < count[src]) {
+        const int64_t pos = first_pos[src] + index;
+        warp_copy<kWideCopyUnroll>(x_to[src] + pos * row_bytes, from[src] + pos * row_bytes, row_bytes, b.warp.lane);
+        if (b.warp.lane < k) {
+          weights_to[src][pos * k + b.warp.lane] =
+              a.topk_weights[(normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) + pos) * k + b.warp.lane];
+        }
+      }
+      // Items go to the other sources in turn: after `done` items, the o-th has had those with item % others == o.
+      const int64_t done = round + b.warp.stride < items ? round + b.warp.stride : items;
+      publish_round(r, channel, a.num_channels, epoch, [&](int src) -> int64_t {
+        if (count[src] == 0) return -1;
+        const int other = src < me ? src : src - 1;
+        const int64_t had = done > other ? (done - other + others - 1) / others : 0;
+        return first_pos[src] + (had < count[src] ? had : count[src]);
+      });
+    }
+  }
+}
+
+// A receiver block: the tokens of its channels, each summed once the rows it needs are there (lane d keeps
+// what it saw of rank d's word: a warp's tokens come in order, so their send positions rise).
+__device__ void receive_combine_channels(const NormalCombineArgs& a, const ChannelBlock& b, uint64_t epoch) {
+  const NormalRegion& r = a.region;
+  const int num_ranks = r.num_ranks, me = r.rank;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  __shared__ CombineSources from;
+  if (threadIdx.x == 0) {
+    const NormalCombineArea area = combine_area_of(a, me);
+    const uint8_t* base = data_area(r, me);
+    int64_t first_row = 0;
+    for (int dst = 0; dst < num_ranks; ++dst) {
+      from.x[dst] = base + area.x + first_row * row_bytes;
+      from.topk_weights[dst] = reinterpret_cast<const float*>(base + area.topk_weights) + first_row * a.num_topk;
+      first_row += normal_sent(a.rank_prefix_matrix, num_ranks, me, dst);
+    }
+    // This rank's own rows are where the combine found them: in x.
+    const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
+    from.x[me] = static_cast<const uint8_t*>(a.x) + own_first * row_bytes;
+    from.topk_weights[me] = a.topk_weights + own_first * a.num_topk;
+  }
+  __syncthreads();
+  for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
+    uint64_t seen = 0;
+    reduce_combined_tokens(a, from, normal_channel_tokens(a.num_channels, channel, channel + 1, a.num_tokens), b.warp,
+                           [&](int dst, bool has_row, int64_t pos) {
+                             bool ready = true;
+                             const uint64_t target = normal_channel_progress(epoch, pos + 1);
+                             if (has_row && dst != me && seen < target) {
+                               ready = wait_until(
+                                   r, channel_word(r, me, dst, channel, a.num_channels),
+                                   [&](uint64_t word) { return (seen = word) >= target; }, kNormalCombineRecv, dst);
+                             }
+                             return warp_all(ready);
+                           });
+  }
+}
+
+__global__ void __launch_bounds__(kChannelThreads, 1) combine_by_channels(NormalCombineArgs a) {
+  const NormalRegion& r = a.region;
+  const ChannelBlock b = channel_block();
+  const uint64_t epoch = exchanges_done(r) + 1;
   if (!combine_fits(a)) {
     if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalCombineSend, -1, 0);
     return;
   }
-  const WarpPosition w = warp_position();
-  const int num_ranks = r.num_ranks;
-  const int64_t received = received_rows(a.rank_prefix_matrix, num_ranks, r.rank);
-  const int64_t num_valid = received < a.num_rows ? received : a.num_rows;
-  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
-  for (int64_t row = w.first; row < num_valid; row += w.stride) {
-    int src = 0;
-    while (row >= a.rank_prefix_matrix[src * num_ranks + r.rank]) ++src;
-    const int64_t index = row - normal_rows_before(a.rank_prefix_matrix, num_ranks, src, r.rank);
-    // The source orders its combine area like its sends: by receiver, then token.
-    int64_t dst_row = index;
-    for (int before = 0; before < r.rank; ++before) dst_row += normal_sent(a.rank_prefix_matrix, num_ranks, src, before);
-    const NormalCombineArea area = combine_area_of(a, src);
-    uint8_t* base = data_area(r, src);
-    warp_copy(base + area.x + dst_row * row_bytes, static_cast<const uint8_t*>(a.x) + row * row_bytes, row_bytes,
-              w.lane);
-    if (w.lane < a.num_topk) {
-      reinterpret_cast<float*>(base + area.topk_weights)[dst_row * a.num_topk + w.lane] =
-          a.topk_weights[row * a.num_topk + w.lane];
-    }
+  if (b.sends) {
+    if (wait_destinations_free(r, kNormalCombineSend)) send_combine_channels(a, b, epoch);
+    return;
   }
-  __threadfence_system();
+  receive_combine_channels(a, b, epoch);
 }
 
-__global__ void __launch_bounds__(kThreads) combine_receive(NormalCombineArgs a) {
-  const NormalRegion& r = a.region;
-  if (!wait_sources_arrived(r, kNormalCombineRecv)) return;
-  if (!combine_fits(a)) return;  // the send kernel recorded it
-  // This rank's area holds the rows it sent, back from each receiver in turn.
-  __shared__ CombineSources from;
-  if (threadIdx.x == 0) {
-    const NormalCombineArea area = combine_area_of(a, r.rank);
-    const uint8_t* base = data_area(r, r.rank);
-    int64_t first_row = 0;
-    for (int dst = 0; dst < r.num_ranks; ++dst) {
-      from.x[dst] = base + area.x + first_row * a.hidden * 2;
-      from.topk_weights[dst] = reinterpret_cast<const float*>(base + area.topk_weights) + first_row * a.num_topk;
-      first_row += normal_sent(a.rank_prefix_matrix, r.num_ranks, r.rank, dst);
-    }
+// The end of an SM-path exchange, once its receivers have read everything: count it as done, announce freed.
+__global__ void finish_exchange(NormalRegion r) {
+  if (aborted(r)) return;
+  const uint64_t epoch = exchanges_done(r) + 1;
+  __syncthreads();  // every thread read the count before it moves
+  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
   }
-  __syncthreads();
-  reduce_combined_tokens(a, from, [](int, bool, int64_t) { return true; });  // the whole exchange has arrived
 }
 
 }  // namespace normal_kernels
@@ -353,24 +563,31 @@ void check_topk(int32_t num_topk) {
           "num_topk must be in [0, " + std::to_string(kNormalMaxTopk) + "], got " + std::to_string(num_topk));
 }
 
-// The four launches of one exchange (see intranode.h).
+// An SM-path exchange (see intranode.h): the senders and receivers, then its end.
 template <typename Args>
-void launch_exchange(void (*send)(Args), void (*receive)(Args), const Args& args, int send_blocks,
-                     int receive_blocks, gpuStream_t stream) {
-  send<<<send_blocks, normal_kernels::kThreads, 0, stream>>>(args);
+void launch_by_channels(void (*kernel)(Args), const Args& args, gpuStream_t stream) {
+  const int blocks_per_kind = args.num_sms / 2 > 0 ? args.num_sms / 2 : 1;
+  kernel<<<2 * blocks_per_kind, normal_kernels::kChannelThreads, 0, stream>>>(args);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  launch_normal_announce_arrival(args.region, stream);
-  receive<<<receive_blocks, normal_kernels::kThreads, 0, stream>>>(args);
+  normal_kernels::finish_exchange<<<1, kNormalMaxRanks, 0, stream>>>(args.region);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  launch_normal_announce_freed(args.region, stream);
+}
+
+// The channels of an SM-path exchange and their words.
+void check_channels(int32_t num_channels, const int32_t* recv_channel_prefix_matrix, int num_ranks) {
+  require(num_channels >= 1, "num_channels must be >= 1, got " + std::to_string(num_channels));
+  require(static_cast<int64_t>(num_channels) * num_ranks <= kNormalChannelWords,
+          "num_ranks * num_channels must be at most " + std::to_string(kNormalChannelWords) + ", got " +
+              std::to_string(num_ranks) + " * " + std::to_string(num_channels));
+  require(recv_channel_prefix_matrix != nullptr, "recv_channel_prefix_matrix is required");
 }
 
 }  // namespace
 
 void load_normal_kernels() {
   using namespace normal_kernels;
-  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch, dispatch_send, dispatch_receive,
-                   combine_send, combine_receive);
+  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch, dispatch_by_channels,
+                   combine_by_channels, finish_exchange);
 }
 
 void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
@@ -446,8 +663,8 @@ void check_normal_dispatch_args(const NormalDispatchArgs& args) {
 
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream) {
   check_normal_dispatch_args(args);
-  launch_exchange(normal_kernels::dispatch_send, normal_kernels::dispatch_receive, args, args.num_sms, args.num_sms,
-                  stream);
+  check_channels(args.num_channels, args.recv_channel_prefix_matrix, args.region.num_ranks);
+  launch_by_channels(normal_kernels::dispatch_by_channels, args, stream);
 }
 
 void check_normal_combine_args(const NormalCombineArgs& args) {
@@ -468,8 +685,8 @@ void check_normal_combine_args(const NormalCombineArgs& args) {
 
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream) {
   check_normal_combine_args(args);
-  launch_exchange(normal_kernels::combine_send, normal_kernels::combine_receive, args, args.num_sms, args.num_sms,
-                  stream);
+  check_channels(args.num_channels, args.recv_channel_prefix_matrix, args.region.num_ranks);
+  launch_by_channels(normal_kernels::combine_by_channels, args, stream);
 }
 
 }  // namespace uccl_ep

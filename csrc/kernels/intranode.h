@@ -7,19 +7,27 @@
 // chunks[kNormalMaxRanks] (indexed by the source: on the copy-engine path, the chunks of an
 // exchange the source has ready for this rank: gathered for its pulls, or pushed for its sums), then
 // uint64 sm_pushed[kNormalMaxRanks] (indexed by the source: the last combine whose rows the
-// source's SMs stored beside its copy engines, see kNormalSmPushPercent).
+// source's SMs stored beside its copy engines, see kNormalSmPushPercent), then the channel words of the
+// SM path (normal_channel_word_offset).
 //
 // All normal-mode traffic is a sequence of exchanges (notify, dispatch, combine) that every rank
 // runs in the same order. Exchange number e (from 1) is its epoch, counted on the device
-// (NormalRegion::control) so that CUDA-graph replays advance it too. One exchange is four launches:
-//   1. send (grid): wait until every destination has freed exchange e-1 (its freed word in this
-//      rank's control area reaches e-1), store into the destinations' data areas, fence.
-//   2. announce arrival (one block): store e into arrived[this rank] of every destination (release,
-//      system scope), then count the exchange as done.
-//   3. receive (grid): wait until arrived[source] reaches e for every source, read the data area.
-//   4. announce freed (one block): store e into freed[this rank] of every source.
-// A data area is therefore written again only after its reader finished the previous exchange,
-// so the whole data area serves every exchange, and flags never need zeroing.
+// (NormalRegion::control) so that CUDA-graph replays advance it too. Every exchange keeps two rules:
+// a rank stores into a destination's data area only once that destination has freed exchange e-1
+// (its freed word in the sender's control area reaches e-1), and a rank announces freed (stores e into
+// freed[this rank] of every source) only once it has read everything of exchange e. A data area is
+// therefore written again only after its reader finished the previous exchange, so the whole data
+// area serves every exchange, and flags never need zeroing. Between the two, a receiver learns that
+// rows are there from the arrived words (the notify, the copy-engine path: arrived[source] reaches e
+// once the source's part is all there) or, on the SM path, from channel words that the senders raise
+// as they go, so the receivers copy or sum rows while the rest are still on their way:
+//   1. one kernel of 2S blocks: S senders and S receivers (S = num_sms / 2), each taking the channels
+//      b, b + S, ... (DeepEP's channels: token ranges of ceil(N / C)). A sender block waits for the
+//      destinations to be free, then stores its channel's rows a round at a time (a row per warp),
+//      and after each round raises, in each destination's control area, the word of (this rank,
+//      channel) to epoch << 32 | the send positions stored so far (a channel's rows for one rank are
+//      consecutive send positions). A receiver block waits for each row's word before it reads it.
+//   2. one block: count the exchange as done, announce freed.
 //
 // Waits give up after timeout_ns: the first failure goes to a status block in mapped host memory,
 // and the aborted control word makes every later kernel of this Buffer return at once (the Python
@@ -40,7 +48,17 @@ constexpr int kNormalMaxRanks = 256;
 // A combine's sums give each of a token's rows one lane of a warp (sum_token_rows): at most this many ranks.
 constexpr int kNormalMaxCombineRanks = 32;
 constexpr int kNormalMaxTopk = 32;  // one warp lane per top-k entry
-constexpr int64_t kNormalControlBytes = 4 * kNormalMaxRanks * sizeof(uint64_t);
+// The SM path's channel words: one per (source, channel), at most this many (num_ranks * num_channels).
+constexpr int64_t kNormalChannelWords = 8192;
+constexpr int64_t kNormalControlBytes = (4 * kNormalMaxRanks + kNormalChannelWords) * sizeof(uint64_t);
+UCCL_EP_HOST_DEVICE inline int64_t normal_channel_word_offset(int src, int channel, int num_channels) {
+  return (4 * static_cast<int64_t>(kNormalMaxRanks) + static_cast<int64_t>(src) * num_channels + channel) *
+         static_cast<int64_t>(sizeof(uint64_t));
+}
+// A channel word's value: `positions` send positions of exchange `epoch` stored (exchanges stay below 2^32).
+UCCL_EP_HOST_DEVICE inline uint64_t normal_channel_progress(uint64_t epoch, int64_t positions) {
+  return epoch << 32 | static_cast<uint64_t>(positions);
+}
 // The copy-engine combine pushes each block in chunks, so the sums start on the first. By default
 // (combine_chunks 0) 6, or 12 with at most kNormalCombineFewSms SMs: there the SM-bound sums gain more
 // from an earlier first chunk than a further copy costs (2x H200, EP2: at 8 SMs 12 chunks 430-433 us
@@ -97,16 +115,22 @@ UCCL_EP_HOST_DEVICE inline int32_t normal_pull_chunk_first_channel(NormalPullChu
   return 1 + static_cast<int32_t>(static_cast<int64_t>(chunk - 1) * (p.num_channels - 1) / (p.count - 1));
 }
 
-// The tokens of pull chunk `chunk` of a rank with num_tokens tokens: [first, end).
+// The tokens of channels [first_channel, end_channel) of a rank with num_tokens tokens: [first, end).
 struct NormalTokenRange {
   int64_t first, end;
 };
+UCCL_EP_HOST_DEVICE inline NormalTokenRange normal_channel_tokens(int32_t num_channels, int32_t first_channel,
+                                                                  int32_t end_channel, int64_t num_tokens) {
+  const int64_t per_channel = (num_tokens + num_channels - 1) / num_channels;
+  const int64_t first = first_channel * per_channel;
+  const int64_t end = end_channel * per_channel;
+  return NormalTokenRange{first < num_tokens ? first : num_tokens, end < num_tokens ? end : num_tokens};
+}
+// The tokens of pull chunk `chunk`.
 UCCL_EP_HOST_DEVICE inline NormalTokenRange normal_pull_chunk_tokens(NormalPullChunks p, int32_t chunk,
                                                                      int64_t num_tokens) {
-  const int64_t per_channel = (num_tokens + p.num_channels - 1) / p.num_channels;
-  const int64_t first = normal_pull_chunk_first_channel(p, chunk) * per_channel;
-  const int64_t end = normal_pull_chunk_first_channel(p, chunk + 1) * per_channel;
-  return NormalTokenRange{first < num_tokens ? first : num_tokens, end < num_tokens ? end : num_tokens};
+  return normal_channel_tokens(p.num_channels, normal_pull_chunk_first_channel(p, chunk),
+                               normal_pull_chunk_first_channel(p, chunk + 1), num_tokens);
 }
 
 // Of `rows` rows between two ranks, those the copy engines move (from the start); SMs move the rest
@@ -429,6 +453,10 @@ struct NormalDispatchArgs {
   float* recv_topk_weights;          // or null
   int32_t* recv_src_idx;             // or null (cached dispatch keeps the handle's)
   int32_t num_sms;
+  // The channels of the dispatch (of its handle, for a cached one): C, and this rank's
+  // recv_channel_prefix_matrix [R, C] (exclusive prefix of each source's channels). The SM path's units.
+  int32_t num_channels;
+  const int32_t* recv_channel_prefix_matrix;
 };
 
 struct NormalCombineArgs {
@@ -447,6 +475,10 @@ struct NormalCombineArgs {
   void* combined_x;                  // bf16 [N, hidden]
   float* combined_topk_weights;      // [N, K]; null when K = 0 or N = 0
   int32_t num_sms;
+  // The handle's channels, as in NormalDispatchArgs: the rows this rank returns to each source are that
+  // source's channels' rows (recv_channel_prefix_matrix), and a source sums its channels' tokens.
+  int32_t num_channels;
+  const int32_t* recv_channel_prefix_matrix;
 };
 
 // Enqueue on `stream`; asynchronous. Throw std::invalid_argument naming a bad argument before any
@@ -463,7 +495,7 @@ void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const N
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);
 
-// Steps 2 and 4 of an exchange on their own (the copy-engine path puts copies between them).
+// An exchange's arrival and its freed announcement on their own (the copy-engine path puts copies between them).
 void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream);
 void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream);
 

@@ -22,10 +22,6 @@ __device__ __forceinline__ NormalRowBytes combine_row_bytes(const NormalCombineA
   return NormalRowBytes{static_cast<int64_t>(a.hidden) * 2, 0, a.num_topk};
 }
 
-// Loads in flight per lane in the local row copies of the 1024-thread kernels below: 4 fit their 64
-// registers without spilling (8 spilled), and 32 warps per SM keep enough loads in flight.
-constexpr int kLocalCopyUnroll = 4;
-
 // Combine, before the pushes: every rank has freed the previous exchange. Then the values each pushed
 // chunk's 8-byte copy writes into its owner's chunk word (the exchange's number, which only the device
 // knows), and the arrival, which counts the exchange (the chunk words tell when rows landed).
@@ -108,7 +104,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       for (int dst = 0; dst < r.num_ranks; ++dst) {
         const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
         if (dst == r.rank || pos < 0) continue;
-        write_dispatch_row<kLocalCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
+        write_dispatch_row<kWideCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
                                              w.lane, !pushed[dst]);
       }
     }
@@ -156,13 +152,13 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
         a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
         a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
-    write_dispatch_row<kLocalCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
+    write_dispatch_row<kWideCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
   }
   for (int src = 0; src < num_ranks && sm_pull_percent > 0; ++src) {
     if (src == me || normal_rank_in_mask(pushing_sources, src)) continue;
     const PeerBlock b = peer_block(a, src);
     for (int64_t row = normal_copy_engine_rows(b.rows, sm_pull_percent) + w.first; row < b.rows; row += w.stride) {
-      warp_copy<kLocalCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
+      warp_copy<kWideCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
                                   b.base + b.area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
     }
   }
@@ -205,7 +201,7 @@ __device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percen
                                                                  num_ranks, owner, me, combine_row_bytes(a));
     const NormalCombineArea area = normal_combine_area(rows, row_bytes, k);
     for (int64_t row = normal_copy_engine_rows(rows, sm_push_percent) + w.first; row < rows; row += w.stride) {
-      warp_copy<kLocalCopyUnroll>(block + area.x + row * row_bytes,
+      warp_copy<kWideCopyUnroll>(block + area.x + row * row_bytes,
                                   static_cast<const uint8_t*>(a.x) + (first + row) * row_bytes, row_bytes, w.lane);
       if (w.lane < k) {
         reinterpret_cast<float*>(block + area.topk_weights)[row * k + w.lane] = a.topk_weights[(first + row) * k + w.lane];
@@ -257,7 +253,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   // to be there and cost no load of a peer's word.
   int32_t landed = 0;  // rows between two ranks fit an int32 (the layout's counts are int32)
   bool pushed = false;
-  reduce_combined_tokens(a, from, [&](int dst, bool has_row, int64_t pos) {
+  const NormalTokenRange all_tokens{0, a.num_tokens};
+  reduce_combined_tokens(a, from, all_tokens, warp_position(), [&](int dst, bool has_row, int64_t pos) {
     bool ready = true;
     if (has_row && dst != me) {
       const int64_t by_engines = engine_rows[dst];

@@ -14,6 +14,9 @@ constexpr int kThreads = 512;
 // The copy-engine path's SM kernels (local copies and sums): one block of these per SM they are
 // given, enough warps in flight to cover memory latency.
 constexpr int kWideThreads = 1024;
+// Loads in flight per lane in the row copies of the 1024-thread kernels: 4 fit their 64 registers without
+// spilling (8 spilled), and 32 warps per SM keep enough loads in flight.
+constexpr int kWideCopyUnroll = 4;
 constexpr int kBf16PerVector = 8;  // bf16 values in one 16-byte vector
 
 static_assert(kNormalMaxTopk <= kWarpSize, "one lane per top-k entry");
@@ -103,18 +106,18 @@ __device__ inline bool block_wait_all(const NormalRegion& r, WordOf word_of, uin
   return failed == 0;
 }
 
-// Step 1 of an exchange: every destination has freed the previous one.
+// Before a rank stores into the destinations' data areas: every destination has freed the previous exchange.
 __device__ inline bool wait_destinations_free(const NormalRegion& r, int32_t phase) {
   const uint64_t epoch = exchanges_done(r) + 1;
   return block_wait_all(r, [&](int peer) { return freed_word(r, r.rank, peer); }, epoch - 1, phase);
 }
 
-// Step 3: every source has announced this exchange.
+// Before a rank reads its data area (the notify, the copy-engine path): every source has announced this exchange.
 __device__ inline bool wait_sources_arrived(const NormalRegion& r, int32_t phase) {
   return block_wait_all(r, [&](int peer) { return arrived_word(r, r.rank, peer); }, exchanges_done(r), phase);
 }
 
-// Steps 2 and 4 of an exchange, by one block.
+// An exchange's arrival (which also counts it as done) and its freed announcement, by one block.
 __device__ inline void block_announce_arrival(const NormalRegion& r) {
   __shared__ int skip;  // one answer for the block: it meets at barriers below
   if (threadIdx.x == 0) skip = aborted(r);
@@ -302,17 +305,18 @@ __device__ __forceinline__ void sum_token_rows(const NormalCombineArgs& a, int64
   }
 }
 
-// A warp per token sums its rows (sum_token_rows) and its top-k weights, ranks in order. Lane d
+// The warps `w` (w.first counted from the range's first token) take the tokens of `tokens` in turn,
+// a warp per token, and sum its rows (sum_token_rows) and its top-k weights, ranks in order. Lane d
 // reads rank d's entry of the token (a combine serves at most kNormalMaxCombineRanks ranks):
 // `rows_ready(d, has_row, position)` (the whole warp calls it) waits until the token's rows have
 // landed; false stops the warp (a failure was recorded).
 template <typename RowsReady>
 __device__ __forceinline__ void reduce_combined_tokens(const NormalCombineArgs& a, const CombineSources& from,
+                                                       NormalTokenRange tokens, WarpPosition w,
                                                        RowsReady rows_ready) {
   const int num_ranks = a.region.num_ranks;
-  const WarpPosition w = warp_position();
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
-  for (int64_t token = w.first; token < a.num_tokens; token += w.stride) {
+  for (int64_t token = tokens.first + w.first; token < tokens.end; token += w.stride) {
     const bool* in_rank = a.is_token_in_rank + token * num_ranks;
     const int32_t* pos = a.send_pos + token * num_ranks;
     const int dst = w.lane;

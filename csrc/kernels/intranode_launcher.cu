@@ -74,7 +74,7 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   NormalDispatchArgs args{region_,    q.x,        q.x_row_bytes,  q.x_scales, q.scale_row_bytes, q.topk_idx,
                           q.topk_weights, q.num_topk, q.num_local_experts, send_pos, counts, q.num_tokens,
                           0,          nullptr,    nullptr,        nullptr,    nullptr,           nullptr,
-                          2 * q.num_channels};
+                          2 * q.num_channels, q.num_channels, recv_channel_prefix_matrix};
   const int64_t notify_bytes = normal_notify_area_bytes(num_ranks, q.num_channels, q.num_local_experts);
   if (notify_bytes > region_.data_bytes) {
     result.too_large = does_not_fit("dispatch's layout exchange (" + std::to_string(q.num_channels) + " channels, " +

@@ -149,7 +149,8 @@ struct NormalLauncherCalls {
                                    int64_t x_row_bytes, std::uintptr_t x_scales, int32_t num_scales,
                                    int32_t scales_dtype, int64_t scale_row_bytes, std::uintptr_t send_pos,
                                    std::uintptr_t rank_prefix_matrix, int32_t num_tokens, int32_t num_rows_out,
-                                   int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts,
+                                   int32_t num_channels, std::uintptr_t recv_channel_prefix_matrix,
+                                   int32_t handle_channels, const uccl_ep::NormalHostCounts* host_counts,
                                    std::uintptr_t stream) {
     NewTensors tensors(TensorDevice::kCuda, self.device());
     void* recv_x = tensors.add({num_rows_out, hidden}, static_cast<TensorDtype>(x_dtype));
@@ -172,7 +173,9 @@ struct NormalLauncherCalls {
                                            nullptr,
                                            nullptr,
                                            nullptr,  // the handle keeps its recv_src_idx
-                                           2 * num_channels};
+                                           2 * num_channels,
+                                           handle_channels,
+                                           ptr<const int32_t>(recv_channel_prefix_matrix)};
     uccl_ep::NormalCallStatus status;
     {
       py::gil_scoped_release no_gil;
@@ -186,6 +189,7 @@ struct NormalLauncherCalls {
                            int32_t x_dtype, bool has_topk_weights, std::uintptr_t topk_weights, int32_t num_topk,
                            std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank, std::uintptr_t send_pos,
                            int32_t num_tokens, std::uintptr_t bias0, std::uintptr_t bias1, int32_t num_channels,
+                           std::uintptr_t recv_channel_prefix_matrix, int32_t handle_channels,
                            const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream) {
     NewTensors tensors(TensorDevice::kCuda, self.device());
     void* combined_x = tensors.add({num_tokens, hidden}, static_cast<TensorDtype>(x_dtype));
@@ -206,7 +210,9 @@ struct NormalLauncherCalls {
                                           ptr<const void>(bias1),
                                           combined_x,
                                           static_cast<float*>(combined_topk_weights),
-                                          2 * num_channels};
+                                          2 * num_channels,
+                                          handle_channels,
+                                          ptr<const int32_t>(recv_channel_prefix_matrix)};
     uccl_ep::NormalCallStatus status;
     {
       py::gil_scoped_release no_gil;
@@ -239,6 +245,7 @@ void bind_normal(py::module_& m) {
            py::arg("aggressive_atomics") = false);
 
   m.attr("NORMAL_CONTROL_BYTES") = uccl_ep::kNormalControlBytes;
+  m.attr("NORMAL_CHANNEL_WORDS") = uccl_ep::kNormalChannelWords;
   m.attr("NORMAL_MAX_RANKS") = uccl_ep::kNormalMaxRanks;
   m.attr("NORMAL_MAX_COMBINE_RANKS") = uccl_ep::kNormalMaxCombineRanks;
   m.attr("NORMAL_COMBINE_CHUNKS") = uccl_ep::kNormalCombineChunksBySms;  // 0: by the combine's SMs
@@ -414,14 +421,16 @@ void bind_normal(py::module_& m) {
            "-1 for no scales.")
       .def("cached_dispatch", &NormalLauncherCalls::cached_dispatch,
            "cached_dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, "
-           "send_pos, rank_prefix_matrix, num_tokens, num_rows_out, num_channels, host_counts, stream) -> (status, "
-           "[recv_x, recv_x_scales or None] when DONE): a dispatch with a handle's layout (host_counts: the "
-           "handle's NormalHostCounts or None).")
+           "send_pos, rank_prefix_matrix, num_tokens, num_rows_out, num_channels, recv_channel_prefix_matrix, "
+           "handle_channels, host_counts, stream) -> (status, [recv_x, recv_x_scales or None] when DONE): a dispatch "
+           "with a handle's layout (num_channels: the call's, num_sms / 2; handle_channels: its dispatch's, the "
+           "columns of its recv_channel_prefix_matrix; host_counts: the handle's NormalHostCounts or None).")
       .def("release", &uccl_ep::NormalLauncher::release, py::call_guard<py::gil_scoped_release>(),
            "Stops its launch thread once the work handed to it is queued (before the copy engine's release).")
       .def("combine", &NormalLauncherCalls::combine,
            "combine(x, num_rows, hidden, x_dtype, has_topk_weights, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, "
-           "send_pos, num_tokens, bias0, bias1, num_channels, host_counts, stream) -> (status, [combined_x, "
-           "combined_topk_weights or None] when DONE).");
+           "send_pos, num_tokens, bias0, bias1, num_channels, recv_channel_prefix_matrix, handle_channels, host_counts, "
+           "stream) -> (status, [combined_x, combined_topk_weights or None] when DONE), the channels as in "
+           "cached_dispatch.");
 }
 #endif  // UCCL_EP_WITH_GPU

@@ -264,7 +264,8 @@ class NativeNormal:
             status, outputs = self.launcher.cached_dispatch(
                 x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
                 self._send_positions(cached_handle, stream).data_ptr(), rank_prefix_matrix.data_ptr(), x.size(0),
-                cached_handle[3].size(0), num_channels, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+                cached_handle[3].size(0), num_channels, cached_handle[2].data_ptr(), cached_handle[2].size(1),
+                getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
             self._raise_unless_done(status)
             return DispatchResult(outputs[0], outputs[1], None, None, [], tuple(cached_handle))
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
@@ -298,7 +299,7 @@ class NativeNormal:
         status, outputs = self.launcher.combine(
             x.data_ptr(), x.size(0), x.size(1), DTYPES[x.dtype], topk_weights is not None, _ptr(topk_weights), num_topk,
             rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), self._send_positions(handle, stream).data_ptr(),
-            is_token_in_rank.size(0), _ptr(bias0), _ptr(bias1), num_channels,
+            is_token_in_rank.size(0), _ptr(bias0), _ptr(bias1), num_channels, handle[2].data_ptr(), handle[2].size(1),
             getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
         self._raise_unless_done(status)
         return outputs[0], outputs[1]
