@@ -171,9 +171,13 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         _assert_equal(got[index], want[index], f"{tag}: {what}")
     assert got[3] == want[3], f"{tag}: num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
     _assert_equal(tuple(got[4]), tuple(want[4]), f"{tag}: handle")
-    # The copy engines serve exactly the dispatches whose counts reached the host (and their combines).
+    # The copy engines serve exactly the dispatches whose counts reached the host (and their combines), where the
+    # copy mode has them do so (auto: by the ranks and the SMs).
+    from uccl_ep_plugin import _C
     by_copy_engine = hasattr(got[4][0], HOST_COUNTS)
-    assert by_copy_engine == (copy_mode != "sm" and num_worst_tokens == 0), f"{tag}: copy engines {by_copy_engine}"
+    expected = num_worst_tokens == 0 and _C.normal_dispatch_by_copy_engine(
+        _C.NormalRowPath.__members__[copy_mode], dist.get_world_size(), case.num_sms)
+    assert by_copy_engine == expected, f"{tag}: copy engines {by_copy_engine}"
 
     # Cached dispatch: the handle reused, only x moves (fresh values).
     x2 = _inputs(case, rank, seed + 500, device)[0]

@@ -103,6 +103,20 @@ def test_notify_settings_word_tells_every_setting_apart():
     assert len(seen) == 7 * 4 * 4 * 2
 
 
+@pytest.mark.parametrize("mode,num_ranks,num_sms,fresh,cached",
+                         [("auto", 2, 24, True, True), ("auto", 3, 132, True, True), ("auto", 4, 24, False, False),
+                          ("auto", 4, 16, False, False), ("auto", 4, 14, True, False), ("auto", 8, 8, True, False),
+                          ("auto", 8, 20, False, False), ("engine", 8, 24, True, True), ("sm", 2, 8, False, False)])
+def test_copy_mode_picks_the_row_path(mode, num_ranks, num_sms, fresh, cached):
+    """UCCL_EP_NORMAL_COPY=auto: copy engines below 4 ranks and below 16 SMs, SMs from 4 ranks on (a cached
+    dispatch at any SM count); engine and sm as named."""
+    ext = _extension_with_normal()
+    assert (ext.NORMAL_SM_ROWS_FROM_RANKS, ext.NORMAL_SM_ROWS_FROM_SMS) == (4, 16)
+    path = ext.NormalRowPath.__members__[mode]
+    assert ext.normal_dispatch_by_copy_engine(path, num_ranks, num_sms) is fresh
+    assert ext.normal_cached_dispatch_by_copy_engine(path, num_ranks) is cached
+
+
 
 
 def test_normal_mode_needs_the_normal_nvlink_feature(monkeypatch):

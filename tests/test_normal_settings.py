@@ -7,9 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from uccl_ep_plugin.engines.native.normal import (CACHED_BY_SM_FROM_RANKS, COMBINE_CHUNKS_ENV, COPY_ENV, OWN_ROWS_ENV,
-                                                 PULL_CHUNKS_ENV, SM_PULL_ENV, SM_PUSH_ENV,
-                                                 cached_dispatch_by_copy_engine, chunk_setting, copy_mode, sm_share)
+from uccl_ep_plugin.engines.native.normal import (COMBINE_CHUNKS_ENV, COPY_ENV, OWN_ROWS_ENV, PULL_CHUNKS_ENV,
+                                                 SM_PULL_ENV, SM_PUSH_ENV, chunk_setting, copy_mode, sm_share)
 
 EXTENSION = SimpleNamespace(NORMAL_COMBINE_CHUNKS=4, NORMAL_PULL_CHUNKS=3, NORMAL_MAX_CHUNKS=63,
                             NORMAL_SM_PULL_PERCENT=12, NORMAL_SM_PUSH_PERCENT=7)
@@ -35,14 +34,6 @@ def test_copy_mode_rejects_unknown(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=env):
         copy_mode(env)
-
-
-@pytest.mark.parametrize("mode,num_ranks,expected", [("auto", 2, True), ("auto", 3, True), ("auto", 4, False),
-                                                     ("auto", 8, False), ("engine", 8, True), ("sm", 2, False)])
-def test_cached_dispatch_by_copy_engine(mode, num_ranks, expected):
-    """auto leaves a cached dispatch to SM stores from CACHED_BY_SM_FROM_RANKS ranks on; engine never does."""
-    assert CACHED_BY_SM_FROM_RANKS == 4
-    assert cached_dispatch_by_copy_engine(mode, num_ranks) is expected
 
 
 @pytest.mark.parametrize("env", [COMBINE_CHUNKS_ENV, PULL_CHUNKS_ENV])

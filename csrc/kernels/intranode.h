@@ -371,6 +371,26 @@ struct NormalTokenRun {
   int64_t row;
   int64_t count;
 };
+// What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY), and so its combine's: the copy engines
+// (intranode_copy.h; they need the counts on the host, so a dispatch with num_worst_tokens goes by SMs), or
+// the SM path's channels. kAuto picks by measurement on 4x H200 (docs/PERFORMANCE.md): copy engines below
+// kNormalSmRowsFromRanks ranks, where one peer's copy engine outruns SM stores, and with fewer than
+// kNormalSmRowsFromSms SMs; else SMs (a GPU's copy engines carry one peer copy at a time: about 190 GB/s each
+// way when every rank copies to every peer). A cached dispatch from kNormalSmRowsFromRanks ranks on goes by
+// SMs at any SM count (as fast as the copy engines at 8 SMs).
+enum class NormalRowPath : int32_t { kAuto = 0, kEngine = 1, kSm = 2 };
+constexpr int kNormalSmRowsFromRanks = 4;
+constexpr int kNormalSmRowsFromSms = 16;
+// Every rank must decide alike: a fresh dispatch's notify checks it (its settings word).
+inline bool normal_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, int num_sms) {
+  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine;
+  return num_ranks < kNormalSmRowsFromRanks || num_sms < kNormalSmRowsFromSms;
+}
+inline bool normal_cached_dispatch_by_copy_engine(NormalRowPath path, int num_ranks) {
+  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine;
+  return num_ranks < kNormalSmRowsFromRanks;
+}
+
 // What copies a rank's dispatch rows to itself in the copy-engine dispatch. kAuto: a copy engine
 // when the rows' data is at least kNormalOwnRowsEngineBytesPerSm per SM of the dispatch, else the SMs.
 // On 2x H200 the engine's copy slows the peers' pulls beside it, so it pays only where the SMs have

@@ -9,14 +9,13 @@
 namespace uccl_ep {
 
 NormalLauncher::NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state,
-                               int device, bool rows_by_copy_engine, bool cached_by_copy_engine,
-                               bool launch_thread)
+                               int device, NormalRowPath rows, bool launch_thread)
     : region_(region),
       copy_engine_(copy_engine),
       state_(state),
       device_(device),
-      rows_by_copy_engine_(rows_by_copy_engine),
-      cached_by_copy_engine_(cached_by_copy_engine),
+      rows_(rows),
+      cached_by_copy_engine_(normal_cached_dispatch_by_copy_engine(rows, region.num_ranks)),
       launch_thread_(device, region.rank, region.timeout_ns * 1e-9 + 5.0, launch_thread) {
   require(copy_engine != nullptr && state != nullptr, "NormalLauncher needs a copy engine and a state");
 }
@@ -57,7 +56,8 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
                                               gpuStream_t stream) {
   NormalDispatchResult result;
   launch_thread_.join();  // the engine's streams and state are this thread's again
-  if (rows_by_copy_engine_ && q.num_worst_tokens == 0) launch_thread_.wake();  // awake when the rows are known
+  const bool rows_by_copy_engine = normal_dispatch_by_copy_engine(rows_, region_.num_ranks, 2 * q.num_channels);
+  if (rows_by_copy_engine && q.num_worst_tokens == 0) launch_thread_.wake();  // awake when the rows are known
   if (failed()) {
     result.status = NormalCallStatus::kFailed;
     return result;
@@ -119,7 +119,7 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   }
   // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
   const NormalDispatchStart start = copy_engine_->start_dispatch(
-      layout, notify, rows_by_copy_engine_ ? &args : nullptr, q.combine_row_bytes, stream);
+      layout, notify, rows_by_copy_engine ? &args : nullptr, q.combine_row_bytes, stream);
   if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
     result.status = NormalCallStatus::kFailed;
     return result;

@@ -81,12 +81,12 @@ struct NormalDispatchResult {
 
 class NormalLauncher {
  public:
-  // copy_engine reads every dispatch's counts and, with rows_by_copy_engine, carries the rows (a cached
-  // dispatch's only with cached_by_copy_engine too: SM stores beat it at 4 ranks and more);
-  // state holds the failure record the kernels write. Both outlive the launcher. launch_thread: the
-  // copy engines' calls after the outputs exist go to a LaunchThread (else this thread makes them).
+  // copy_engine reads every dispatch's counts and carries the rows where `rows` has it do so
+  // (normal_dispatch_by_copy_engine, normal_cached_dispatch_by_copy_engine); state holds the failure record
+  // the kernels write. Both outlive the launcher. launch_thread: the copy engines' calls after the outputs
+  // exist go to a LaunchThread (else this thread makes them).
   NormalLauncher(const NormalRegion& region, NormalCopyEngine* copy_engine, const LowLatencyState* state, int device,
-                 bool rows_by_copy_engine, bool cached_by_copy_engine, bool launch_thread);
+                 NormalRowPath rows, bool launch_thread);
 
   // Layout, notify and, when the counts are read on the host (num_worst_tokens == 0), the wait for
   // them; then the outputs from `allocate` (num_worst_tokens rows, or the rows received) and the rows
@@ -125,7 +125,7 @@ class NormalLauncher {
   NormalCopyEngine* copy_engine_;
   const LowLatencyState* state_;
   int device_;
-  bool rows_by_copy_engine_;
+  NormalRowPath rows_;
   bool cached_by_copy_engine_;
   LaunchThread launch_thread_;
 };

@@ -305,6 +305,16 @@ void bind_normal(py::module_& m) {
       .value("engine", uccl_ep::NormalOwnRows::kEngine)
       .value("sm", uccl_ep::NormalOwnRows::kSms);
   m.attr("NORMAL_OWN_ROWS_ENGINE_BYTES_PER_SM") = uccl_ep::kNormalOwnRowsEngineBytesPerSm;
+  py::enum_<uccl_ep::NormalRowPath>(m, "NormalRowPath", "What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY).")
+      .value("auto", uccl_ep::NormalRowPath::kAuto)
+      .value("engine", uccl_ep::NormalRowPath::kEngine)
+      .value("sm", uccl_ep::NormalRowPath::kSm);
+  m.attr("NORMAL_SM_ROWS_FROM_RANKS") = uccl_ep::kNormalSmRowsFromRanks;
+  m.attr("NORMAL_SM_ROWS_FROM_SMS") = uccl_ep::kNormalSmRowsFromSms;
+  m.def("normal_dispatch_by_copy_engine", &uccl_ep::normal_dispatch_by_copy_engine, py::arg("path"),
+        py::arg("num_ranks"), py::arg("num_sms"), "Whether the copy engines move a fresh dispatch's rows.");
+  m.def("normal_cached_dispatch_by_copy_engine", &uccl_ep::normal_cached_dispatch_by_copy_engine, py::arg("path"),
+        py::arg("num_ranks"), "Whether the copy engines move a cached dispatch's rows (where its handle's counts allow).");
   m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
         py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");
   m.def(
@@ -401,14 +411,13 @@ void bind_normal(py::module_& m) {
                                       "failure (raise it from the state), TOO_LARGE when the exchange does not fit "
                                       "num_nvl_bytes (nothing moved rows; the same on every rank).")
       .def(py::init([](const uccl_ep::NormalRegion& region, uccl_ep::NormalCopyEngine& copy_engine,
-                       const uccl_ep::LowLatencyState& state, int device, bool rows_by_copy_engine,
-                       bool cached_by_copy_engine, bool launch_thread) {
-             return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device,
-                                                              rows_by_copy_engine, cached_by_copy_engine,
+                       const uccl_ep::LowLatencyState& state, int device, uccl_ep::NormalRowPath rows,
+                       bool launch_thread) {
+             return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device, rows,
                                                               launch_thread);
            }),
-           py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"),
-           py::arg("rows_by_copy_engine"), py::arg("cached_by_copy_engine"), py::arg("launch_thread") = true,
+           py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"), py::arg("rows"),
+           py::arg("launch_thread") = true,
            py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
            "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "

@@ -10,9 +10,9 @@ host-mapped memory and exits; the call that reads the counts, or else the next c
 Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` lets the copy engines carry the NVLink
 traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a dispatch that
 read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and its combine go
-the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens), use SM copies
-(csrc/kernels/intranode.h). ``auto`` (the default) is ``engine`` but for cached dispatches at
-CACHED_BY_SM_FROM_RANKS ranks and more, which SM stores move faster there.
+the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens), use the SM path's
+channels (csrc/kernels/intranode.h). ``auto`` (the default) picks by the ranks and the call's SMs
+(NormalRowPath in csrc/kernels/intranode.h: the copy engines at 2 ranks, SMs at 4 and more).
 
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
 checks for recorded failures, decides the path, allocates the outputs (with torch's allocator, from C++)
@@ -45,9 +45,6 @@ LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls m
 # Each mode setting's values, its default first.
 _MODES = {COPY_ENV: ("auto", "engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"),
           DISPATCH_ROWS_ENV: ("pull", "push"), LAUNCH_THREAD_ENV: ("off", "on")}
-# From this many ranks on, COPY_ENV=auto moves a cached dispatch's rows by SM stores: a GPU's copy engines carry
-# about 190 GB/s each way while every rank copies to every peer (4x H200), SM stores more (docs/KERNEL_NOTES.md).
-CACHED_BY_SM_FROM_RANKS = 4
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
 SM_PULL_ENV = "UCCL_EP_NORMAL_SM_PULL_PERCENT"   # the dispatch: share of each peer's rows SMs copy beside them
@@ -65,10 +62,9 @@ FAILED, TOO_LARGE = 1, 2
 
 
 def copy_mode(env: str = COPY_ENV) -> str:
-    """What copies the rows, from ``env``: COPY_ENV "auto" (the default: copy engines, but SMs for cached dispatches
-    at CACHED_BY_SM_FROM_RANKS ranks and more), "engine" (copy engines wherever the counts are on the host) or
-    "sm"; OWN_ROWS_ENV
-    "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
+    """What copies the rows, from ``env``: COPY_ENV "auto" (the default: copy engines at 2 and 3 ranks and with
+    few SMs, else SMs; the extension's NormalRowPath), "engine" (copy engines wherever the counts are on the host)
+    or "sm"; OWN_ROWS_ENV "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
     default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
     runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the caller's
     thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
@@ -78,12 +74,6 @@ def copy_mode(env: str = COPY_ENV) -> str:
     if mode not in modes:
         raise ValueError(f"{env}={mode!r}: expected one of {', '.join(modes)}")
     return mode
-
-
-def cached_dispatch_by_copy_engine(mode: str, num_ranks: int) -> bool:
-    """Whether copy engines move a cached dispatch's rows (where its handle's counts are on the host) in COPY_ENV
-    ``mode`` with ``num_ranks`` ranks; else SMs do."""
-    return mode == "engine" or (mode == "auto" and num_ranks < CACHED_BY_SM_FROM_RANKS)
 
 
 def _int_setting(env: str, default: int, low: int, high: int) -> int:
@@ -159,15 +149,13 @@ class NativeNormal:
             sm_push_percent=self.sm_push_percent,
             own_rows=extension.NormalOwnRows.__members__[copy_mode(OWN_ROWS_ENV)],
             push_rows=copy_mode(DISPATCH_ROWS_ENV) == "push" and num_ranks <= extension.NORMAL_MAX_COMBINE_RANKS)
-        mode = copy_mode()
-        self.rows_by_copy_engine = mode != "sm"
-        self.cached_by_copy_engine = cached_dispatch_by_copy_engine(mode, num_ranks)
+        # What moves the rows, per call (NormalRowPath: auto picks by ranks and SMs).
+        self.row_path = extension.NormalRowPath.__members__[copy_mode()]
         # Each operation is one call of it (csrc/kernels/intranode_launcher.h).
         self.launcher = extension.NormalLauncher(self.region, self.copy_engine, self.state, device.index,
-                                                 self.rows_by_copy_engine, self.cached_by_copy_engine,
-                                                 copy_mode(LAUNCH_THREAD_ENV) == "on")
-        # The last dispatch notify's channels, whether a gather followed it, and its combine's SM push share.
-        self._last_notify = (0, False, 0)
+                                                 self.row_path, copy_mode(LAUNCH_THREAD_ENV) == "on")
+        # The last dispatch notify's channels, num_worst_tokens and its combine's SM push share.
+        self._last_notify = (0, 0, 0)
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
@@ -187,7 +175,9 @@ class NativeNormal:
             raise ValueError(f"rank {self.rank}: {where}: some rank's rows do not fit in num_nvl_bytes="
                              f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
         if code == _SETTINGS_DIFFER:
-            num_channels, gathers, sm_push_percent = self._last_notify
+            num_channels, num_worst_tokens, sm_push_percent = self._last_notify
+            gathers = num_worst_tokens == 0 and self._C.normal_dispatch_by_copy_engine(
+                self.row_path, self.num_ranks, 2 * num_channels)
             mine = self._C.normal_notify_settings_word(
                 num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent,
                 gathers and self.copy_engine.pushes_rows())
@@ -269,8 +259,7 @@ class NativeNormal:
             self._raise_unless_done(status)
             return DispatchResult(outputs[0], outputs[1], None, None, [], tuple(cached_handle))
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
-        self._last_notify = (num_channels, self.rows_by_copy_engine and num_worst_tokens == 0,
-                             self.sm_push_percent if num_worst_tokens == 0 else 0)
+        self._last_notify = (num_channels, num_worst_tokens, self.sm_push_percent if num_worst_tokens == 0 else 0)
         status, outputs, expert_counts, host_counts, too_large = self.launcher.dispatch(
             x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
             _ptr(topk_idx), _ptr(topk_weights), num_topk, is_token_in_rank.data_ptr(), x.size(0),
