@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..buffer import Buffer
 from ..engines import ENGINE_ENV
-from ..engines.native.normal import copy_mode, exchange_bytes
+from ..engines.native.normal import exchange_bytes
 from ..engines.native.peers import force_proxy
 from ..engines.rail import rail_transport
 from ..engines.two_level import rail_rdma_bytes
@@ -348,14 +348,16 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         path = f"rail-{two_level.rail.label}"
         two_level.hops.enabled = True
         hops = two_level.hops.last
-    # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
-    # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
-    by_sm = copy_mode() == "sm"
-    dispatch_kernels = tuple(f"normal_kernels::{name}" for name in ("notify_dispatch", "dispatch_send",
-                                                                     "dispatch_receive")) if by_sm else ()
-    combine_kernels = ("normal_kernels::combine_send", "normal_kernels::combine_receive") if by_sm else ()
     # The native dispatch's wait for its peers' counts, to tell the host's own time from it.
     native = buffer._native.normal if engine == "native" else None
+    # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
+    # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
+    by_sm = native is not None and two_level is None and not native.dispatch_by_copy_engine(Buffer.num_sms)
+    if native is not None and two_level is None:
+        path = "nvlink-sm" if by_sm else "nvlink-ce"
+    dispatch_kernels = tuple(f"normal_kernels::{name}" for name in ("notify_dispatch", "dispatch_by_channels",
+                                                                     "finish_exchange")) if by_sm else ()
+    combine_kernels = ("normal_kernels::combine_by_channels", "normal_kernels::finish_exchange") if by_sm else ()
     count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
     cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
@@ -605,8 +607,9 @@ def _path_name(case: Case, device: torch.device) -> str:
         if case.mode == "low_latency" and force_proxy():
             return f"proxy:{proxy_transport()}"
         if case.mode == "normal":
-            # Copy engines or SMs move the rows; always SMs with num_worst_tokens (the capturable cases).
-            return "nvlink-sm" if copy_mode() == "sm" or case.capturable else "nvlink-ce"
+            # The eager cases name their path (normal_cases); SMs move every row with num_worst_tokens (the
+            # capturable cases).
+            return "nvlink-sm" if case.capturable else "nvlink-ce"
         return "nvlink"
     return "nccl" if device.type == "cuda" else "gloo"   # the reference engine, the baselines
 

@@ -176,8 +176,7 @@ class NativeNormal:
                              f"{self.num_nvl_bytes} (the whole exchange must fit; make the Buffer larger); {_STALE}")
         if code == _SETTINGS_DIFFER:
             num_channels, num_worst_tokens, sm_push_percent = self._last_notify
-            gathers = num_worst_tokens == 0 and self._C.normal_dispatch_by_copy_engine(
-                self.row_path, self.num_ranks, 2 * num_channels)
+            gathers = num_worst_tokens == 0 and self.dispatch_by_copy_engine(2 * num_channels)
             mine = self._C.normal_notify_settings_word(
                 num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent,
                 gathers and self.copy_engine.pushes_rows())
@@ -187,6 +186,11 @@ class NativeNormal:
                              f"with the same {COPY_ENV}, {PULL_CHUNKS_ENV}, {DISPATCH_ROWS_ENV} and {SM_PUSH_ENV}; "
                              f"{_STALE}")
         raise RuntimeError(f"rank {self.rank}: normal-mode kernel failed with code {code} in {where}; {_STALE}")
+
+    def dispatch_by_copy_engine(self, num_sms: int) -> bool:
+        """Whether the copy engines move the rows of a fresh dispatch with ``num_sms`` SMs and no num_worst_tokens
+        (and so its combine's), else the SM path."""
+        return self._C.normal_dispatch_by_copy_engine(self.row_path, self.num_ranks, num_sms)
 
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
