@@ -26,6 +26,7 @@ def test_normal_bench_times_worst_token_calls_by_graph_replay(tmp_path):
     assert all(row["correct"] and row["engine"] == "native" for row in rows), rows
     eager, replayed = rows[:3], rows[3:]
     assert {row["timing"] for row in eager} == {"eager"}
+    assert {row["path"] for row in eager} == {"nvlink-ce"}   # UCCL_EP_NORMAL_COPY=auto: copy engines at 2 ranks
     assert {row["timing"] for row in replayed} == {"cuda-graph"}
     assert {row["path"] for row in replayed} == {"nvlink-sm"}
     assert all(row["median_us"] > 0 for row in rows)

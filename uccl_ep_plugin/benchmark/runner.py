@@ -353,8 +353,9 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = native is not None and two_level is None and not native.dispatch_by_copy_engine(Buffer.num_sms)
+    eager_path = path
     if native is not None and two_level is None:
-        path = "nvlink-sm" if by_sm else "nvlink-ce"
+        eager_path = "nvlink-sm" if by_sm else "nvlink-ce"
     dispatch_kernels = tuple(f"normal_kernels::{name}" for name in ("notify_dispatch", "dispatch_by_channels",
                                                                      "finish_exchange")) if by_sm else ()
     combine_kernels = ("normal_kernels::combine_by_channels", "normal_kernels::finish_exchange") if by_sm else ()
@@ -362,13 +363,13 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
              normal_bytes(num_recv, workload.hidden, "fp8"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8"), path=path, hops=hops),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("fp8"), path=eager_path, hops=hops),
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
-             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
+             count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=eager_path, hops=hops),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
-             nvlink_bytes=over_nvlink("bf16"), path=path, hops=hops),
+             nvlink_bytes=over_nvlink("bf16"), path=eager_path, hops=hops),
     ]
     if device.type == "cuda":
         # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so
