@@ -299,9 +299,8 @@ __device__ void send_dispatch_channels(const NormalDispatchArgs& a, const Channe
         for (int dst = 0; dst < num_ranks; ++dst) {
           const int32_t pos = a.send_pos[token * num_ranks + dst];
           if (pos < 0) continue;
-          write_dispatch_row<kWideCopyUnroll>(
-              a, static_cast<int>(token), dst, dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + pos, a),
-              b.warp.lane);
+          const DispatchRowOut out = dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + pos, a);
+          write_dispatch_row<kWideCopyUnroll>(a, static_cast<int>(token), dst, out, b.warp.lane);
           if (b.warp.lane == 0) atomicMax(&round_most[parity][dst], pos + 1);
         }
       }
@@ -354,7 +353,7 @@ __device__ void receive_dispatch_channels(const NormalDispatchArgs& a, const Cha
       }
       const int64_t row = first_row[src] + pos;
       warp_copy<kWideCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes,
-                                    base + area.x + row * a.x_row_bytes, a.x_row_bytes, b.warp.lane);
+                                 base + area.x + row * a.x_row_bytes, a.x_row_bytes, b.warp.lane);
       if (a.scale_row_bytes > 0) {
         warp_copy(static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes,
                   base + area.scales + row * a.scale_row_bytes, a.scale_row_bytes, b.warp.lane);
@@ -443,7 +442,8 @@ __device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelB
                               : static_cast<int32_t>(normal_sent(a.rank_prefix_matrix, num_ranks, src, me));
       first_pos[src] = prefix[channel];
       count[src] = src == me ? 0 : end - prefix[channel];
-      from[src] = static_cast<const uint8_t*>(a.x) + normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) * row_bytes;
+      from[src] =
+          static_cast<const uint8_t*>(a.x) + normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) * row_bytes;
       int64_t before = 0;  // the rows `src` sent to ranks below this one
       for (int rank = 0; rank < me; ++rank) before += normal_sent(a.rank_prefix_matrix, num_ranks, src, rank);
       const NormalCombineArea area = combine_area_of(a, src);

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
         if (dst == r.rank || pos < 0) continue;
         write_dispatch_row<kWideCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
-                                             w.lane, !pushed[dst]);
+                                            w.lane, !pushed[dst]);
       }
     }
     announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     const PeerBlock b = peer_block(a, src);
     for (int64_t row = normal_copy_engine_rows(b.rows, sm_pull_percent) + w.first; row < b.rows; row += w.stride) {
       warp_copy<kWideCopyUnroll>(static_cast<uint8_t*>(a.recv_x) + (b.first + row) * a.x_row_bytes,
-                                  b.base + b.area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
+                                 b.base + b.area.x + row * a.x_row_bytes, a.x_row_bytes, w.lane);
     }
   }
   if (a.scale_row_bytes == 0 && a.recv_topk_idx == nullptr && a.recv_src_idx == nullptr) return;
@@ -202,9 +202,10 @@ __device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percen
     const NormalCombineArea area = normal_combine_area(rows, row_bytes, k);
     for (int64_t row = normal_copy_engine_rows(rows, sm_push_percent) + w.first; row < rows; row += w.stride) {
       warp_copy<kWideCopyUnroll>(block + area.x + row * row_bytes,
-                                  static_cast<const uint8_t*>(a.x) + (first + row) * row_bytes, row_bytes, w.lane);
+                                 static_cast<const uint8_t*>(a.x) + (first + row) * row_bytes, row_bytes, w.lane);
       if (w.lane < k) {
-        reinterpret_cast<float*>(block + area.topk_weights)[row * k + w.lane] = a.topk_weights[(first + row) * k + w.lane];
+        reinterpret_cast<float*>(block + area.topk_weights)[row * k + w.lane] =
+            a.topk_weights[(first + row) * k + w.lane];
       }
     }
   }

@@ -305,7 +305,8 @@ void bind_normal(py::module_& m) {
       .value("engine", uccl_ep::NormalOwnRows::kEngine)
       .value("sm", uccl_ep::NormalOwnRows::kSms);
   m.attr("NORMAL_OWN_ROWS_ENGINE_BYTES_PER_SM") = uccl_ep::kNormalOwnRowsEngineBytesPerSm;
-  py::enum_<uccl_ep::NormalRowPath>(m, "NormalRowPath", "What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY).")
+  py::enum_<uccl_ep::NormalRowPath>(m, "NormalRowPath",
+                                    "What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY).")
       .value("auto", uccl_ep::NormalRowPath::kAuto)
       .value("engine", uccl_ep::NormalRowPath::kEngine)
       .value("sm", uccl_ep::NormalRowPath::kSm);
@@ -314,7 +315,8 @@ void bind_normal(py::module_& m) {
   m.def("normal_dispatch_by_copy_engine", &uccl_ep::normal_dispatch_by_copy_engine, py::arg("path"),
         py::arg("num_ranks"), py::arg("num_sms"), "Whether the copy engines move a fresh dispatch's rows.");
   m.def("normal_cached_dispatch_by_copy_engine", &uccl_ep::normal_cached_dispatch_by_copy_engine, py::arg("path"),
-        py::arg("num_ranks"), "Whether the copy engines move a cached dispatch's rows (where its handle's counts allow).");
+        py::arg("num_ranks"),
+        "Whether the copy engines move a cached dispatch's rows (where its handle's counts allow).");
   m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
         py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");
   m.def(

@@ -64,10 +64,10 @@ FAILED, TOO_LARGE = 1, 2
 def copy_mode(env: str = COPY_ENV) -> str:
     """What copies the rows, from ``env``: COPY_ENV "auto" (the default: copy engines at 2 and 3 ranks and with
     few SMs, else SMs; the extension's NormalRowPath), "engine" (copy engines wherever the counts are on the host)
-    or "sm"; OWN_ROWS_ENV "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV "pull" (the
-    default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a few
-    runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the caller's
-    thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
+    or "sm"; OWN_ROWS_ENV "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV
+    "pull" (the default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a
+    few runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the
+    caller's thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
     launcher's own thread, and the call returns sooner, but its work ends later on the GPU; each rank may choose)."""
     modes = _MODES[env]
     mode = os.environ.get(env, "").strip().lower() or modes[0]
