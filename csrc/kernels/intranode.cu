@@ -258,6 +258,40 @@ __device__ __forceinline__ void publish_round(const NormalRegion& r, int channel
   }
 }
 
+// An SM-path kernel's block: when the exchange fits every rank's data area (else block 0 records it, and
+// every block of every rank returns alike), a sender block waits for its destinations to be free, then sends;
+// a receiver block receives. Both get the exchange's number.
+template <typename Send, typename Receive>
+__device__ __forceinline__ void run_channel_block(const NormalRegion& r, bool fits, int32_t send_phase, Send send,
+                                                  Receive receive) {
+  const ChannelBlock b = channel_block();
+  const uint64_t epoch = exchanges_done(r) + 1;
+  if (!fits) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, send_phase, -1, 0);
+    return;
+  }
+  if (b.sends) {
+    if (wait_destinations_free(r, send_phase)) send(b, epoch);
+    return;
+  }
+  receive(b, epoch);
+}
+
+// Of the rows `src` sends `dst` (a dispatch's, or their way back in a combine), the send positions in
+// `channel` from `dst`'s recv_channel_prefix_matrix: [first, first + count).
+struct ChannelPositions {
+  int32_t first, count;
+};
+__device__ __forceinline__ ChannelPositions channel_positions(const int32_t* recv_channel_prefix_matrix,
+                                                              const int32_t* rank_prefix_matrix, int num_ranks,
+                                                              int num_channels, int src, int dst, int channel) {
+  const int32_t* prefix = recv_channel_prefix_matrix + static_cast<int64_t>(src) * num_channels;
+  const int32_t end = channel + 1 < num_channels
+                          ? prefix[channel + 1]
+                          : static_cast<int32_t>(normal_sent(rank_prefix_matrix, num_ranks, src, dst));
+  return ChannelPositions{prefix[channel], end - prefix[channel]};
+}
+
 // ------------------------------------------------------------------------------ dispatch
 __device__ __forceinline__ NormalDispatchArea dispatch_area_of(const NormalDispatchArgs& a, int rank) {
   const int64_t rows = received_rows(a.rank_prefix_matrix, a.region.num_ranks, rank);
@@ -331,12 +365,10 @@ __device__ void receive_dispatch_channels(const NormalDispatchArgs& a, const Cha
     if (threadIdx.x == 0) most = 0;
     __syncthreads();
     for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
-      const int32_t* prefix = a.recv_channel_prefix_matrix + static_cast<int64_t>(src) * a.num_channels;
-      const int32_t end = channel + 1 < a.num_channels
-                              ? prefix[channel + 1]
-                              : static_cast<int32_t>(normal_sent(a.rank_prefix_matrix, num_ranks, src, r.rank));
-      first_pos[src] = prefix[channel];
-      count[src] = end - prefix[channel];
+      const ChannelPositions positions = channel_positions(a.recv_channel_prefix_matrix, a.rank_prefix_matrix,
+                                                           num_ranks, a.num_channels, src, r.rank, channel);
+      first_pos[src] = positions.first;
+      count[src] = positions.count;
       first_row[src] = normal_rows_before(a.rank_prefix_matrix, num_ranks, src, r.rank);
       atomicMax(&most, count[src]);
     }
@@ -392,19 +424,12 @@ __device__ void pad_dispatch_rows(const NormalDispatchArgs& a, const ChannelBloc
 }
 
 __global__ void __launch_bounds__(kChannelThreads, 1) dispatch_by_channels(NormalDispatchArgs a) {
-  const NormalRegion& r = a.region;
-  const ChannelBlock b = channel_block();
-  const uint64_t epoch = exchanges_done(r) + 1;
-  if (!dispatch_fits(a)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalDispatchSend, -1, 0);
-    return;
-  }
-  if (b.sends) {
-    if (wait_destinations_free(r, kNormalDispatchSend)) send_dispatch_channels(a, b, epoch);
-    return;
-  }
-  receive_dispatch_channels(a, b, epoch);
-  pad_dispatch_rows(a, b);
+  run_channel_block(a.region, dispatch_fits(a), kNormalDispatchSend,
+                    [&](const ChannelBlock& b, uint64_t epoch) { send_dispatch_channels(a, b, epoch); },
+                    [&](const ChannelBlock& b, uint64_t epoch) {
+                      receive_dispatch_channels(a, b, epoch);
+                      pad_dispatch_rows(a, b);
+                    });
 }
 
 // ------------------------------------------------------------------------------ combine
@@ -436,12 +461,10 @@ __device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelB
     if (threadIdx.x == 0) most = 0;
     __syncthreads();
     for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
-      const int32_t* prefix = a.recv_channel_prefix_matrix + static_cast<int64_t>(src) * a.num_channels;
-      const int32_t end = channel + 1 < a.num_channels
-                              ? prefix[channel + 1]
-                              : static_cast<int32_t>(normal_sent(a.rank_prefix_matrix, num_ranks, src, me));
-      first_pos[src] = prefix[channel];
-      count[src] = src == me ? 0 : end - prefix[channel];
+      const ChannelPositions positions = channel_positions(a.recv_channel_prefix_matrix, a.rank_prefix_matrix,
+                                                           num_ranks, a.num_channels, src, me, channel);
+      first_pos[src] = positions.first;
+      count[src] = src == me ? 0 : positions.count;
       from[src] =
           static_cast<const uint8_t*>(a.x) + normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) * row_bytes;
       int64_t before = 0;  // the rows `src` sent to ranks below this one
@@ -517,18 +540,9 @@ __device__ void receive_combine_channels(const NormalCombineArgs& a, const Chann
 }
 
 __global__ void __launch_bounds__(kChannelThreads, 1) combine_by_channels(NormalCombineArgs a) {
-  const NormalRegion& r = a.region;
-  const ChannelBlock b = channel_block();
-  const uint64_t epoch = exchanges_done(r) + 1;
-  if (!combine_fits(a)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, kNormalCombineSend, -1, 0);
-    return;
-  }
-  if (b.sends) {
-    if (wait_destinations_free(r, kNormalCombineSend)) send_combine_channels(a, b, epoch);
-    return;
-  }
-  receive_combine_channels(a, b, epoch);
+  run_channel_block(a.region, combine_fits(a), kNormalCombineSend,
+                    [&](const ChannelBlock& b, uint64_t epoch) { send_combine_channels(a, b, epoch); },
+                    [&](const ChannelBlock& b, uint64_t epoch) { receive_combine_channels(a, b, epoch); });
 }
 
 // The end of an SM-path exchange, once its receivers have read everything: count it as done, announce freed.
