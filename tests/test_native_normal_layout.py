@@ -67,6 +67,34 @@ def test_data_area_fields_are_16_byte_aligned_arrays():
     assert ext.NORMAL_CONTROL_BYTES == 4 * 8 * ext.NORMAL_MAX_RANKS + 8 * ext.NORMAL_CHANNEL_WORDS
 
 
+def test_channel_words_fit_the_control_area_and_rise_with_each_exchange():
+    """The SM path's word of each (source, channel) lies after the four per-rank word arrays, inside the control
+    area, apart from every other; a word of a later exchange is above any of an earlier one."""
+    ext = _extension_with_normal()
+    for num_ranks, num_channels in ((2, 12), (8, 1024), (256, 32)):   # the last two fill every word
+        assert num_ranks * num_channels <= ext.NORMAL_CHANNEL_WORDS
+        offsets = {ext.normal_channel_word_offset(src, channel, num_channels)
+                   for src in range(num_ranks) for channel in range(num_channels)}
+        assert len(offsets) == num_ranks * num_channels
+        assert min(offsets) == 4 * 8 * ext.NORMAL_MAX_RANKS and max(offsets) + 8 <= ext.NORMAL_CONTROL_BYTES
+        assert all(offset % 8 == 0 for offset in offsets)
+    for epoch in (1, 2, 1000):
+        assert ext.normal_channel_progress(epoch - 1, (1 << 32) - 1) < ext.normal_channel_progress(epoch, 0)
+        assert ext.normal_channel_progress(epoch, 5) < ext.normal_channel_progress(epoch, 6)
+
+
+@pytest.mark.parametrize("num_tokens,num_channels", [(4096, 12), (4113, 8), (7, 10), (0, 3), (1, 1)])
+def test_channel_tokens_split_like_the_reference(num_tokens, num_channels):
+    """A channel's tokens are DeepEP's: consecutive ranges of ceil(N / C), the last ones possibly empty."""
+    ext = _extension_with_normal()
+    ranges = [ext.normal_channel_tokens(num_channels, channel, num_tokens) for channel in range(num_channels)]
+    assert ranges[0][0] == 0
+    assert all(ranges[c][1] == ranges[c + 1][0] for c in range(num_channels - 1))
+    # With every token sent to one rank, the reference's channel_prefix_matrix holds each channel's end.
+    ends = channel_layout(torch.ones(num_tokens, 1, dtype=torch.bool), num_channels)[0][0].tolist()
+    assert [end for _, end in ranges] == ends
+
+
 def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
     ext = _extension_with_normal()
     epoch = 7

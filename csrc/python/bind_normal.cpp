@@ -258,6 +258,18 @@ void bind_normal(py::module_& m) {
   m.def("normal_chunk_word", &uccl_ep::normal_chunk_word, py::arg("epoch"), py::arg("landed"), py::arg("chunks"),
         "A chunk word: `landed` of the `chunks` pieces of exchange `epoch` are there.");
   m.attr("NORMAL_CHUNK_WORDS_OPEN") = uccl_ep::kNormalChunkWordsOpen;
+  m.def("normal_channel_word_offset", &uccl_ep::normal_channel_word_offset, py::arg("src"), py::arg("channel"),
+        py::arg("num_channels"), "Where the SM path's word of (src, channel) lies in a rank's control area (bytes).");
+  m.def("normal_channel_progress", &uccl_ep::normal_channel_progress, py::arg("epoch"), py::arg("positions"),
+        "A channel word: `positions` send positions of exchange `epoch` stored.");
+  m.def(
+      "normal_channel_tokens",
+      [](int32_t num_channels, int32_t channel, int64_t num_tokens) {
+        const uccl_ep::NormalTokenRange range = uccl_ep::normal_channel_tokens(num_channels, channel, channel + 1,
+                                                                               num_tokens);
+        return std::make_pair(range.first, range.end);
+      },
+      py::arg("num_channels"), py::arg("channel"), py::arg("num_tokens"), "The tokens [first, end) of a channel.");
   m.def("normal_combine_rows_landed", &uccl_ep::normal_combine_rows_landed, py::arg("word"), py::arg("epoch"),
         py::arg("rows"), "Of the `rows` rows a combine pushes to an owner, those landed by chunk word `word`.");
   m.def(
