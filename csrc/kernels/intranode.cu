@@ -219,24 +219,30 @@ __device__ __forceinline__ uint64_t* channel_word(const NormalRegion& r, int ran
   return reinterpret_cast<uint64_t*>(rank_base(r, rank) + normal_channel_word_offset(src, channel, num_channels));
 }
 
-// A warp waits until `src` has stored send position `position` of `channel` here. It remembers the last
-// word it saw (one source at a time), so that rows in order cost no load of a word they already passed.
+// One thread waits until `src`'s word of `channel` here reaches `target`. `seen` keeps the last value it read
+// of that word, so a target already passed costs no load (rows in order mostly find theirs there).
+__device__ __forceinline__ bool wait_channel_word(const NormalRegion& r, int src, int channel, int num_channels,
+                                                  uint64_t target, int32_t phase, uint64_t& seen) {
+  if (seen >= target) return true;
+  return wait_until(
+      r, channel_word(r, r.rank, src, channel, num_channels), [&](uint64_t word) { return (seen = word) >= target; },
+      phase, src);
+}
+
+// A warp waits until `src` has stored send position `position` of `channel` here: its lane 0 waits, and
+// remembers the last word it saw of one source at a time.
 struct ChannelWatch {
   int src = -1;
   uint64_t seen = 0;
   __device__ bool wait(const NormalRegion& r, int src_rank, int channel, int num_channels, uint64_t epoch,
                        int64_t position, int32_t phase, int lane) {
     const uint64_t target = normal_channel_progress(epoch, position + 1);
-    if (src_rank == src && seen >= target) return true;
-    bool ready = true;
-    uint64_t value = 0;
-    if (lane == 0) {
-      ready = wait_until(
-          r, channel_word(r, r.rank, src_rank, channel, num_channels),
-          [&](uint64_t word) { return (value = word) >= target; }, phase, src_rank);
-    }
+    if (src_rank == src && seen >= target) return true;   // the same in every lane: no shuffle
+    if (src_rank != src) seen = 0;
     src = src_rank;
-    seen = warp_shuffle(static_cast<unsigned long long>(value), 0);
+    bool ready = true;
+    if (lane == 0) ready = wait_channel_word(r, src_rank, channel, num_channels, target, phase, seen);
+    seen = warp_shuffle(static_cast<unsigned long long>(seen), 0);
     return warp_shuffle(ready ? 1 : 0, 0) != 0;
   }
 };
@@ -455,6 +461,7 @@ __device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelB
   __shared__ int32_t first_pos[kNormalMaxCombineRanks], count[kNormalMaxCombineRanks];
   __shared__ const uint8_t* from[kNormalMaxCombineRanks];  // this rank's rows from each source, in x
   __shared__ uint8_t* x_to[kNormalMaxCombineRanks];         // and where the source's area takes them
+  __shared__ const float* weights_from[kNormalMaxCombineRanks];
   __shared__ float* weights_to[kNormalMaxCombineRanks];
   __shared__ int32_t most;
   for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
@@ -465,8 +472,9 @@ __device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelB
                                                            num_ranks, a.num_channels, src, me, channel);
       first_pos[src] = positions.first;
       count[src] = src == me ? 0 : positions.count;
-      from[src] =
-          static_cast<const uint8_t*>(a.x) + normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) * row_bytes;
+      const int64_t first_row = normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me);
+      from[src] = static_cast<const uint8_t*>(a.x) + first_row * row_bytes;
+      weights_from[src] = a.topk_weights + first_row * k;
       int64_t before = 0;  // the rows `src` sent to ranks below this one
       for (int rank = 0; rank < me; ++rank) before += normal_sent(a.rank_prefix_matrix, num_ranks, src, rank);
       const NormalCombineArea area = combine_area_of(a, src);
@@ -485,8 +493,7 @@ __device__ void send_combine_channels(const NormalCombineArgs& a, const ChannelB
         const int64_t pos = first_pos[src] + index;
         warp_copy<kWideCopyUnroll>(x_to[src] + pos * row_bytes, from[src] + pos * row_bytes, row_bytes, b.warp.lane);
         if (b.warp.lane < k) {
-          weights_to[src][pos * k + b.warp.lane] =
-              a.topk_weights[(normal_rows_before(a.rank_prefix_matrix, num_ranks, src, me) + pos) * k + b.warp.lane];
+          weights_to[src][pos * k + b.warp.lane] = weights_from[src][pos * k + b.warp.lane];
         }
       }
       // Items go to the other sources in turn: after `done` items, the o-th has had those with item % others == o.
@@ -524,16 +531,13 @@ __device__ void receive_combine_channels(const NormalCombineArgs& a, const Chann
   }
   __syncthreads();
   for (int channel = b.first_channel; channel < a.num_channels; channel += b.channel_stride) {
-    uint64_t seen = 0;
+    uint64_t seen = 0;  // lane d: of rank d's word
     reduce_combined_tokens(a, from, normal_channel_tokens(a.num_channels, channel, channel + 1, a.num_tokens), b.warp,
                            [&](int dst, bool has_row, int64_t pos) {
-                             bool ready = true;
-                             const uint64_t target = normal_channel_progress(epoch, pos + 1);
-                             if (has_row && dst != me && seen < target) {
-                               ready = wait_until(
-                                   r, channel_word(r, me, dst, channel, a.num_channels),
-                                   [&](uint64_t word) { return (seen = word) >= target; }, kNormalCombineRecv, dst);
-                             }
+                             const bool ready = !has_row || dst == me ||
+                                                wait_channel_word(r, dst, channel, a.num_channels,
+                                                                  normal_channel_progress(epoch, pos + 1),
+                                                                  kNormalCombineRecv, seen);
                              return warp_all(ready);
                            });
   }

@@ -15,7 +15,6 @@ NormalLauncher::NormalLauncher(const NormalRegion& region, NormalCopyEngine* cop
       state_(state),
       device_(device),
       rows_(rows),
-      cached_by_copy_engine_(normal_cached_dispatch_by_copy_engine(rows, region.num_ranks)),
       launch_thread_(device, region.rank, region.timeout_ns * 1e-9 + 5.0, launch_thread) {
   require(copy_engine != nullptr && state != nullptr, "NormalLauncher needs a copy engine and a state");
 }
@@ -196,7 +195,7 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
   if (failed()) return NormalCallStatus::kFailed;
   const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
   const bool by_copy_engine =
-      cached_by_copy_engine_ &&
+      normal_cached_dispatch_by_copy_engine(rows_, region_.num_ranks) &&
       copy_engine_fits(host_counts, NormalRowBytes{combine_row_bytes, 0, args.num_topk}, &dispatch_rows);
   const CurrentDevice on_device(device_);
   if (!by_copy_engine) {

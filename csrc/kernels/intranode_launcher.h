@@ -126,7 +126,6 @@ class NormalLauncher {
   const LowLatencyState* state_;
   int device_;
   NormalRowPath rows_;
-  bool cached_by_copy_engine_;
   LaunchThread launch_thread_;
 };
 
