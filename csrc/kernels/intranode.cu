@@ -22,7 +22,7 @@ __global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
 // One block per rank scans that rank's column of is_token_in_rank: a token's position among the
 // tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
 // (channel_prefix_matrix), and the position within its channel (send_head).
-__global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs a) {
+__device__ void send_layout_of_rank(const NormalSendLayoutArgs& a) {
   const int rank = blockIdx.x, num_ranks = a.num_ranks;
   const int64_t per_channel = (a.num_tokens + a.num_channels - 1) / a.num_channels;
   __shared__ int32_t warp_totals[kWideThreads / kWarpSize];
@@ -58,6 +58,8 @@ __global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs
     a.send_head[token * num_ranks + rank] = pos < 0 ? -1 : pos - channel_start;
   }
 }
+
+__global__ void __launch_bounds__(kWideThreads) send_layout(NormalSendLayoutArgs a) { send_layout_of_rank(a); }
 
 // ------------------------------------------------------------------------------ notify
 // The notify is one block on every rank, so its whole exchange is one kernel: send, arrival,
@@ -157,7 +159,7 @@ __device__ bool notify_receive_counts(const NormalNotifyArgs& a) {
 // The tokens this rank does not send `dst`, in order, into `out` (a count, then the first
 // kNormalMaxGaps tokens): the whole block, a pass of blockDim.x tokens at a time.
 __device__ void notify_gaps(const NormalNotifyArgs& a, int dst, int32_t* out) {
-  __shared__ int32_t warp_totals[kThreads / kWarpSize];
+  __shared__ int32_t warp_totals[kWideThreads / kWarpSize];
   const int num_ranks = a.region.num_ranks;
   int32_t found = 0;  // gaps in the passes before, alike in every thread
   for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
@@ -171,7 +173,7 @@ __device__ void notify_gaps(const NormalNotifyArgs& a, int dst, int32_t* out) {
   if (threadIdx.x == 0) out[0] = found;
 }
 
-__global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) {
+__device__ void notify_exchange(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
   bool done = notify_send_slots(a);
   if (done) {
@@ -192,6 +194,13 @@ __global__ void __launch_bounds__(kThreads) notify_dispatch(NormalNotifyArgs a) 
   __threadfence_system();
   const uint64_t epoch = done ? exchanges_done(r) : kNormalNotifyFailed;
   *reinterpret_cast<volatile uint64_t*>(a.host_counts + normal_host_counts_epoch_index(a)) = epoch;
+}
+
+// The send layout, a block per rank, then the notify in the block that finishes last: one launch.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    layout_and_notify(NormalSendLayoutArgs layout, NormalNotifyArgs notify) {
+  send_layout_of_rank(layout);
+  if (last_block_to_finish(notify.region.control + kNormalLayoutBlocksWord)) notify_exchange(notify);
 }
 
 // ------------------------------------------------------------------------------ channels
@@ -264,9 +273,21 @@ __device__ __forceinline__ void publish_round(const NormalRegion& r, int channel
   }
 }
 
+// The end of an SM-path exchange, by the block that finishes last (every other block has read what it
+// needed): count it as done, announce freed.
+__device__ void finish_exchange(const NormalRegion& r) {
+  if (aborted(r)) return;  // written by this grid's blocks only, all done: the same in every thread
+  const uint64_t epoch = exchanges_done(r) + 1;
+  __syncthreads();  // every thread read the count before it moves
+  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
+  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
+    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
+  }
+}
+
 // An SM-path kernel's block: when the exchange fits every rank's data area (else block 0 records it, and
 // every block of every rank returns alike), a sender block waits for its destinations to be free, then sends;
-// a receiver block receives. Both get the exchange's number.
+// a receiver block receives. Both get the exchange's number. The last block to finish ends the exchange.
 template <typename Send, typename Receive>
 __device__ __forceinline__ void run_channel_block(const NormalRegion& r, bool fits, int32_t send_phase, Send send,
                                                   Receive receive) {
@@ -274,13 +295,12 @@ __device__ __forceinline__ void run_channel_block(const NormalRegion& r, bool fi
   const uint64_t epoch = exchanges_done(r) + 1;
   if (!fits) {
     if (blockIdx.x == 0 && threadIdx.x == 0) record_failure(r, kNormalAreaTooSmall, send_phase, -1, 0);
-    return;
-  }
-  if (b.sends) {
+  } else if (b.sends) {
     if (wait_destinations_free(r, send_phase)) send(b, epoch);
-    return;
+  } else {
+    receive(b, epoch);
   }
-  receive(b, epoch);
+  if (last_block_to_finish(r.control + kNormalExchangeBlocksWord)) finish_exchange(r);
 }
 
 // Of the rows `src` sends `dst` (a dispatch's, or their way back in a combine), the send positions in
@@ -549,17 +569,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1) combine_by_channels(Normal
                     [&](const ChannelBlock& b, uint64_t epoch) { receive_combine_channels(a, b, epoch); });
 }
 
-// The end of an SM-path exchange, once its receivers have read everything: count it as done, announce freed.
-__global__ void finish_exchange(NormalRegion r) {
-  if (aborted(r)) return;
-  const uint64_t epoch = exchanges_done(r) + 1;
-  __syncthreads();  // every thread read the count before it moves
-  if (threadIdx.x == 0) r.control[kNormalExchangesWord] = epoch;
-  for (int peer = threadIdx.x; peer < r.num_ranks; peer += blockDim.x) {
-    publish_flag(freed_word(r, peer, r.rank), epoch, r.aggressive_atomics);
-  }
-}
-
 }  // namespace normal_kernels
 
 // ------------------------------------------------------------------------------ launchers
@@ -581,13 +590,11 @@ void check_topk(int32_t num_topk) {
           "num_topk must be in [0, " + std::to_string(kNormalMaxTopk) + "], got " + std::to_string(num_topk));
 }
 
-// An SM-path exchange (see intranode.h): the senders and receivers, then its end.
+// An SM-path exchange (see intranode.h): its senders and receivers.
 template <typename Args>
 void launch_by_channels(void (*kernel)(Args), const Args& args, gpuStream_t stream) {
   const int blocks_per_kind = args.num_sms / 2 > 0 ? args.num_sms / 2 : 1;
   kernel<<<2 * blocks_per_kind, normal_kernels::kChannelThreads, 0, stream>>>(args);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-  normal_kernels::finish_exchange<<<1, kNormalMaxRanks, 0, stream>>>(args.region);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
@@ -600,25 +607,7 @@ void check_channels(int32_t num_channels, const int32_t* recv_channel_prefix_mat
   require(recv_channel_prefix_matrix != nullptr, "recv_channel_prefix_matrix is required");
 }
 
-}  // namespace
-
-void load_normal_kernels() {
-  using namespace normal_kernels;
-  gpu_load_kernels(announce_arrival, announce_freed, send_layout, notify_dispatch, dispatch_by_channels,
-                   combine_by_channels, finish_exchange);
-}
-
-void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
-  normal_kernels::announce_arrival<<<1, kNormalMaxRanks, 0, stream>>>(region);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-}
-
-void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream) {
-  normal_kernels::announce_freed<<<1, kNormalMaxRanks, 0, stream>>>(region);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-}
-
-void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream) {
+void check_normal_send_layout_args(const NormalSendLayoutArgs& args) {
   require(args.num_ranks >= 1 && args.num_ranks <= kNormalMaxRanks,
           "num_ranks must be in [1, " + std::to_string(kNormalMaxRanks) + "], got " + std::to_string(args.num_ranks));
   require(args.num_tokens >= 0, "num_tokens must be >= 0");
@@ -627,11 +616,9 @@ void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t str
           "is_token_in_rank and send_pos are required");
   require(args.send_head == nullptr || args.channel_prefix_matrix != nullptr,
           "send_head needs channel_prefix_matrix");
-  normal_kernels::send_layout<<<args.num_ranks, normal_kernels::kWideThreads, 0, stream>>>(args);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
-void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
+void check_notify_args(const NormalNotifyArgs& args) {
   check_region(args.region);
   require(args.num_channels >= 1, "num_channels must be >= 1");
   require(args.num_local_experts >= 1, "num_local_experts must be >= 1");
@@ -647,16 +634,41 @@ void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream) {
           "the data area cannot hold the notify slots (" + std::to_string(area_bytes) + " bytes)");
   require(args.host_counts == nullptr || reinterpret_cast<std::uintptr_t>(args.host_counts) % 8 == 0,
           "host_counts must be 8-byte aligned");
-  normal_kernels::notify_dispatch<<<1, normal_kernels::kThreads, 0, stream>>>(args);
+}
+
+}  // namespace
+
+void load_normal_kernels() {
+  using namespace normal_kernels;
+  gpu_load_kernels(announce_arrival, announce_freed, send_layout, layout_and_notify, dispatch_by_channels,
+                   combine_by_channels);
+}
+
+void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
+  normal_kernels::announce_arrival<<<1, kNormalMaxRanks, 0, stream>>>(region);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream) {
+  normal_kernels::announce_freed<<<1, kNormalMaxRanks, 0, stream>>>(region);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream) {
+  check_normal_send_layout_args(args);
+  normal_kernels::send_layout<<<args.num_ranks, normal_kernels::kWideThreads, 0, stream>>>(args);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
 void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                      gpuStream_t stream) {
+  check_normal_send_layout_args(layout);
+  check_notify_args(notify);
   require(layout.channel_prefix_matrix == notify.channel_prefix_matrix && layout.num_channels == notify.num_channels,
           "the notify must read the layout's channel_prefix_matrix");
-  launch_normal_send_layout(layout, stream);
-  launch_notify_dispatch(notify, stream);
+  require(layout.num_ranks == notify.region.num_ranks, "the layout and the notify must have the same num_ranks");
+  normal_kernels::layout_and_notify<<<layout.num_ranks, normal_kernels::kWideThreads, 0, stream>>>(layout, notify);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
 void check_normal_dispatch_args(const NormalDispatchArgs& args) {

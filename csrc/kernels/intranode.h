@@ -153,9 +153,13 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_combine_rows_landed(uint64_t word, uin
   return normal_combine_chunk_begin(rows, static_cast<int32_t>(within % kNormalChunkCounts),
                                     static_cast<int32_t>(within / kNormalChunkCounts));
 }
-// Words of NormalRegion::control (the LowLatencyState control block the Python side lends).
+// Words of NormalRegion::control (the LowLatencyState control block the Python side lends). A kernel
+// whose last block to finish does a step of its own (the notify after the send layout, the end of an
+// SM-path exchange) counts its finished blocks in a word, which that block sets back to 0.
 constexpr int kNormalExchangesWord = 0;
+constexpr int kNormalLayoutBlocksWord = 1;
 constexpr int kNormalAbortedWord = 2;
+constexpr int kNormalExchangeBlocksWord = 3;
 
 enum NormalError : int32_t {
   kNormalTimeout = 1,        // a peer's flag did not arrive in time
@@ -507,8 +511,7 @@ struct NormalCombineArgs {
 void load_normal_kernels();
 
 void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream);
-void launch_notify_dispatch(const NormalNotifyArgs& args, gpuStream_t stream);
-// A dispatch's first steps in one call: the send layout, then the notify exchange (which reads
+// A dispatch's first steps in one launch: the send layout, then the notify exchange (which reads
 // the layout's channel_prefix_matrix).
 void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
                                      gpuStream_t stream);

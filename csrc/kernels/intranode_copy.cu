@@ -700,8 +700,10 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
   to_host.sm_push_percent = sm_push_percent_;
   launch_normal_layout_and_notify(layout, to_host, stream);
-  UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
-  if (gather != nullptr) dispatch_send(*gather, chunks, push, stream);  // runs while the host waits
+  if (gather != nullptr) {  // runs while the host waits; the copy engines' later work starts after the notify
+    UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
+    dispatch_send(*gather, chunks, push, stream);
+  }
   const auto wait_begin = std::chrono::steady_clock::now();
   const uint64_t notify_epoch = wait_for_notify(region, epoch_index);
   last_count_wait_ns_ =

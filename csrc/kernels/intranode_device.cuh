@@ -10,9 +10,8 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
-constexpr int kThreads = 512;
-// The copy-engine path's SM kernels (local copies and sums): one block of these per SM they are
-// given, enough warps in flight to cover memory latency.
+// The copy-engine path's SM kernels (local copies and sums), and the send layout with the notify:
+// one block of these per SM they are given, enough warps in flight to cover memory latency.
 constexpr int kWideThreads = 1024;
 // Loads in flight per lane in the row copies of the 1024-thread kernels: 4 fit their 64 registers without
 // spilling (8 spilled), and 32 warps per SM keep enough loads in flight.
@@ -90,6 +89,21 @@ __device__ inline bool wait_until(const NormalRegion& r, const uint64_t* word, R
 __device__ inline bool wait_at_least(const NormalRegion& r, const uint64_t* word, uint64_t target, int32_t phase,
                                      int32_t peer) {
   return wait_until(r, word, [target](uint64_t value) { return value >= target; }, phase, peer);
+}
+
+// Whether this block is the last of its grid to get here (every block calls this once, with every
+// thread): that block sees every other block's writes. `counter` goes back to 0 for the next launch.
+__device__ inline bool last_block_to_finish(uint64_t* counter) {
+  __shared__ bool last;
+  __syncthreads();  // the block's writes come before its count
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull) + 1 == gridDim.x;
+    if (last) atomicExch(reinterpret_cast<unsigned long long*>(counter), 0ull);
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
 }
 
 // The whole block waits for every rank's word (`word_of(peer)`) to reach `target`; the answer is

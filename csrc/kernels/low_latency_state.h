@@ -10,7 +10,9 @@ namespace uccl_ep {
 
 class LowLatencyState {
  public:
-  static constexpr int kControlWords = 4;  // per half: uses (in shares), spare, aborted, spare
+  // Per half: uses (in shares), spare, aborted, spare; the normal mode's own state (intranode.h) uses
+  // its spares to count a kernel's finished blocks.
+  static constexpr int kControlWords = 4;
 
   explicit LowLatencyState(int device);
   ~LowLatencyState();

@@ -356,9 +356,8 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     eager_path = path
     if native is not None and two_level is None:
         eager_path = "nvlink-sm" if by_sm else "nvlink-ce"
-    dispatch_kernels = tuple(f"normal_kernels::{name}" for name in ("notify_dispatch", "dispatch_by_channels",
-                                                                     "finish_exchange")) if by_sm else ()
-    combine_kernels = ("normal_kernels::combine_by_channels", "normal_kernels::finish_exchange") if by_sm else ()
+    dispatch_kernels = ("normal_kernels::layout_and_notify", "normal_kernels::dispatch_by_channels") if by_sm else ()
+    combine_kernels = ("normal_kernels::combine_by_channels",) if by_sm else ()
     count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
     cases = [
         Case("normal", "dispatch", "fp8", workload, dispatch((x_fp8, scales)), check_dispatch(True),
