@@ -20,7 +20,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from tests.multiprocess import free_local_port
-from uccl_ep_plugin.engines.native.torch_tensors import DTYPES
+from uccl_ep_plugin.engines.native.torch_tensors import DTYPES, use_torch_shim
+
+_C = pytest.importorskip("uccl_ep_plugin._C")
 
 T, H, K, E = 8, 256, 2, 8
 
@@ -92,7 +94,9 @@ class RecordingExtension:
 
 class NormalRecordingExtension(RecordingExtension):
     """Also stands in where the native normal mode uses the extension. Its launcher's dispatch receives all of a
-    one-rank dispatch's tokens."""
+    one-rank dispatch's tokens. It reads its tensor arguments and runs the caller's checks as the real launcher
+    does: through the extension's own mechanism (``_C.torch_shim_arguments``, with a signature memo per
+    operation)."""
 
     NORMAL_CONTROL_BYTES = 4096
     NORMAL_SM_PUSH_PERCENT = NORMAL_SM_PULL_PERCENT = NORMAL_COMBINE_CHUNKS = 0
@@ -107,28 +111,37 @@ class NormalRecordingExtension(RecordingExtension):
         class NormalLauncher:
             def __init__(self, *args):
                 extension.calls["NormalLauncher"] += 1
+                self.checked = {name: _C.CheckedCalls() for name in ("dispatch", "cached_dispatch", "combine")}
 
-            def dispatch(self, x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype,
-                         scale_row_bytes, topk_idx, topk_weights, num_topk, is_token_in_rank, num_tokens, *args):
+            def _arguments(self, operation, tensors, values, check):
+                with _disable_current_modes():
+                    return _C.torch_shim_arguments(tensors, values, self.checked[operation], check)
+
+            def dispatch(self, tensors, values, num_channels, stream, check):
                 extension.calls["NormalLauncher.dispatch"] += 1
+                x, scales, topk_idx = self._arguments("dispatch", tensors, values, check)[:3]
+                num_tokens, hidden = x[4]
+                num_topk = topk_idx[4][1]
                 dtypes = {code: dtype for dtype, code in DTYPES.items()}
                 ints = torch.int32
                 outputs = _made_by_the_extension(
                     ((num_tokens, 1), ints), ((1, 1), ints), ((num_tokens, 1), ints), ((1, 1), ints), ((1, 1), ints),
-                    ((num_tokens, hidden), dtypes[x_dtype]),
-                    None if scales_dtype < 0 else ((num_tokens, num_scales), dtypes[scales_dtype]),
+                    ((num_tokens, hidden), dtypes[x[1]]),
+                    None if scales is None else ((num_tokens, scales[4][1]), dtypes[scales[1]]),
                     ((num_tokens, num_topk), torch.int64), ((num_tokens, num_topk), torch.float32),
                     ((num_tokens,), ints))
                 return extension.DONE, outputs, [num_tokens] * E, object(), ""
 
-            def cached_dispatch(self, x, hidden, x_dtype, *args):
+            def cached_dispatch(self, tensors, values, num_channels, host_counts, stream, check):
                 extension.calls["NormalLauncher.cached_dispatch"] += 1
-                return extension.DONE, _made_by_the_extension(((T, hidden), torch.bfloat16), None)
+                x = self._arguments("cached_dispatch", tensors, values, check)[0]
+                return extension.DONE, _made_by_the_extension(((T, x[4][1]), torch.bfloat16), None)
 
-            def combine(self, x, num_rows, hidden, x_dtype, has_topk_weights, topk_weights, num_topk, *args):
+            def combine(self, tensors, values, num_channels, host_counts, stream, check):
                 extension.calls["NormalLauncher.combine"] += 1
-                return extension.DONE, _made_by_the_extension(
-                    ((T, hidden), torch.bfloat16), ((T, num_topk), torch.float32) if has_topk_weights else None)
+                x, topk_weights = self._arguments("combine", tensors, values, check)[:2]
+                weights = None if topk_weights is None else ((T, topk_weights[4][1]), torch.float32)
+                return extension.DONE, _made_by_the_extension(((T, x[4][1]), torch.bfloat16), weights)
 
         self.NormalLauncher = NormalLauncher
 
@@ -304,6 +317,7 @@ def normal_buffer(group, monkeypatch):
     from uccl_ep_plugin.engines.native import NativeEngine
     from uccl_ep_plugin.engines.native.normal import NativeNormal
 
+    assert use_torch_shim(_C) is None   # the recorder reads its arguments with the real mechanism
     size = 1 << 20
     buffer = Buffer(group, num_nvl_bytes=size, explicitly_destroy=True)
     extension = NormalRecordingExtension()
@@ -365,6 +379,31 @@ def test_cached_dispatch_and_combine_are_one_extension_call_each(normal_buffer):
     assert combined.shape == (T, H) and weights is None
 
 
+def test_normal_checks_run_once_per_kind_of_call(normal_buffer, monkeypatch):
+    """A normal-mode call runs the Buffer's checks only when the extension has not seen its kind of call pass:
+    the same call again runs none; another dtype, shape or stride runs them again."""
+    buffer, _ = normal_buffer
+    x, _, _, layout = _layout(buffer)
+    ran = Counter()
+    for name in ("_check_dispatch", "_check_bias"):
+        checks = getattr(buffer, name)
+        monkeypatch.setattr(buffer, name, lambda *args, _checks=checks, _name=name: (ran.update([_name]),
+                                                                                     _checks(*args))[1])
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    buffer.dispatch(x.clone(), **layout)
+    assert ran == {"_check_dispatch": 1}
+    buffer.dispatch((x.to(torch.float8_e4m3fn), torch.rand((T, H // 128))), **layout)
+    buffer.dispatch((x.to(torch.float8_e4m3fn), torch.rand((H // 128, T)).t()), **layout)   # column-major scales
+    assert ran == {"_check_dispatch": 2}   # the scales reach the extension contiguous either way
+    buffer.dispatch(x, handle=handle)
+    buffer.dispatch(x, handle=handle)
+    assert ran == {"_check_dispatch": 3}
+    buffer.combine(recv_x, handle)
+    buffer.combine(recv_x, handle)
+    buffer.combine(recv_x, handle, bias=recv_x)
+    assert ran == {"_check_dispatch": 3, "_check_bias": 2}
+
+
 def test_normal_checked_signature_still_refuses_bad_input(normal_buffer):
     buffer, _ = normal_buffer
     x, _, _, layout = _layout(buffer)
@@ -379,6 +418,18 @@ def test_normal_checked_signature_still_refuses_bad_input(normal_buffer):
         buffer.combine(recv_x[1:], handle)
     with pytest.raises(ValueError, match=r"bias\[0\] must have shape"):
         buffer.combine(recv_x, handle, bias=recv_x[:, 1:].contiguous())
+    with pytest.raises(ValueError, match="at most 2"):
+        buffer.combine(recv_x, handle, bias=(recv_x, recv_x, recv_x))
+    with pytest.raises(TypeError, match=r"bias\[0\] must be a torch.Tensor"):
+        buffer.combine(recv_x, handle, bias=[recv_x])
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        buffer.dispatch(x.tolist(), **layout)
+    with pytest.raises(ValueError, match="x as a tuple must be"):
+        buffer.dispatch((x, x, x), **layout)
+    with pytest.raises(TypeError, match="expert_alignment must be an int"):
+        buffer.dispatch(x, **layout, expert_alignment=1.0)
+    with pytest.raises(ValueError, match="topk_idx and topk_weights must be None"):
+        buffer.dispatch(x, handle=handle, topk_idx=layout["topk_idx"], topk_weights=layout["topk_weights"])
 
 
 def test_kernels_take_the_flag_style_the_platform_config_resolves(monkeypatch):

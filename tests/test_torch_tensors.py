@@ -1,6 +1,7 @@
-"""The extension allocates the native operations' outputs with torch's own allocator, through torch's C shim
-(csrc/python/torch_tensors.h). On the CPU: the tensors it makes have the asked shapes, strides, dtypes and
-views, nothing else holds them, and they are torch's to free."""
+"""The extension allocates the native operations' outputs with torch's own allocator, and reads their tensor
+arguments, through torch's C shim (csrc/python/torch_tensors.h). On the CPU: the tensors it makes have the asked
+shapes, strides, dtypes and views, nothing else holds them, and they are torch's to free; the arguments it reads
+are described as torch sees them, nothing keeps a reference, and an operation's checks run once per kind of call."""
 
 import sys
 
@@ -80,3 +81,82 @@ def test_a_torch_without_the_converter_gets_a_reason(monkeypatch):
     monkeypatch.setattr(torch._C, "_aoti", object(), raising=False)
     reason = torch_tensors.use_torch_shim(_C)
     assert "alloc_tensors_by_stealing_from_void_ptrs" in reason and torch.__version__ in reason
+
+
+class Checks:
+    """An operation's checks as the extension calls them: counted; raise ``error`` when set."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.error = None
+
+    def __call__(self) -> None:
+        self.runs += 1
+        if self.error is not None:
+            raise self.error
+
+
+def test_arguments_are_described_as_torch_sees_them():
+    base = torch.arange(60, dtype=torch.float32).view(3, 20)
+    view = base[1:, 2:12:2]   # an offset and a stride
+    scalar = torch.tensor(5, dtype=torch.int64)
+    half = torch.zeros(4, dtype=torch.float16)   # a dtype no operation takes
+    holders = [_holders(tensor) for tensor in (view, scalar, half)]
+    described = _C.torch_shim_arguments((view, None, scalar, half), (3,), _C.CheckedCalls(), Checks())
+    assert described[0] == (view.data_ptr(), DTYPES[torch.float32], CPU, -1, [2, 5], [20, 2])
+    assert described[1] is None
+    assert described[2] == (scalar.data_ptr(), DTYPES[torch.int64], CPU, -1, [], [])
+    assert described[3][1] == -1 and described[3][4] == [4]
+    assert [_holders(tensor) for tensor in (view, scalar, half)] == holders   # no handle kept
+
+
+def test_checks_run_once_per_kind_of_call():
+    checked, checks = _C.CheckedCalls(), Checks()
+    x, y = torch.zeros((4, 8), dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)
+
+    def call(*tensors, values=(1, 0)):
+        _C.torch_shim_arguments(tensors, values, checked, checks)
+        return checks.runs
+
+    assert call(x, y) == 1 and call(x.clone(), y.clone()) == 1 and len(checked) == 1
+    assert call(x, None) == 2                                   # presence
+    assert call(x.float(), y) == 3                              # dtype
+    assert call(x[:3], y) == 4                                  # size
+    assert call(torch.zeros((8, 4), dtype=torch.bfloat16).t(), y) == 5   # strides (same sizes)
+    assert call(x, y, values=(2, 0)) == 6                       # a value
+    assert call(x, y, values=(1, 0, 0)) == 7                    # the number of values
+    assert call(x, y) == 7 and len(checked) == 7
+
+
+def test_a_refused_call_stays_refused():
+    """What the checks raise propagates, and such a call is never remembered as checked."""
+    checked, checks = _C.CheckedCalls(), Checks()
+    x = torch.zeros((4, 8), dtype=torch.bfloat16)
+    checks.error = ValueError("x must have shape (5, *), got (4, 8) (dimension 0)")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="x must have shape"):
+            _C.torch_shim_arguments((x,), (), checked, checks)
+    assert checks.runs == 2 and len(checked) == 0
+
+
+@pytest.mark.parametrize("tensors, values", [(([1, 2],), ()), ((torch.zeros(2),), (True,)),
+                                             ((torch.zeros(2),), (1.0,)), ((torch.zeros(2),), (1 << 70,))],
+                         ids=["list for a tensor", "bool value", "float value", "huge value"])
+def test_what_is_not_a_tensor_or_an_int_always_meets_the_checks(tensors, values):
+    """The checks name such an argument; should they let it pass, the extension refuses it all the same."""
+    checked, checks = _C.CheckedCalls(), Checks()
+    checks.error = TypeError("named by the checks")
+    with pytest.raises(TypeError, match="named by the checks"):
+        _C.torch_shim_arguments(tensors, values, checked, checks)
+    checks.error = None
+    with pytest.raises(TypeError, match="not what its operation takes"):
+        _C.torch_shim_arguments(tensors, values, checked, checks)
+    assert checks.runs == 2 and len(checked) == 0
+
+
+def test_tensors_of_many_dimensions_are_checked_every_time():
+    checked, checks = _C.CheckedCalls(), Checks()
+    deep = torch.zeros([1] * 9)
+    for _ in range(2):
+        (described,) = _C.torch_shim_arguments((deep,), (), checked, checks)
+    assert checks.runs == 2 and len(checked) == 0 and described[4] == [1] * 8

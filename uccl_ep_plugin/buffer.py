@@ -513,39 +513,43 @@ class Buffer:
         many rows (padding has topk_idx -1) and an empty count list.
         """
         engine = self._engine_for("dispatch")
-        call = ("dispatch", tensor_signature(x), handle is None, tensor_signature(num_tokens_per_rank),
-                tensor_signature(is_token_in_rank), tensor_signature(num_tokens_per_expert),
-                tensor_signature(topk_idx), tensor_signature(topk_weights), expert_alignment, num_worst_tokens)
-        if call not in self._checked_calls:
-            self._check_dispatch(engine, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                                 topk_idx, topk_weights, expert_alignment, num_worst_tokens)
-            self._checked(call, engine)
-        x_data, x_scales = x if type(x) is tuple else (x, None)
-        config = self._check_config(config, self.get_dispatch_config)
         cached = None
         if handle is not None:
             cached = self._check_normal_handle(handle)
-            if cached[4].size(0) != x_data.size(0):
-                raise ValueError(f"x has {x_data.size(0)} tokens but the handle was made for {cached[4].size(0)}")
             is_token_in_rank = cached[4]
             engine = self._engine_serving(handle, engine)
-        arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
-                         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                         num_channels=config.num_channels, cached_handle=cached)
+
+        def check() -> None:
+            self._check_dispatch(engine, x, cached, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                 topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+        # The native engine's extension runs the checks for a kind of call it has not seen pass (its signature:
+        # the tensors' dtypes, devices, sizes and strides, and the ints above); the other engines here.
+        if engine is not self._native:
+            check()
+        x_data, x_scales = x if type(x) is tuple and len(x) == 2 else (x, None)
+        if isinstance(x_scales, torch.Tensor) and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
+            x_scales = x_scales.contiguous()
+        config = self._check_config(config, self.get_dispatch_config)
         result = None
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
-            if x_scales is not None and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
-                x_scales = x_scales.contiguous()
             try:
-                result = engine.dispatch(x_data, x_scales, stream=current_stream_handle(self.device), **arguments)
+                result = engine.dispatch(x_data, x_scales, is_token_in_rank=is_token_in_rank,
+                                         num_tokens_per_rank=num_tokens_per_rank,
+                                         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+                                         topk_weights=topk_weights, expert_alignment=expert_alignment,
+                                         num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
+                                         cached_handle=cached, stream=current_stream_handle(self.device), check=check)
                 event = EventOverlap()
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
                 engine = self._reference
         if result is None:
-            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, previous_event,
+            arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+                             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                             num_channels=config.num_channels, cached_handle=cached)
+            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, check, previous_event,
                                                             async_finish, allocate_on_comm_stream)
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
@@ -555,16 +559,14 @@ class Buffer:
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
-    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, previous_event, async_finish,
+    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, check, previous_event, async_finish,
                            allocate_on_comm_stream):
         """A dispatch on the communication stream (DeepEP's stream discipline): ``(result, engine, event)``."""
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             arguments["stream"] = scope.launch_stream
-            if x_scales is not None and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
-                with scope.on_launch_stream():
-                    x_scales = x_scales.contiguous()
             try:
-                result = engine.dispatch(x_data, x_scales, **arguments)
+                result = (engine.dispatch(x_data, x_scales, check=check, **arguments) if engine is self._native
+                          else engine.dispatch(x_data, x_scales, **arguments))
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
@@ -578,15 +580,18 @@ class Buffer:
                                               arguments["num_tokens_per_expert"]))
         return result, engine, event
 
-    def _check_dispatch(self, engine, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+    def _check_dispatch(self, engine, x, cached, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                         topk_idx, topk_weights, expert_alignment, num_worst_tokens) -> None:
+        """``cached``: the checked handle's items for a cached dispatch, else None."""
         x_data, _ = self._check_dispatch_x(x)
         num_tokens = x_data.size(0)
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
-        if handle is not None:
+        if cached is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("topk_idx and topk_weights must be None for a cached dispatch (handle given)")
+            if cached[4].size(0) != num_tokens:
+                raise ValueError(f"x has {num_tokens} tokens but the handle was made for {cached[4].size(0)}")
             return
         r = self.group_size
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
@@ -619,27 +624,28 @@ class Buffer:
         """
         engine = self._engine_serving(handle, self._engine_for("combine"))
         parts = self._check_normal_handle(handle)
-        num_rows, num_tokens = parts[3].size(0), parts[4].size(0)
-        call = ("combine", tensor_signature(x), tensor_signature(topk_weights), tensor_signature(bias), num_rows,
-                num_tokens)
-        if call not in self._checked_calls:
-            check_tensor("x", x, (torch.bfloat16,), shape=(num_rows, None))
+
+        def check() -> None:
+            check_tensor("x", x, (torch.bfloat16,), shape=(parts[3].size(0), None))
             check_hidden("x", x.size(1), x.element_size())
             if topk_weights is not None:
-                check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(num_rows, None))
-            self._check_bias(bias, num_tokens, x.size(1))
+                check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(parts[3].size(0), None))
+            self._check_bias(bias, parts[4].size(0), x.size(1))
             check_same_device(self.device, x=x, topk_weights=topk_weights)
-            self._checked(call, engine)
+        # As in dispatch: the native engine's extension runs the checks for a kind of call it has not seen pass.
+        if engine is not self._native:
+            check()
         biases = [] if bias is None else list(bias) if type(bias) is tuple else [bias]
         config = self._check_config(config, self.get_combine_config)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
-                                                               current_stream_handle(self.device))
+                                                               current_stream_handle(self.device), check)
             return combined_x, combined_topk_weights, EventOverlap()
+        native = {"check": check} if engine is self._native else {}
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels,
-                                                               stream=scope.launch_stream)
+                                                               stream=scope.launch_stream, **native)
         event = scope.finish((combined_x, combined_topk_weights), inputs=(x, topk_weights) + tuple(biases))
         return combined_x, combined_topk_weights, event
 

@@ -73,100 +73,119 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     false}};  // push_rows: start_dispatch sets it
 }
 
-// The launcher's calls: positional arguments only (each is one call of a Buffer operation), pointers and
-// streams as integers, the outputs allocated here with torch (torch_tensors.h; dtypes as its codes, -1
-// for an output not wanted), and the GIL released while the launcher works (a dispatch waits for its
-// counts). Each returns the NormalCallStatus first; the tensors only when it is kDone.
+// NormalLauncher as Python sees it: each operation one call (positional arguments; tensors as a tuple in
+// the operation's order, read through torch's shim: torch_tensors.h), the outputs allocated here with torch,
+// and the GIL released while the launcher works (a dispatch waits for its counts). `check` is the Buffer's
+// Python checks of the call, run only for a kind of call not checked before (each operation keeps its own
+// signatures). Each call returns the NormalCallStatus first; the tensors only when it is kDone.
+struct BoundNormalLauncher {
+  std::unique_ptr<uccl_ep::NormalLauncher> launcher;
+  uccl_ep::bindings::CheckedCalls checked_dispatches, checked_cached_dispatches, checked_combines;
+};
+
 struct NormalLauncherCalls {
+  using Tensors = uccl_ep::bindings::TensorArguments;
+
+  // tensors: (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+  // num_tokens_per_expert); values: (expert_alignment, num_worst_tokens).
   // -> (status, [send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix,
   //     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx] or None, tokens per local
   //     expert, NormalHostCounts or None, what does not fit)
-  static py::tuple dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t hidden, int32_t x_dtype,
-                            int64_t x_row_bytes, std::uintptr_t x_scales, int32_t num_scales, int32_t scales_dtype,
-                            int64_t scale_row_bytes, std::uintptr_t topk_idx, std::uintptr_t topk_weights,
-                            int32_t num_topk, std::uintptr_t is_token_in_rank, int32_t num_tokens,
-                            std::uintptr_t num_tokens_per_rank, std::uintptr_t num_tokens_per_expert,
-                            int32_t num_local_experts, int32_t num_channels, int32_t expert_alignment,
-                            int32_t num_worst_tokens, std::uintptr_t stream) {
-    const int64_t r = self.region().num_ranks;
+  static py::tuple dispatch(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
+                            int32_t num_channels, std::uintptr_t stream, const py::object& check) {
+    const Tensors in(tensors, values, self.checked_dispatches, check);
+    const auto &x = in[0], &x_scales = in[1], &topk_idx = in[2], &topk_weights = in[3];
+    const auto &is_token_in_rank = in[4], &num_tokens_per_rank = in[5], &num_tokens_per_expert = in[6];
+    uccl_ep::NormalLauncher& launcher = *self.launcher;
+    const int64_t r = launcher.region().num_ranks;
+    const int32_t num_tokens = static_cast<int32_t>(x.size(0));
+    const int64_t hidden = x.size(1);
+    const int32_t num_topk = topk_idx.present ? static_cast<int32_t>(topk_idx.size(1)) : 0;
+    const int32_t num_local_experts = static_cast<int32_t>(num_tokens_per_expert.size(0) / r);
     const int64_t token_ints = num_tokens * r;
     const int64_t channel_ints = r * num_channels;
-    NewTensors tensors(TensorDevice::kCuda, self.device());
+    NewTensors tensors_out(TensorDevice::kCuda, launcher.device());
     // One int32 block for what the layout and notify write (NormalDispatchRequest's handle_ints), and its views.
-    void* handle_ints = tensors.add({2 * (token_ints + channel_ints) + r * r + num_local_experts}, TensorDtype::kInt32);
+    void* handle_ints =
+        tensors_out.add({2 * (token_ints + channel_ints) + r * r + num_local_experts}, TensorDtype::kInt32);
     int64_t offset = 0;
     for (const auto& [rows, columns] : {std::pair<int64_t, int64_t>{num_tokens, r}, {r, num_channels}, {num_tokens, r},
                                         {r, num_channels}, {r, r}}) {
-      tensors.add_view(0, {rows, columns}, {columns, 1}, offset);
+      tensors_out.add_view(0, {rows, columns}, {columns, 1}, offset);
       offset += rows * columns;
     }
-    const uccl_ep::NormalDispatchRequest request{ptr<const void>(x),
-                                                 x_row_bytes,
-                                                 ptr<const void>(x_scales),
-                                                 scale_row_bytes,
-                                                 ptr<const int64_t>(topk_idx),
-                                                 ptr<const float>(topk_weights),
+    const uccl_ep::NormalDispatchRequest request{x.data,
+                                                 hidden * x.element_bytes(),
+                                                 x_scales.data,
+                                                 x_scales.present ? x_scales.size(1) * x_scales.element_bytes() : 0,
+                                                 static_cast<const int64_t*>(topk_idx.data),
+                                                 static_cast<const float*>(topk_weights.data),
                                                  num_topk,
-                                                 ptr<const bool>(is_token_in_rank),
+                                                 static_cast<const bool*>(is_token_in_rank.data),
                                                  num_tokens,
-                                                 ptr<const int32_t>(num_tokens_per_rank),
-                                                 ptr<const int32_t>(num_tokens_per_expert),
+                                                 static_cast<const int32_t*>(num_tokens_per_rank.data),
+                                                 static_cast<const int32_t*>(num_tokens_per_expert.data),
                                                  num_local_experts,
                                                  num_channels,
-                                                 expert_alignment,
-                                                 num_worst_tokens,
+                                                 static_cast<int32_t>(in.value(0)),
+                                                 static_cast<int32_t>(in.value(1)),
                                                  static_cast<int32_t*>(handle_ints),
-                                                 2 * static_cast<int64_t>(hidden)};
+                                                 2 * hidden};
     // Called once the rows are known, on this thread, without the GIL.
     const uccl_ep::NormalOutputsAllocator allocate{
-        [&](int64_t rows) { return tensors.add({rows, hidden}, static_cast<TensorDtype>(x_dtype)); },
+        [&](int64_t rows) { return tensors_out.add({rows, hidden}, static_cast<TensorDtype>(x.dtype)); },
         [&](int64_t rows, uccl_ep::NormalDispatchOutputs& outputs) {
-          outputs.recv_x_scales = optional_rows(tensors, rows, num_scales, scales_dtype);
-          outputs.recv_topk_idx = static_cast<int64_t*>(
-              optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kInt64) : -1));
-          outputs.recv_topk_weights = static_cast<float*>(
-              optional_rows(tensors, rows, num_topk, num_topk ? static_cast<int32_t>(TensorDtype::kFloat32) : -1));
-          outputs.recv_src_idx = static_cast<int32_t*>(tensors.add({rows}, TensorDtype::kInt32));
+          outputs.recv_x_scales = optional_rows(tensors_out, rows, x_scales);
+          const bool with_topk = num_topk > 0;  // a top-k of 0 columns returns None, as the reference does
+          outputs.recv_topk_idx = static_cast<int64_t*>(optional_rows(tensors_out, rows, topk_idx, with_topk));
+          outputs.recv_topk_weights = static_cast<float*>(optional_rows(tensors_out, rows, topk_weights, with_topk));
+          outputs.recv_src_idx = static_cast<int32_t*>(tensors_out.add({rows}, TensorDtype::kInt32));
         }};
     uccl_ep::NormalDispatchResult result;
     {
       py::gil_scoped_release no_gil;
-      result = self.dispatch(request, allocate, as_stream(stream));
+      result = launcher.dispatch(request, allocate, as_stream(stream));
     }
     py::object host_counts =
         result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
     py::object outputs = py::none();
     if (result.status == uccl_ep::NormalCallStatus::kDone) {
-      py::list all = tensors.release();
+      py::list all = tensors_out.release();
       outputs = all[py::slice(1, static_cast<py::ssize_t>(all.size()), 1)];  // the views keep the block
     }
     return py::make_tuple(static_cast<int32_t>(result.status), outputs, py::cast(result.expert_counts), host_counts,
                           result.too_large);
   }
 
+  // tensors: (x, x_scales, topk_idx, topk_weights (None: the checks refuse them with a handle), send_pos, and
+  // the handle's rank_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank); values:
+  // (expert_alignment, num_worst_tokens). num_channels: the call's, num_sms / 2 (the handle's dispatch's are
+  // the columns of its recv_channel_prefix_matrix). host_counts: the handle's NormalHostCounts or None.
   // -> (status, [recv_x, recv_x_scales or None] or None)
-  static py::tuple cached_dispatch(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t hidden, int32_t x_dtype,
-                                   int64_t x_row_bytes, std::uintptr_t x_scales, int32_t num_scales,
-                                   int32_t scales_dtype, int64_t scale_row_bytes, std::uintptr_t send_pos,
-                                   std::uintptr_t rank_prefix_matrix, int32_t num_tokens, int32_t num_rows_out,
-                                   int32_t num_channels, std::uintptr_t recv_channel_prefix_matrix,
-                                   int32_t handle_channels, const uccl_ep::NormalHostCounts* host_counts,
-                                   std::uintptr_t stream) {
-    NewTensors tensors(TensorDevice::kCuda, self.device());
-    void* recv_x = tensors.add({num_rows_out, hidden}, static_cast<TensorDtype>(x_dtype));
-    void* recv_x_scales = optional_rows(tensors, num_rows_out, num_scales, scales_dtype);
-    const uccl_ep::NormalDispatchArgs args{self.region(),
-                                           ptr<const void>(x),
-                                           x_row_bytes,
-                                           ptr<const void>(x_scales),
-                                           scale_row_bytes,
+  static py::tuple cached_dispatch(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
+                                   int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts,
+                                   std::uintptr_t stream, const py::object& check) {
+    const Tensors in(tensors, values, self.checked_cached_dispatches, check);
+    const auto &x = in[0], &x_scales = in[1], &send_pos = in[4], &rank_prefix_matrix = in[5];
+    const auto &recv_channel_prefix_matrix = in[6], &recv_src_idx = in[7];
+    uccl_ep::NormalLauncher& launcher = *self.launcher;
+    const int64_t hidden = x.size(1);
+    const int64_t num_rows_out = recv_src_idx.size(0);
+    NewTensors tensors_out(TensorDevice::kCuda, launcher.device());
+    void* recv_x = tensors_out.add({num_rows_out, hidden}, static_cast<TensorDtype>(x.dtype));
+    void* recv_x_scales = optional_rows(tensors_out, num_rows_out, x_scales);
+    const uccl_ep::NormalDispatchArgs args{launcher.region(),
+                                           x.data,
+                                           hidden * x.element_bytes(),
+                                           x_scales.data,
+                                           x_scales.present ? x_scales.size(1) * x_scales.element_bytes() : 0,
                                            nullptr,  // no top-k: a cached dispatch moves x (and its scales)
                                            nullptr,
                                            0,
                                            0,
-                                           ptr<const int32_t>(send_pos),
-                                           ptr<const int32_t>(rank_prefix_matrix),
-                                           num_tokens,
+                                           static_cast<const int32_t*>(send_pos.data),
+                                           static_cast<const int32_t*>(rank_prefix_matrix.data),
+                                           static_cast<int32_t>(x.size(0)),
                                            num_rows_out,
                                            recv_x,
                                            recv_x_scales,
@@ -174,61 +193,70 @@ struct NormalLauncherCalls {
                                            nullptr,
                                            nullptr,  // the handle keeps its recv_src_idx
                                            2 * num_channels,
-                                           handle_channels,
-                                           ptr<const int32_t>(recv_channel_prefix_matrix)};
+                                           static_cast<int32_t>(recv_channel_prefix_matrix.size(1)),
+                                           static_cast<const int32_t*>(recv_channel_prefix_matrix.data)};
     uccl_ep::NormalCallStatus status;
     {
       py::gil_scoped_release no_gil;
-      status = self.cached_dispatch(args, 2 * static_cast<int64_t>(hidden), host_counts, as_stream(stream));
+      status = launcher.cached_dispatch(args, 2 * hidden, host_counts, as_stream(stream));
     }
-    return finish(status, tensors);
+    return finish(status, tensors_out);
   }
 
-  // -> (status, [combined_x, combined_topk_weights or None] or None)
-  static py::tuple combine(uccl_ep::NormalLauncher& self, std::uintptr_t x, int32_t num_rows, int32_t hidden,
-                           int32_t x_dtype, bool has_topk_weights, std::uintptr_t topk_weights, int32_t num_topk,
-                           std::uintptr_t rank_prefix_matrix, std::uintptr_t is_token_in_rank, std::uintptr_t send_pos,
-                           int32_t num_tokens, std::uintptr_t bias0, std::uintptr_t bias1, int32_t num_channels,
-                           std::uintptr_t recv_channel_prefix_matrix, int32_t handle_channels,
-                           const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream) {
-    NewTensors tensors(TensorDevice::kCuda, self.device());
-    void* combined_x = tensors.add({num_tokens, hidden}, static_cast<TensorDtype>(x_dtype));
-    // (An empty topk_weights has address 0: whether it was given is told apart.)
-    void* combined_topk_weights = optional_rows(tensors, num_tokens, num_topk,
-                                                has_topk_weights ? static_cast<int32_t>(TensorDtype::kFloat32) : -1);
-    const uccl_ep::NormalCombineArgs args{self.region(),
-                                          ptr<const void>(x),
-                                          num_rows,
-                                          hidden,
-                                          ptr<const float>(topk_weights),
+  // tensors: (x, topk_weights, bias0, bias1, and the handle's rank_prefix_matrix, is_token_in_rank, send_pos,
+  // recv_channel_prefix_matrix, recv_src_idx); values: (the number of biases given). The channels as in
+  // cached_dispatch. -> (status, [combined_x, combined_topk_weights or None] or None)
+  static py::tuple combine(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
+                           int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream,
+                           const py::object& check) {
+    const Tensors in(tensors, values, self.checked_combines, check);
+    const auto &x = in[0], &topk_weights = in[1], &bias0 = in[2], &bias1 = in[3], &rank_prefix_matrix = in[4];
+    const auto &is_token_in_rank = in[5], &send_pos = in[6], &recv_channel_prefix_matrix = in[7];
+    uccl_ep::NormalLauncher& launcher = *self.launcher;
+    const int32_t num_topk = topk_weights.present ? static_cast<int32_t>(topk_weights.size(1)) : 0;
+    if (num_topk > uccl_ep::kNormalMaxTopk) {
+      throw py::value_error("topk_weights has " + std::to_string(num_topk) +
+                            " columns; the native combine sums at most " + std::to_string(uccl_ep::kNormalMaxTopk));
+    }
+    const int64_t num_tokens = is_token_in_rank.size(0);
+    const int64_t hidden = x.size(1);
+    NewTensors tensors_out(TensorDevice::kCuda, launcher.device());
+    void* combined_x = tensors_out.add({num_tokens, hidden}, static_cast<TensorDtype>(x.dtype));
+    void* combined_topk_weights = optional_rows(tensors_out, num_tokens, topk_weights);
+    const uccl_ep::NormalCombineArgs args{launcher.region(),
+                                          x.data,
+                                          static_cast<int32_t>(x.size(0)),
+                                          static_cast<int32_t>(hidden),
+                                          static_cast<const float*>(topk_weights.data),
                                           num_topk,
-                                          ptr<const int32_t>(rank_prefix_matrix),
-                                          ptr<const bool>(is_token_in_rank),
-                                          ptr<const int32_t>(send_pos),
-                                          num_tokens,
-                                          ptr<const void>(bias0),
-                                          ptr<const void>(bias1),
+                                          static_cast<const int32_t*>(rank_prefix_matrix.data),
+                                          static_cast<const bool*>(is_token_in_rank.data),
+                                          static_cast<const int32_t*>(send_pos.data),
+                                          static_cast<int32_t>(num_tokens),
+                                          bias0.data,
+                                          bias1.data,
                                           combined_x,
                                           static_cast<float*>(combined_topk_weights),
                                           2 * num_channels,
-                                          handle_channels,
-                                          ptr<const int32_t>(recv_channel_prefix_matrix)};
+                                          static_cast<int32_t>(recv_channel_prefix_matrix.size(1)),
+                                          static_cast<const int32_t*>(recv_channel_prefix_matrix.data)};
     uccl_ep::NormalCallStatus status;
     {
       py::gil_scoped_release no_gil;
-      status = self.combine(args, host_counts, as_stream(stream));
+      status = launcher.combine(args, host_counts, as_stream(stream));
     }
-    return finish(status, tensors);
+    return finish(status, tensors_out);
   }
 
  private:
-  // A [rows, columns] output of dtype code `dtype`, or None (null) when dtype is -1.
-  static void* optional_rows(NewTensors& tensors, int64_t rows, int64_t columns, int32_t dtype) {
-    if (dtype < 0) {
+  // The rows of an output with `like`'s columns and dtype, or None (null) where `like` is absent (or not wanted).
+  static void* optional_rows(NewTensors& tensors, int64_t rows, const uccl_ep::bindings::TensorArgument& like,
+                             bool wanted = true) {
+    if (!like.present || !wanted) {
       tensors.add_none();
       return nullptr;
     }
-    return tensors.add({rows, columns}, static_cast<TensorDtype>(dtype));
+    return tensors.add({rows, like.size(1)}, static_cast<TensorDtype>(like.dtype));
   }
   static py::tuple finish(uccl_ep::NormalCallStatus status, NewTensors& tensors) {
     const bool done = status == uccl_ep::NormalCallStatus::kDone;
@@ -419,41 +447,45 @@ void bind_normal(py::module_& m) {
       .value("DONE", uccl_ep::NormalCallStatus::kDone)
       .value("FAILED", uccl_ep::NormalCallStatus::kFailed)
       .value("TOO_LARGE", uccl_ep::NormalCallStatus::kTooLarge);
-  py::class_<uccl_ep::NormalLauncher>(m, "NormalLauncher",
-                                      "Each normal-mode operation in one call (positional arguments only). A call "
-                                      "returns a NormalCallStatus value (an int): FAILED when a kernel recorded a "
-                                      "failure (raise it from the state), TOO_LARGE when the exchange does not fit "
-                                      "num_nvl_bytes (nothing moved rows; the same on every rank).")
+  py::class_<BoundNormalLauncher>(m, "NormalLauncher",
+                                  "Each normal-mode operation in one call (positional arguments only; tensors as a "
+                                  "tuple in the operation's order, Nones where absent). A call returns a "
+                                  "NormalCallStatus value (an int): FAILED when a kernel recorded a failure (raise it "
+                                  "from the state), TOO_LARGE when the exchange does not fit num_nvl_bytes (nothing "
+                                  "moved rows; the same on every rank). `check` (no arguments) is the caller's checks "
+                                  "of the call: run, and let raise, only for a kind of call (the tensors' dtypes, "
+                                  "devices, sizes and strides, and the values) this launcher has not seen pass.")
       .def(py::init([](const uccl_ep::NormalRegion& region, uccl_ep::NormalCopyEngine& copy_engine,
                        const uccl_ep::LowLatencyState& state, int device, uccl_ep::NormalRowPath rows,
                        bool launch_thread) {
-             return std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device, rows,
-                                                              launch_thread);
+             auto bound = std::make_unique<BoundNormalLauncher>();
+             bound->launcher = std::make_unique<uccl_ep::NormalLauncher>(region, &copy_engine, &state, device, rows,
+                                                                         launch_thread);
+             return bound;
            }),
            py::arg("region"), py::arg("copy_engine"), py::arg("state"), py::arg("device"), py::arg("rows"),
            py::arg("launch_thread") = true,
            py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
       .def("dispatch", &NormalLauncherCalls::dispatch,
-           "dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, topk_idx, "
-           "topk_weights, num_topk, is_token_in_rank, num_tokens, num_tokens_per_rank, num_tokens_per_expert, "
-           "num_local_experts, num_channels, expert_alignment, num_worst_tokens, stream) -> (status, [send_pos, "
-           "channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix, recv_x, recv_x_scales, "
-           "recv_topk_idx, recv_topk_weights, recv_src_idx] when DONE, tokens per local expert (read on the host, "
-           "else empty), NormalHostCounts or None, what does not fit). A fresh dispatch: layout, notify, the count "
-           "read, the outputs allocated for the rows read, and the rows into them. Dtypes are torch_tensors codes, "
-           "-1 for no scales.")
+           "dispatch((x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, "
+           "num_tokens_per_expert), (expert_alignment, num_worst_tokens), num_channels, stream, check) -> (status, "
+           "[send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix, recv_x, "
+           "recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx] when DONE, tokens per local expert (read on "
+           "the host, else empty), NormalHostCounts or None, what does not fit). A fresh dispatch: layout, notify, the "
+           "count read, the outputs allocated for the rows read, and the rows into them.")
       .def("cached_dispatch", &NormalLauncherCalls::cached_dispatch,
-           "cached_dispatch(x, hidden, x_dtype, x_row_bytes, x_scales, num_scales, scales_dtype, scale_row_bytes, "
-           "send_pos, rank_prefix_matrix, num_tokens, num_rows_out, num_channels, recv_channel_prefix_matrix, "
-           "handle_channels, host_counts, stream) -> (status, [recv_x, recv_x_scales or None] when DONE): a dispatch "
-           "with a handle's layout (num_channels: the call's, num_sms / 2; handle_channels: its dispatch's, the "
-           "columns of its recv_channel_prefix_matrix; host_counts: the handle's NormalHostCounts or None).")
-      .def("release", &uccl_ep::NormalLauncher::release, py::call_guard<py::gil_scoped_release>(),
-           "Stops its launch thread once the work handed to it is queued (before the copy engine's release).")
+           "cached_dispatch((x, x_scales, topk_idx, topk_weights, send_pos, rank_prefix_matrix, "
+           "recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank), (expert_alignment, num_worst_tokens), "
+           "num_channels, host_counts, stream, check) -> (status, [recv_x, recv_x_scales or None] when DONE): a "
+           "dispatch with a handle's layout (num_channels: the call's, num_sms / 2; host_counts: the handle's "
+           "NormalHostCounts or None).")
       .def("combine", &NormalLauncherCalls::combine,
-           "combine(x, num_rows, hidden, x_dtype, has_topk_weights, topk_weights, num_topk, rank_prefix_matrix, is_token_in_rank, "
-           "send_pos, num_tokens, bias0, bias1, num_channels, recv_channel_prefix_matrix, handle_channels, host_counts, "
-           "stream) -> (status, [combined_x, combined_topk_weights or None] when DONE), the channels as in "
-           "cached_dispatch.");
+           "combine((x, topk_weights, bias0, bias1, rank_prefix_matrix, is_token_in_rank, send_pos, "
+           "recv_channel_prefix_matrix, recv_src_idx), (number of biases,), num_channels, host_counts, stream, check) "
+           "-> (status, [combined_x, combined_topk_weights or None] when DONE), the channels as in cached_dispatch.")
+      .def(
+          "release", [](BoundNormalLauncher& self) { self.launcher->release(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Stops its launch thread once the work handed to it is queued (before the copy engine's release).");
 }
 #endif  // UCCL_EP_WITH_GPU

@@ -162,6 +162,27 @@ py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int de
   return tensors.release();
 }
 
+// Tensor arguments read the way the operations read theirs (torch_tensors.h): each None, or (address,
+// dtype, device_type, device_index, sizes, strides) with the codes of torch_tensors.py (-1: another).
+py::list torch_shim_arguments(const py::tuple& tensors, const py::tuple& values,
+                              uccl_ep::bindings::CheckedCalls& checked, const py::object& check) {
+  const uccl_ep::bindings::TensorArguments arguments(tensors, values, checked, check);
+  py::list described;
+  for (int i = 0; i < arguments.size(); ++i) {
+    const uccl_ep::bindings::TensorArgument& a = arguments[i];
+    if (!a.present) {
+      described.append(py::none());
+      continue;
+    }
+    const int kept = a.dim < uccl_ep::bindings::TensorArgument::kMaxDims ? a.dim
+                                                                          : uccl_ep::bindings::TensorArgument::kMaxDims;
+    described.append(py::make_tuple(a.address(), a.dtype, a.device_type, a.device_index,
+                                    std::vector<int64_t>(a.sizes, a.sizes + kept),
+                                    std::vector<int64_t>(a.strides, a.strides + kept)));
+  }
+  return described;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -179,8 +200,20 @@ PYBIND11_MODULE(_C, m) {
   bind_transport(m);
   bind_proxy(m);
   m.def("use_torch_shim", &uccl_ep::bindings::use_torch_shim, py::arg("libtorch_path"), py::arg("to_tensors"),
-        "Let the extension allocate its outputs with torch: find torch's C shim in the loaded libtorch at "
-        "libtorch_path; to_tensors is torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs. Once per process.");
+        py::arg("from_tensors"), py::arg("tensor_type"),
+        "Let the extension allocate its outputs and read its tensor arguments with torch: find torch's C shim in "
+        "the loaded libtorch at libtorch_path; to_tensors is torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs, "
+        "from_tensors torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors, tensor_type torch.Tensor. Once per "
+        "process.");
+  py::class_<uccl_ep::bindings::CheckedCalls>(
+      m, "CheckedCalls", "The signatures of calls whose arguments passed their operation's checks (bounded).")
+      .def(py::init<>())
+      .def("__len__", &uccl_ep::bindings::CheckedCalls::size);
+  m.def("torch_shim_arguments", &torch_shim_arguments, py::arg("tensors"), py::arg("values"), py::arg("checked"),
+        py::arg("check"),
+        "Tensor arguments read the way the operations read theirs: each None or (address, dtype, device_type, "
+        "device_index, sizes, strides); check() runs when a tensor is not a tensor or None or a value not an int, or "
+        "when the call's signature (the tensors' and the values) is not in checked yet.");
   m.def("torch_shim_tensors", &torch_shim_tensors, py::arg("entries"), py::arg("device_type"), py::arg("device_index"),
         "Tensors made the way the operations make their outputs: each entry None, (sizes, dtype, strides or None) "
         "or a view of an earlier entry, (entry, sizes, strides, offset); dtype and device_type are the codes of "

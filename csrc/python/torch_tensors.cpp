@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,6 +23,9 @@ using Reinterpret = TorchError (*)(void* self, int64_t ndim, const int64_t* size
                                    int64_t storage_offset, void** new_tensor);
 using DeleteTensor = TorchError (*)(void* tensor);
 using GetDataPtr = TorchError (*)(void* tensor, void** data);
+using GetInt64 = TorchError (*)(void* tensor, int64_t* value);
+using GetInt32 = TorchError (*)(void* tensor, int32_t* value);
+using GetInt64s = TorchError (*)(void* tensor, int64_t** values);
 using Code = int32_t (*)();
 
 struct TorchShim {
@@ -29,11 +33,20 @@ struct TorchShim {
   Reinterpret reinterpret = nullptr;
   DeleteTensor delete_tensor = nullptr;
   GetDataPtr data_ptr = nullptr;
+  GetInt64 dim = nullptr;
+  GetInt64s sizes = nullptr;
+  GetInt64s strides = nullptr;
+  GetInt32 dtype = nullptr;
+  GetInt32 device_type = nullptr;
+  GetInt32 device_index = nullptr;
   int32_t dtypes[7] = {};   // by TensorDtype
   int32_t devices[2] = {};  // by TensorDevice
-  // torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs. Never destroyed: torch's module outlives us,
-  // and a static py::object's destructor would run after the interpreter is gone.
+  // torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs and unsafe_alloc_void_ptrs_from_tensors,
+  // torch.Tensor. Never destroyed: torch's module outlives us, and a static py::object's destructor
+  // would run after the interpreter is gone.
   py::object* to_tensors = nullptr;
+  py::object* from_tensors = nullptr;
+  PyObject* tensor_type = nullptr;
 };
 
 TorchShim shim;
@@ -61,9 +74,19 @@ void check_torch(TorchError error, const char* what) {
   }
 }
 
+constexpr int kElementBytes[7] = {1, 1, 4, 8, 4, 2, 1};  // by TensorDtype
+
+int32_t code_of(int32_t raw, const int32_t* codes, int count) {
+  for (int i = 0; i < count; ++i) {
+    if (codes[i] == raw) return i;
+  }
+  return -1;
+}
+
 }  // namespace
 
-void use_torch_shim(const std::string& libtorch_path, const py::object& to_tensors) {
+void use_torch_shim(const std::string& libtorch_path, const py::object& to_tensors, const py::object& from_tensors,
+                    const py::object& tensor_type) {
   if (shim.to_tensors != nullptr) return;
   // The library is loaded already (by `import torch`): this finds it; it never loads a second copy.
   void* library = dlopen(libtorch_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
@@ -76,6 +99,12 @@ void use_torch_shim(const std::string& libtorch_path, const py::object& to_tenso
   found.reinterpret = lookup<Reinterpret>(library, "aoti_torch__reinterpret_tensor", libtorch_path);
   found.delete_tensor = lookup<DeleteTensor>(library, "aoti_torch_delete_tensor_object", libtorch_path);
   found.data_ptr = lookup<GetDataPtr>(library, "aoti_torch_get_data_ptr", libtorch_path);
+  found.dim = lookup<GetInt64>(library, "aoti_torch_get_dim", libtorch_path);
+  found.sizes = lookup<GetInt64s>(library, "aoti_torch_get_sizes", libtorch_path);
+  found.strides = lookup<GetInt64s>(library, "aoti_torch_get_strides", libtorch_path);
+  found.dtype = lookup<GetInt32>(library, "aoti_torch_get_dtype", libtorch_path);
+  found.device_type = lookup<GetInt32>(library, "aoti_torch_get_device_type", libtorch_path);
+  found.device_index = lookup<GetInt32>(library, "aoti_torch_get_device_index", libtorch_path);
   const char* dtype_names[] = {"aoti_torch_dtype_bool",    "aoti_torch_dtype_uint8",    "aoti_torch_dtype_int32",
                                "aoti_torch_dtype_int64",   "aoti_torch_dtype_float32",  "aoti_torch_dtype_bfloat16",
                                "aoti_torch_dtype_float8_e4m3fn"};
@@ -85,6 +114,8 @@ void use_torch_shim(const std::string& libtorch_path, const py::object& to_tenso
   found.devices[static_cast<int>(TensorDevice::kCuda)] =
       lookup<Code>(library, "aoti_torch_device_type_cuda", libtorch_path)();
   found.to_tensors = new py::object(to_tensors);
+  found.from_tensors = new py::object(from_tensors);
+  found.tensor_type = tensor_type.inc_ref().ptr();
   shim = found;
 }
 
@@ -158,6 +189,130 @@ py::list NewTensors::release() {
   int next = 0;
   for (int i = 0; i < count; ++i) out.append(present[i] ? py::object(tensors[next++]) : py::object(py::none()));
   return out;
+}
+
+int64_t TensorArgument::element_bytes() const { return dtype < 0 ? 0 : kElementBytes[dtype]; }
+
+void CheckedCalls::add(std::string signature) {
+  if (calls_.size() >= kMaxCalls) calls_.clear();  // calls of ever new sizes: checked again
+  calls_.insert(std::move(signature));
+}
+
+TensorArguments::TensorArguments(const py::tuple& tensors, const py::tuple& values, CheckedCalls& checked,
+                                 const py::object& check) {
+  if (!torch_shim_ready()) throw std::logic_error("use_torch_shim was not called");
+  if (static_cast<int>(tensors.size()) > kMaxArguments || static_cast<int>(values.size()) > kMaxValues) {
+    throw std::logic_error("TensorArguments: more than " + std::to_string(kMaxArguments) + " tensors or " +
+                           std::to_string(kMaxValues) + " values");
+  }
+  py::list present;
+  if (!take(tensors, values, present)) {
+    check();  // raises, naming the argument
+    throw py::type_error("an argument is not what its operation takes, and the checks let it pass");
+  }
+  read(present);
+  if (!all_dims_kept_) {
+    check();
+    return;
+  }
+  std::string call = signature();
+  if (checked.contains(call)) return;
+  check();
+  checked.add(std::move(call));
+}
+
+bool TensorArguments::take(const py::tuple& tensors, const py::tuple& values, py::list& present) {
+  count_ = static_cast<int>(tensors.size());
+  bool taken = true;
+  for (int i = 0; i < count_; ++i) {
+    PyObject* item = tensors[i].ptr();
+    if (item == Py_None) continue;
+    const int is_tensor = Py_TYPE(item) == reinterpret_cast<PyTypeObject*>(shim.tensor_type)
+                              ? 1
+                              : PyObject_IsInstance(item, shim.tensor_type);
+    if (is_tensor < 0) throw py::error_already_set();
+    if (is_tensor == 0) {
+      taken = false;
+      continue;
+    }
+    arguments_[i].present = true;
+    present.append(tensors[i]);
+  }
+  num_values_ = static_cast<int>(values.size());
+  for (int i = 0; i < num_values_; ++i) {
+    PyObject* item = values[i].ptr();
+    if (!PyLong_CheckExact(item)) {  // the checks refuse bools and floats too
+      taken = false;
+      continue;
+    }
+    int overflow = 0;
+    values_[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0) taken = false;
+  }
+  return taken;
+}
+
+void TensorArguments::read(const py::list& present) {
+  if (present.size() == 0) return;
+  const py::list handles = (*shim.from_tensors)(present);
+  // The handles are new references to the caller's tensors: read, then deleted whatever happens.
+  void* owned[kMaxArguments] = {};
+  const int count = static_cast<int>(handles.size());
+  for (int i = 0; i < count; ++i) owned[i] = PyCapsule_GetPointer(handles[i].ptr(), nullptr);
+  struct Release {
+    void** handles;
+    int count;
+    ~Release() {
+      for (int i = 0; i < count; ++i) {
+        if (handles[i] != nullptr) shim.delete_tensor(handles[i]);
+      }
+    }
+  } release{owned, count};
+  if (PyErr_Occurred()) throw py::error_already_set();
+  int next = 0;
+  for (int i = 0; i < count_; ++i) {
+    TensorArgument& a = arguments_[i];
+    if (!a.present) continue;
+    void* handle = owned[next++];
+    int64_t dim = 0;
+    int64_t* sizes = nullptr;
+    int64_t* strides = nullptr;
+    int32_t dtype = 0;
+    int32_t device_type = 0;
+    check_torch(shim.data_ptr(handle, &a.data) | shim.dim(handle, &dim) | shim.sizes(handle, &sizes) |
+                    shim.strides(handle, &strides) | shim.dtype(handle, &dtype) |
+                    shim.device_type(handle, &device_type) | shim.device_index(handle, &a.device_index),
+                "describe a tensor argument");
+    a.dim = static_cast<int32_t>(dim);
+    all_dims_kept_ = all_dims_kept_ && dim <= TensorArgument::kMaxDims;
+    const int kept = dim < TensorArgument::kMaxDims ? static_cast<int>(dim) : TensorArgument::kMaxDims;
+    std::memcpy(a.sizes, sizes, kept * sizeof(int64_t));
+    std::memcpy(a.strides, strides, kept * sizeof(int64_t));
+    a.dtype = code_of(dtype, shim.dtypes, 7);
+    a.device_type = code_of(device_type, shim.devices, 2);
+    torch_dtypes_[i] = dtype;
+    torch_devices_[i] = device_type;
+  }
+}
+
+std::string TensorArguments::signature() const {
+  std::string call;
+  const auto put = [&call](int64_t value) { call.append(reinterpret_cast<const char*>(&value), sizeof(value)); };
+  for (int i = 0; i < count_; ++i) {
+    const TensorArgument& a = arguments_[i];
+    put(a.present ? 1 : 0);
+    if (!a.present) continue;
+    put(torch_dtypes_[i]);
+    put(torch_devices_[i]);
+    put(a.device_index);
+    put(a.dim);
+    for (int d = 0; d < a.dim; ++d) {
+      put(a.sizes[d]);
+      put(a.strides[d]);
+    }
+  }
+  for (int i = 0; i < num_values_; ++i) put(values_[i]);
+  return call;
 }
 
 }  // namespace bindings

@@ -1,15 +1,19 @@
-// Output tensors made from C++ by torch's own allocator: on CUDA its caching allocator, on the
-// current stream, as torch.empty would. The extension links no torch (one build serves every
-// torch): it calls torch's C shim, the aoti_torch_* functions torch keeps ABI-stable across
-// releases, looked up at run time in the libtorch that `import torch` loaded, and hands the
-// tensors to Python in one call of torch's own converter (torch._C._aoti). A Python
-// torch.empty costs several microseconds of argument parsing per tensor; this costs well under one.
+// Tensors between Python and C++ without linking torch (one build serves every torch): torch's C
+// shim, the aoti_torch_* functions torch keeps ABI-stable across releases, looked up at run time in
+// the libtorch that `import torch` loaded, and torch's own converters (torch._C._aoti), one call for
+// all of an operation's tensors each way.
+// - Outputs (NewTensors) come from torch's allocator (on CUDA its caching allocator, on the current
+//   stream, as torch.empty would). A Python torch.empty costs several microseconds of argument
+//   parsing per tensor; this costs well under one.
+// - Arguments (TensorArguments) are read through the shim: address, dtype, device, sizes, strides,
+//   with no Python call per tensor, and the operation's checks run only for a new kind of call.
 #pragma once
 
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace uccl_ep {
@@ -19,9 +23,11 @@ namespace bindings {
 enum class TensorDtype : int32_t { kBool, kUint8, kInt32, kInt64, kFloat32, kBfloat16, kFloat8E4M3 };
 enum class TensorDevice : int32_t { kCpu, kCuda };
 
-// Finds the shim in the libtorch at `libtorch_path` (already loaded) and keeps `to_tensors`, torch's
-// converter from shim handles (a list of integers) to tensors. Throws, naming what is missing.
-void use_torch_shim(const std::string& libtorch_path, const pybind11::object& to_tensors);
+// Finds the shim in the libtorch at `libtorch_path` (already loaded) and keeps torch's converters:
+// `to_tensors` from shim handles to tensors, `from_tensors` from tensors to new handles, and
+// `tensor_type` (torch.Tensor). Throws, naming what is missing.
+void use_torch_shim(const std::string& libtorch_path, const pybind11::object& to_tensors,
+                    const pybind11::object& from_tensors, const pybind11::object& tensor_type);
 bool torch_shim_ready();
 
 // The outputs of one call, in order; an entry may be None. Allocating needs no GIL; handing them to
@@ -53,6 +59,68 @@ class NewTensors {
   int device_index_;
   void* handles_[kMaxTensors] = {};  // null: None
   int count_ = 0;
+};
+
+// A tensor argument as torch's shim describes it.
+struct TensorArgument {
+  static constexpr int kMaxDims = 8;
+  bool present = false;      // else None
+  void* data = nullptr;
+  int32_t dtype = -1;        // TensorDtype; -1: one the operations never take
+  int32_t device_type = -1;  // TensorDevice; -1: another device
+  int32_t device_index = -1;
+  int32_t dim = 0;           // sizes and strides hold the first kMaxDims
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};
+
+  int64_t size(int d) const { return sizes[d]; }
+  int64_t element_bytes() const;  // 0 when dtype is -1
+  std::uintptr_t address() const { return reinterpret_cast<std::uintptr_t>(data); }
+};
+
+// The signatures of calls whose arguments passed their operation's checks (bounded: cleared when full).
+class CheckedCalls {
+ public:
+  static constexpr size_t kMaxCalls = 1024;
+  bool contains(const std::string& signature) const { return calls_.count(signature) != 0; }
+  void add(std::string signature);
+  size_t size() const { return calls_.size(); }
+
+ private:
+  std::unordered_set<std::string> calls_;
+};
+
+// An operation's arguments as its checks see them: `tensors` holds Tensors and Nones in the operation's
+// order, `values` the ints the checks read besides. `check` (the operation's Python checks: it raises,
+// naming a bad argument) runs first when a tensor item is neither a Tensor nor None or a value is not an
+// int, and else when the call's signature is not in `checked`: every tensor's presence, dtype, device,
+// sizes and strides, and the values. A call that passes is added, so a later call of the same kind
+// costs no Python. What `check` raises propagates.
+class TensorArguments {
+ public:
+  static constexpr int kMaxArguments = 12;
+  static constexpr int kMaxValues = 4;
+
+  TensorArguments(const pybind11::tuple& tensors, const pybind11::tuple& values, CheckedCalls& checked,
+                  const pybind11::object& check);
+  const TensorArgument& operator[](int i) const { return arguments_[i]; }
+  int size() const { return count_; }
+  int64_t value(int i) const { return values_[i]; }
+
+ private:
+  // Whether every item is what it must be; the values read.
+  bool take(const pybind11::tuple& tensors, const pybind11::tuple& values, pybind11::list& present);
+  void read(const pybind11::list& present);
+  std::string signature() const;
+
+  TensorArgument arguments_[kMaxArguments];
+  int count_ = 0;
+  int64_t values_[kMaxValues] = {};
+  int num_values_ = 0;
+  // torch's own dtype and device codes: in the signature, those the operations never take stay told apart.
+  int32_t torch_dtypes_[kMaxArguments] = {};
+  int32_t torch_devices_[kMaxArguments] = {};
+  bool all_dims_kept_ = true;  // else the call is checked every time
 };
 
 }  // namespace bindings

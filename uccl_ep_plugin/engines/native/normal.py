@@ -23,14 +23,12 @@ exist.
 """
 
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ...dispatch_config import MAX_TOPK
 from ..reference.collectives import CommTimeoutError
 from ..reference.normal import DispatchResult
-from .torch_tensors import DTYPES
 
 _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
                 3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
@@ -115,10 +113,6 @@ def exchange_bytes(extension, rows: int, hidden: int, num_topk: int) -> int:
         dispatch += 16 * ((rows * 2 * hidden + 15) // 16)
     combine = extension.normal_combine_area_bytes(rows, 2 * hidden, num_topk)
     return extension.NORMAL_CONTROL_BYTES + max(dispatch, combine)
-
-
-def _ptr(tensor: Optional[torch.Tensor]) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
 
 
 class NativeNormal:
@@ -243,32 +237,21 @@ class NativeNormal:
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                  num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
-                 stream: int) -> DispatchResult:
-        # Every input is contiguous (the Buffer checked): the kernels read them as they are.
-        hidden = x.size(1)
-        x_dtype = DTYPES[x.dtype]
-        x_row_bytes = hidden * x.element_size()
-        if x_scales is None:
-            num_scales, scales_dtype, scale_row_bytes = 0, -1, 0
-        else:
-            num_scales, scales_dtype = x_scales.size(1), DTYPES[x_scales.dtype]
-            scale_row_bytes = num_scales * x_scales.element_size()
+                 stream: int, check: Callable[[], None]) -> DispatchResult:
+        """``check``: the caller's checks of these arguments, which the extension runs (and lets raise) only for a
+        kind of call it has not seen pass; it reads every tensor (contiguous, as the checks demand) as it is."""
         if cached_handle is not None:
             rank_prefix_matrix = cached_handle[0]
             status, outputs = self.launcher.cached_dispatch(
-                x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
-                self._send_positions(cached_handle, stream).data_ptr(), rank_prefix_matrix.data_ptr(), x.size(0),
-                cached_handle[3].size(0), num_channels, cached_handle[2].data_ptr(), cached_handle[2].size(1),
-                getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+                (x, x_scales, topk_idx, topk_weights, self._send_positions(cached_handle, stream), rank_prefix_matrix,
+                 cached_handle[2], cached_handle[3], cached_handle[4]), (expert_alignment, num_worst_tokens),
+                num_channels, getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream, check)
             self._raise_unless_done(status)
             return DispatchResult(outputs[0], outputs[1], None, None, [], tuple(cached_handle))
-        num_topk = 0 if topk_idx is None else topk_idx.size(1)
         self._last_notify = (num_channels, num_worst_tokens, self.sm_push_percent if num_worst_tokens == 0 else 0)
         status, outputs, expert_counts, host_counts, too_large = self.launcher.dispatch(
-            x.data_ptr(), hidden, x_dtype, x_row_bytes, _ptr(x_scales), num_scales, scales_dtype, scale_row_bytes,
-            _ptr(topk_idx), _ptr(topk_weights), num_topk, is_token_in_rank.data_ptr(), x.size(0),
-            num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-            num_tokens_per_expert.size(0) // self.num_ranks, num_channels, expert_alignment, num_worst_tokens, stream)
+            (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert),
+            (expert_alignment, num_worst_tokens), num_channels, stream, check)
         self._raise_unless_done(status, too_large)
         (send_pos, channel_prefix_matrix, send_head, recv_channel_prefix_matrix, rank_prefix_matrix,
          recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) = outputs
@@ -280,19 +263,14 @@ class NativeNormal:
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
     def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                biases: Sequence[torch.Tensor], num_channels: int,
-                stream: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        rank_prefix_matrix, is_token_in_rank = handle[0], handle[4]
-        num_topk = 0
-        if topk_weights is not None:
-            num_topk = topk_weights.size(1)
-            if num_topk > MAX_TOPK:
-                raise ValueError(f"topk_weights has {num_topk} columns; the native combine sums at most {MAX_TOPK}")
+                biases: Sequence[torch.Tensor], num_channels: int, stream: int,
+                check: Callable[[], None]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``check`` as in :meth:`dispatch`; ``biases``: the caller's, as given (the checks allow at most two)."""
+        rank_prefix_matrix = handle[0]
         bias0, bias1 = (list(biases) + [None, None])[:2]
         status, outputs = self.launcher.combine(
-            x.data_ptr(), x.size(0), x.size(1), DTYPES[x.dtype], topk_weights is not None, _ptr(topk_weights), num_topk,
-            rank_prefix_matrix.data_ptr(), is_token_in_rank.data_ptr(), self._send_positions(handle, stream).data_ptr(),
-            is_token_in_rank.size(0), _ptr(bias0), _ptr(bias1), num_channels, handle[2].data_ptr(), handle[2].size(1),
-            getattr(rank_prefix_matrix, _HOST_COUNTS, None), stream)
+            (x, topk_weights, bias0, bias1, rank_prefix_matrix, handle[4], self._send_positions(handle, stream),
+             handle[2], handle[3]), (len(biases),), num_channels, getattr(rank_prefix_matrix, _HOST_COUNTS, None),
+            stream, check)
         self._raise_unless_done(status)
         return outputs[0], outputs[1]
