@@ -81,7 +81,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
       if (i < num_ranks) {
         value = a.num_tokens_per_rank[i];
       } else if (i < num_ranks + num_channels) {
-        value = a.channel_prefix_matrix[dst * num_channels + (i - num_ranks)];
+        value = load_l2(a.channel_prefix_matrix + dst * num_channels + (i - num_ranks));
       } else if (i < slot_ints - 1) {
         value = a.num_tokens_per_expert[dst * local + (i - num_ranks - num_channels)];
       } else {
@@ -164,7 +164,7 @@ __device__ void notify_gaps(const NormalNotifyArgs& a, int dst, int32_t* out) {
   int32_t found = 0;  // gaps in the passes before, alike in every thread
   for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
     const int64_t token = first + threadIdx.x;
-    const int32_t gap = token < a.num_tokens && a.send_pos[token * num_ranks + dst] < 0 ? 1 : 0;
+    const int32_t gap = token < a.num_tokens && load_l2(a.send_pos + token * num_ranks + dst) < 0 ? 1 : 0;
     int32_t pass_gaps = 0;
     const int32_t before = found + block_exclusive_sum(DeviceBlock{}, gap, warp_totals, pass_gaps);
     if (gap && before < kNormalMaxGaps) out[1 + before] = static_cast<int32_t>(token);
@@ -196,7 +196,9 @@ __device__ void notify_exchange(const NormalNotifyArgs& a) {
   *reinterpret_cast<volatile uint64_t*>(a.host_counts + normal_host_counts_epoch_index(a)) = epoch;
 }
 
-// The send layout, a block per rank, then the notify in the block that finishes last: one launch.
+// The send layout, a block per rank, then the notify in the block that finishes last: one launch. The
+// notify reads what the other blocks wrote (send_pos, channel_prefix_matrix) from L2: this SM's L1 may
+// hold lines of them from its own block's pass, from before those writes.
 __global__ void __launch_bounds__(kWideThreads, 1)
     layout_and_notify(NormalSendLayoutArgs layout, NormalNotifyArgs notify) {
   send_layout_of_rank(layout);
