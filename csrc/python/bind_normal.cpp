@@ -186,7 +186,7 @@ struct NormalLauncherCalls {
                                            static_cast<const int32_t*>(send_pos.data),
                                            static_cast<const int32_t*>(rank_prefix_matrix.data),
                                            static_cast<int32_t>(x.size(0)),
-                                           num_rows_out,
+                                           static_cast<int32_t>(num_rows_out),
                                            recv_x,
                                            recv_x_scales,
                                            nullptr,
