@@ -440,6 +440,17 @@ class Buffer:
         return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish,
                            allocate_on_comm_stream or self._traffic is not None)
 
+    def _checked_by(self, engine, check: Callable[[], None]) -> Dict[str, Callable[[], None]]:
+        """Where a normal-mode operation's argument checks (``check``: they raise, naming a bad argument) run: the
+        native engine's extension runs them only for a kind of call it has not seen pass (its signature: the
+        tensors' dtypes, devices, sizes and strides, and the other values they read); for the other engines they
+        run here, on every call (the reference engine's also read topk_idx's values). The keyword arguments that
+        pass them on to the engine."""
+        if engine is self._native:
+            return {"check": check}
+        check()
+        return {}
+
     def _checked(self, call: tuple, engine) -> None:
         """Remember that ``call`` passed the checks, for the native engine: the reference engine's calls also
         check the values of topk_idx, which no signature covers."""
@@ -522,10 +533,7 @@ class Buffer:
         def check() -> None:
             self._check_dispatch(engine, x, cached, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens)
-        # The native engine's extension runs the checks for a kind of call it has not seen pass (its signature:
-        # the tensors' dtypes, devices, sizes and strides, and the ints above); the other engines here.
-        if engine is not self._native:
-            check()
+        checks = self._checked_by(engine, check)
         x_data, x_scales = x if type(x) is tuple and len(x) == 2 else (x, None)
         if isinstance(x_scales, torch.Tensor) and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
             x_scales = x_scales.contiguous()
@@ -538,19 +546,19 @@ class Buffer:
                                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                                          topk_weights=topk_weights, expert_alignment=expert_alignment,
                                          num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
-                                         cached_handle=cached, stream=current_stream_handle(self.device), check=check)
+                                         cached_handle=cached, stream=current_stream_handle(self.device), **checks)
                 event = EventOverlap()
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
-                engine = self._reference
+                engine, checks = self._reference, {}
         if result is None:
             arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
                              num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                              expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                              num_channels=config.num_channels, cached_handle=cached)
-            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, check, previous_event,
-                                                            async_finish, allocate_on_comm_stream)
+            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, checks,
+                                                            previous_event, async_finish, allocate_on_comm_stream)
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
             return recv_x, None, None, None, None, event
@@ -559,14 +567,14 @@ class Buffer:
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
-    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, check, previous_event, async_finish,
+    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, checks, previous_event, async_finish,
                            allocate_on_comm_stream):
-        """A dispatch on the communication stream (DeepEP's stream discipline): ``(result, engine, event)``."""
+        """A dispatch on the communication stream (DeepEP's stream discipline): ``(result, engine, event)``;
+        ``checks`` as from :meth:`_checked_by`."""
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             arguments["stream"] = scope.launch_stream
             try:
-                result = (engine.dispatch(x_data, x_scales, check=check, **arguments) if engine is self._native
-                          else engine.dispatch(x_data, x_scales, **arguments))
+                result = engine.dispatch(x_data, x_scales, **arguments, **checks)
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
@@ -632,20 +640,17 @@ class Buffer:
                 check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(parts[3].size(0), None))
             self._check_bias(bias, parts[4].size(0), x.size(1))
             check_same_device(self.device, x=x, topk_weights=topk_weights)
-        # As in dispatch: the native engine's extension runs the checks for a kind of call it has not seen pass.
-        if engine is not self._native:
-            check()
+        checks = self._checked_by(engine, check)
         biases = [] if bias is None else list(bias) if type(bias) is tuple else [bias]
         config = self._check_config(config, self.get_combine_config)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
-                                                               current_stream_handle(self.device), check)
+                                                               current_stream_handle(self.device), **checks)
             return combined_x, combined_topk_weights, EventOverlap()
-        native = {"check": check} if engine is self._native else {}
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels,
-                                                               stream=scope.launch_stream, **native)
+                                                               stream=scope.launch_stream, **checks)
         event = scope.finish((combined_x, combined_topk_weights), inputs=(x, topk_weights) + tuple(biases))
         return combined_x, combined_topk_weights, event
 

@@ -27,7 +27,7 @@
 //      and after each round raises, in each destination's control area, the word of (this rank,
 //      channel) to epoch << 32 | the send positions stored so far (a channel's rows for one rank are
 //      consecutive send positions). A receiver block waits for each row's word before it reads it.
-//   2. one block: count the exchange as done, announce freed.
+//   2. the kernel's last block to finish counts the exchange as done and announces freed.
 //
 // Waits give up after timeout_ns: the first failure goes to a status block in mapped host memory,
 // and the aborted control word makes every later kernel of this Buffer return at once (the Python
