@@ -27,6 +27,12 @@ _C = pytest.importorskip("uccl_ep_plugin._C")
 T, H, K, E = 8, 256, 2, 8
 
 
+def _arguments(tensors, values, checked, check):
+    """The arguments as the real launchers read them (no mode sees the reading)."""
+    with _disable_current_modes():
+        return _C.torch_shim_arguments(tensors, values, checked, check)
+
+
 def _made_by_the_extension(*specs):
     """Tensors as the extension returns them: each spec (shape, dtype[, strides]) or None; no mode sees them."""
     with _disable_current_modes():
@@ -37,7 +43,8 @@ def _made_by_the_extension(*specs):
 
 class RecordingExtension:
     """Stands in for uccl_ep_plugin._C where the native low-latency engine uses it; ``calls`` counts every call
-    into it by name."""
+    into it by name. Its launchers read their tensor arguments and run the caller's checks as the real ones do:
+    through the extension's own mechanism (``_C.torch_shim_arguments``, with a signature memo per operation)."""
 
     LOW_LATENCY_SEND, LOW_LATENCY_RECV = 1, 2
 
@@ -62,10 +69,13 @@ class RecordingExtension:
         class Launcher:
             def __init__(self, region, device, state):
                 extension.calls["LowLatencyLauncher"] += 1
+                self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}
 
-            def dispatch(self, phases, x, topk_idx, num_tokens, num_max_tokens, hidden, num_topk, num_experts,
-                         use_fp8, *args):
+            def dispatch(self, phases, tensors, values, num_sms, stream, check):
                 extension.calls[f"LowLatencyLauncher.dispatch(phases={phases})"] += 1
+                x, topk_idx = _arguments(tensors, values, self.checked["dispatch"], check)[:2]
+                (num_tokens, hidden), num_topk = x[4], topk_idx[4][1]
+                num_max_tokens, num_experts, use_fp8 = values[:3]
                 slots, scales = num_max_tokens, hidden // 128
                 outputs = _made_by_the_extension(
                     ((num_experts, slots, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
@@ -74,10 +84,12 @@ class RecordingExtension:
                     ((2, num_tokens, num_topk), torch.int32))
                 return 0, outputs, None if phases & extension.LOW_LATENCY_RECV else ("receive", phases)
 
-            def combine(self, phases, x, topk_idx, topk_weights, src_info, layout_range, positions, num_tokens,
-                        num_max_tokens, hidden, num_topk, num_experts, use_logfmt, out, *args):
+            def combine(self, phases, tensors, values, num_sms, stream, check):
                 extension.calls[f"LowLatencyLauncher.combine(phases={phases})"] += 1
-                combined = None if out else _made_by_the_extension(((num_tokens, hidden), torch.bfloat16))[0]
+                arguments = _arguments(tensors, values, self.checked["combine"], check)
+                num_tokens, hidden = arguments[1][4][0], values[1]
+                combined = (None if arguments[6] is not None
+                            else _made_by_the_extension(((num_tokens, hidden), torch.bfloat16))[0])
                 return 0, combined, None if phases & extension.LOW_LATENCY_RECV else ("receive", phases)
 
             def receive(self, send):
@@ -113,13 +125,9 @@ class NormalRecordingExtension(RecordingExtension):
                 extension.calls["NormalLauncher"] += 1
                 self.checked = {name: _C.CheckedCalls() for name in ("dispatch", "cached_dispatch", "combine")}
 
-            def _arguments(self, operation, tensors, values, check):
-                with _disable_current_modes():
-                    return _C.torch_shim_arguments(tensors, values, self.checked[operation], check)
-
             def dispatch(self, tensors, values, num_channels, stream, check):
                 extension.calls["NormalLauncher.dispatch"] += 1
-                x, scales, topk_idx = self._arguments("dispatch", tensors, values, check)[:3]
+                x, scales, topk_idx = _arguments(tensors, values, self.checked["dispatch"], check)[:3]
                 num_tokens, hidden = x[4]
                 num_topk = topk_idx[4][1]
                 dtypes = {code: dtype for dtype, code in DTYPES.items()}
@@ -134,12 +142,12 @@ class NormalRecordingExtension(RecordingExtension):
 
             def cached_dispatch(self, tensors, values, num_channels, host_counts, stream, check):
                 extension.calls["NormalLauncher.cached_dispatch"] += 1
-                x = self._arguments("cached_dispatch", tensors, values, check)[0]
+                x = _arguments(tensors, values, self.checked["cached_dispatch"], check)[0]
                 return extension.DONE, _made_by_the_extension(((T, x[4][1]), torch.bfloat16), None)
 
             def combine(self, tensors, values, num_channels, host_counts, stream, check):
                 extension.calls["NormalLauncher.combine"] += 1
-                x, topk_weights = self._arguments("combine", tensors, values, check)[:2]
+                x, topk_weights = _arguments(tensors, values, self.checked["combine"], check)[:2]
                 weights = None if topk_weights is None else ((T, topk_weights[4][1]), torch.float32)
                 return extension.DONE, _made_by_the_extension(((T, x[4][1]), torch.bfloat16), weights)
 
@@ -153,8 +161,14 @@ class NormalRecordingExtension(RecordingExtension):
         self.calls["NormalCopyEngine"] += 1
         return SimpleNamespace(release=lambda: None)
 
-    def dispatch_layout(self, *args):
-        self.calls["dispatch_layout"] += 1
+    def get_dispatch_layout(self, tensors, values, num_ranks, stream, device, checked, check):
+        self.calls["get_dispatch_layout"] += 1
+        (topk_idx,) = _arguments(tensors, values, checked, check)
+        return _made_by_the_extension(((num_ranks,), torch.int32), ((values[0],), torch.int32),
+                                      ((topk_idx[4][0], num_ranks), torch.bool))
+
+    def CheckedCalls(self):  # noqa: N802 - the extension's name
+        return _C.CheckedCalls()
 
 
 class PeerBuffer:
@@ -191,6 +205,7 @@ def native_buffer(group, monkeypatch):
     from uccl_ep_plugin.engines.native import NativeEngine
     from uccl_ep_plugin.engines.native import low_latency as native_low_latency
 
+    assert use_torch_shim(_C) is None   # the recorder reads its arguments with the real mechanism
     size = Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
     buffer = Buffer(group, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
     extension = RecordingExtension()
@@ -286,6 +301,49 @@ def test_checked_signature_still_refuses_bad_input(native_buffer):
         buffer.low_latency_dispatch(x.tolist(), topk_idx, T, E)
 
 
+def test_low_latency_checks_run_once_per_kind_of_call(native_buffer, monkeypatch):
+    """Once both buffer halves have served a kind of call, the same call runs no checks; another dtype, or a
+    zero-copy combine given a bad x, runs them again (and they still refuse)."""
+    buffer, _ = native_buffer
+    x, topk_idx, topk_weights, expert_out = _inputs()
+    ran = Counter()
+    for name in ("_check_low_latency_dispatch", "_check_low_latency_combine"):
+        checks = getattr(buffer, name)
+        monkeypatch.setattr(buffer, name, lambda *args, _checks=checks, _name=name: (ran.update([_name]),
+                                                                                     _checks(*args))[1])
+    for _ in range(2):   # both halves
+        handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle, zero_copy=True)
+    ran.clear()
+    for _ in range(2):
+        handle = buffer.low_latency_dispatch(x.clone(), topk_idx, T, E, use_fp8=False)[2]
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle, zero_copy=True)
+    assert not ran
+    buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    assert ran == {"_check_low_latency_dispatch": 1}
+    with pytest.raises(TypeError, match="x must have dtype"):
+        buffer.low_latency_combine(expert_out.float(), topk_idx, topk_weights, handle, zero_copy=True)
+
+
+def test_layout_checks_run_once_per_kind_of_call(normal_buffer, monkeypatch):
+    buffer, _ = normal_buffer
+    _, topk_idx, _, _ = _inputs()
+    ran = Counter()
+    checks = buffer._check_topk_idx
+    monkeypatch.setattr(buffer, "_check_topk_idx", lambda *args: (ran.update(["checks"]), checks(*args))[1])
+    buffer.get_dispatch_layout(topk_idx, E)
+    buffer.get_dispatch_layout(topk_idx.clone(), E)
+    assert ran == {"checks": 1}
+    buffer.get_dispatch_layout(topk_idx, 2 * E)
+    assert ran == {"checks": 2}
+    with pytest.raises(TypeError, match="topk_idx must have dtype"):
+        buffer.get_dispatch_layout(topk_idx.int(), E)
+    with pytest.raises(ValueError, match="num_experts"):
+        buffer.get_dispatch_layout(topk_idx, 0)
+
+
 class TorchFunctions(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
@@ -324,6 +382,7 @@ def normal_buffer(group, monkeypatch):
     monkeypatch.setattr(extension, "LowLatencyState", lambda index: extension.state, raising=False)
     engine = NativeEngine.__new__(NativeEngine)   # no CUDA here: only its normal part, set up by hand
     engine._C, engine.num_ranks, engine.device, engine.low_latency = extension, 1, torch.device("cpu"), None
+    engine._checked_layouts = extension.CheckedCalls()
     engine.rdma_ranks = None   # one rank, one host
     engine.normal = NativeNormal(extension, PeerBuffer(size), 0, 1, torch.device("cpu"), 5.0, False)
     engine.dispatch, engine.combine = engine.normal.dispatch, engine.normal.combine
@@ -348,8 +407,8 @@ def test_get_dispatch_layout_is_one_extension_call(normal_buffer):
     buffer, extension = normal_buffer
     _, topk_idx, _, _ = _inputs()
     result, ops, calls = _counted(extension, lambda: buffer.get_dispatch_layout(topk_idx, E))
-    assert calls == {"dispatch_layout": 1}
-    assert ops == {"empty": 3}   # num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+    assert calls == {"get_dispatch_layout": 1}
+    assert ops == {}   # the extension allocates num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
     assert result[1] is None and result[3].shape == (T, 1)
 
 

@@ -125,7 +125,9 @@ def test_checks_run_once_per_kind_of_call():
     assert call(torch.zeros((8, 4), dtype=torch.bfloat16).t(), y) == 5   # strides (same sizes)
     assert call(x, y, values=(2, 0)) == 6                       # a value
     assert call(x, y, values=(1, 0, 0)) == 7                    # the number of values
-    assert call(x, y) == 7 and len(checked) == 7
+    assert call(x, y, values=(True, 0)) == 8                    # a bool is not the int of its value
+    assert call(x, y, values=(True, 0)) == 8
+    assert call(x, y) == 8 and len(checked) == 8
 
 
 def test_a_refused_call_stays_refused():
@@ -139,10 +141,10 @@ def test_a_refused_call_stays_refused():
     assert checks.runs == 2 and len(checked) == 0
 
 
-@pytest.mark.parametrize("tensors, values", [(([1, 2],), ()), ((torch.zeros(2),), (True,)),
+@pytest.mark.parametrize("tensors, values", [(([1, 2],), ()), ((torch.zeros(2),), (None,)),
                                              ((torch.zeros(2),), (1.0,)), ((torch.zeros(2),), (1 << 70,))],
-                         ids=["list for a tensor", "bool value", "float value", "huge value"])
-def test_what_is_not_a_tensor_or_an_int_always_meets_the_checks(tensors, values):
+                         ids=["list for a tensor", "None value", "float value", "huge value"])
+def test_what_is_not_a_tensor_an_int_or_a_bool_always_meets_the_checks(tensors, values):
     """The checks name such an argument; should they let it pass, the extension refuses it all the same."""
     checked, checks = _C.CheckedCalls(), Checks()
     checks.error = TypeError("named by the checks")

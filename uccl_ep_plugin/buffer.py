@@ -29,15 +29,13 @@ from .notices import warn_once
 from .streams import CommStream, StreamScope, current_stream_handle
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
-                         check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights,
-                         tensor_signature)
+                         check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
 
 TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
 _NO_SCOPE = nullcontext()   # a call on the caller's stream: no stream scope
-_MAX_CHECKED_CALLS = 1024
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -210,9 +208,6 @@ class Buffer:
             self._release()   # what was made so far (mapped peer memory, proxies) does not wait for the GC
             raise
         self._warned_normal_fallback = False
-        # The signatures (tensor_signature and the other arguments) of calls whose arguments passed the checks:
-        # a call that matches one passes them too, so the checks run once per kind of call, not per call.
-        self._checked_calls = set()
 
     def _set_up_engines(self, choice: engines.EngineChoice, num_nvl_bytes: int, num_rdma_bytes: int,
                         low_latency_mode: bool, hosts: List[str]) -> None:
@@ -441,24 +436,15 @@ class Buffer:
                            allocate_on_comm_stream or self._traffic is not None)
 
     def _checked_by(self, engine, check: Callable[[], None]) -> Dict[str, Callable[[], None]]:
-        """Where a normal-mode operation's argument checks (``check``: they raise, naming a bad argument) run: the
-        native engine's extension runs them only for a kind of call it has not seen pass (its signature: the
-        tensors' dtypes, devices, sizes and strides, and the other values they read); for the other engines they
-        run here, on every call (the reference engine's also read topk_idx's values). The keyword arguments that
-        pass them on to the engine."""
+        """Where an operation's argument checks (``check``: they raise, naming a bad argument) run: the native
+        engine's extension runs them only for a kind of call it has not seen pass (its signature: the tensors'
+        dtypes, devices, sizes and strides, and the other values they read); for the other engines they run here,
+        on every call (the reference engine's also read topk_idx's values). The keyword arguments that pass
+        them on to the engine."""
         if engine is self._native:
             return {"check": check}
         check()
         return {}
-
-    def _checked(self, call: tuple, engine) -> None:
-        """Remember that ``call`` passed the checks, for the native engine: the reference engine's calls also
-        check the values of topk_idx, which no signature covers."""
-        if engine is not self._native:
-            return
-        if len(self._checked_calls) >= _MAX_CHECKED_CALLS:   # bounded: calls of ever new sizes
-            self._checked_calls.clear()
-        self._checked_calls.add(call)
 
     def _check_owner(self, handle, name: str = "handle") -> None:
         owner = owner_of(handle)
@@ -487,18 +473,18 @@ class Buffer:
         hosts), or, where one machine holds more than 8 ranks, to each group of 8 as in DeepEP.
         """
         engine = self._engine_for("get_dispatch_layout")
-        call = ("get_dispatch_layout", tensor_signature(topk_idx), num_experts)
-        if call not in self._checked_calls:
+
+        def check() -> None:
             check_num_experts(num_experts, self.group_size)
             self._check_topk_idx(engine, topk_idx, num_experts)
             check_same_device(self.device, topk_idx=topk_idx)
-            self._checked(call, engine)
+        checks = self._checked_by(engine, check)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
-            return engine.get_dispatch_layout(topk_idx, num_experts, current_stream_handle(self.device)) + (
+            return engine.get_dispatch_layout(topk_idx, num_experts, current_stream_handle(self.device), **checks) + (
                 EventOverlap(),)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
-                                                                                      scope.launch_stream)
+                                                                                      scope.launch_stream, **checks)
         event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank), inputs=(topk_idx,))
         return per_rank, per_rdma_rank, per_expert, in_rank, event
 
@@ -710,15 +696,12 @@ class Buffer:
         """
         engine = self._engine_for("low_latency_dispatch")
         self._require_low_latency_mode("low_latency_dispatch")
-        call = ("low_latency_dispatch", tensor_signature(x), tensor_signature(topk_idx),
-                num_max_dispatch_tokens_per_rank, num_experts, tensor_signature(cumulative_local_expert_recv_stats),
-                tensor_signature(dispatch_wait_recv_cost_stats), use_fp8, round_scale, use_ue8m0, async_finish,
-                return_recv_hook)
-        if call not in self._checked_calls:
+
+        def check() -> None:
             self._check_low_latency_dispatch(engine, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                                              use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-            self._checked(call, engine)
+        checks = self._checked_by(engine, check)
         # On the caller's stream unless async_finish asks for an event to overlap with: the same order for the
         # caller as DeepEP's comm stream plus two stream waits, without those waits (fewer launches and graph
         # nodes, and no stream of this process waiting on a kernel that waits for a proxy's copies).
@@ -728,8 +711,8 @@ class Buffer:
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=use_ue8m0, masked_ranks=self._mask,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
-                buffer_idx=self._low_latency_buffer_idx)
+                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, async_finish=async_finish,
+                return_recv_hook=return_recv_hook, buffer_idx=self._low_latency_buffer_idx, **checks)
             hook = result.hook
             if self._traffic is not None:
                 # layout_range is complete once the data has been received: after the hook, if there is one.
@@ -790,14 +773,13 @@ class Buffer:
         engine = self._engine_for("low_latency_combine")
         self._require_low_latency_mode("low_latency_combine")
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
-        call = ("low_latency_combine", tensor_signature(x), tensor_signature(topk_idx), tensor_signature(topk_weights),
-                num_tokens_limit, hidden, num_experts, use_logfmt, zero_copy, async_finish,
-                return_recv_hook, tensor_signature(out), tensor_signature(combine_wait_recv_cost_stats))
-        if call not in self._checked_calls:
-            self._check_low_latency_combine(engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
+        x_given = x
+
+        def check() -> None:
+            self._check_low_latency_combine(engine, x_given, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
                                             num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                                             combine_wait_recv_cost_stats)
-            self._checked(call, engine)
+        checks = self._checked_by(engine, check)
         if zero_copy:
             x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
         positions = getattr(handle, "positions", None)
@@ -805,9 +787,11 @@ class Buffer:
         with scope:   # as in dispatch
             combined, hook = engine.low_latency_combine(
                 x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
-                num_experts=num_experts, positions=positions, use_logfmt=use_logfmt, masked_ranks=self._mask, out=out,
-                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, return_recv_hook=return_recv_hook,
-                buffer_idx=self._low_latency_buffer_idx)
+                hidden=hidden, num_experts=num_experts, positions=positions, use_logfmt=use_logfmt,
+                zero_copy=zero_copy, masked_ranks=self._mask, out=out,
+                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=async_finish,
+                return_recv_hook=return_recv_hook, buffer_idx=self._low_latency_buffer_idx, x_given=x_given,
+                **checks)
         self._low_latency_buffer_idx ^= 1
         event = EventOverlap()
         if async_finish:

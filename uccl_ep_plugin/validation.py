@@ -35,18 +35,6 @@ def check_tensor(name: str, tensor, dtypes: Iterable[torch.dtype], dim: Optional
     return tensor
 
 
-def tensor_signature(tensor):
-    """What the checks read of a tensor argument (shape, dtype, device, contiguity), as a hashable value: a call
-    whose arguments have the signatures of a call that passed the checks passes them too. None stays None, a
-    tuple (e.g. fp8 data and scales) gets its items' signatures; anything else gets a value equal to nothing, so
-    such a call is always checked (and refused)."""
-    if isinstance(tensor, torch.Tensor):
-        return tensor.shape, tensor.dtype, tensor.device, tensor.is_contiguous()
-    if type(tensor) is tuple:
-        return tuple(map(tensor_signature, tensor))
-    return None if tensor is None else object()
-
-
 def check_same_device(device: torch.device, **tensors) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and tensor.device != device:

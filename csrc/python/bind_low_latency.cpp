@@ -67,22 +67,30 @@ struct LowLatencyReceive {
 
 // One half of the low-latency region with what every launch on it needs besides the call's own
 // arguments: the device to make current, and the state whose recorded failure stops a launch.
-// A low-latency operation is one call of dispatch or combine, which allocates its outputs with
-// torch (torch_tensors.h) and launches; a hook is one call of receive. Each returns first the
-// failure code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
+// A low-latency operation is one call of dispatch or combine, which reads its tensor arguments and
+// runs the caller's checks only for a new kind of call (TensorArguments, torch_tensors.h), allocates
+// its outputs with torch and launches; a hook is one call of receive. Each returns first the failure
+// code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
 struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
   const uccl_ep::LowLatencyState* state;
+  uccl_ep::bindings::CheckedCalls checked_dispatches, checked_combines;
 
+  // tensors: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats); values:
+  // (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
   // -> (code, [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions],
   //     LowLatencyReceive when phases has no receive, else None)
-  py::tuple dispatch(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, int32_t num_tokens,
-                     int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_fp8,
-                     bool round_scale, bool use_ue8m0, std::uintptr_t cumulative_recv_stats,
-                     std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
+  py::tuple dispatch(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
+                     std::uintptr_t stream, const py::object& check) {
+    const uccl_ep::bindings::TensorArguments in(tensors, values, checked_dispatches, check);
     const int32_t failure = state->status().code;
     if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+    const auto &x = in[0], &topk_idx = in[1];
+    const int32_t num_tokens = static_cast<int32_t>(x.size(0)), hidden = static_cast<int32_t>(x.size(1));
+    const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
+    const int32_t num_max_tokens = static_cast<int32_t>(in.value(0)), num_experts = static_cast<int32_t>(in.value(1));
+    const bool use_fp8 = in.value(2) != 0, round_scale = in.value(3) != 0, use_ue8m0 = in.value(4) != 0;
     const int64_t local_experts = num_experts / region.num_ranks;
     const int64_t slots = static_cast<int64_t>(region.num_ranks) * num_max_tokens;
     using uccl_ep::bindings::TensorDtype;
@@ -101,34 +109,42 @@ struct LowLatencyLauncher {
     void* layout_range = outputs.add({local_experts, region.num_ranks}, TensorDtype::kInt64);
     void* positions = outputs.add({2, num_tokens, num_topk}, TensorDtype::kInt32);
     const uccl_ep::LowLatencyDispatchArgs args{
-        region,          ptr<const void>(x),        ptr<const int64_t>(topk_idx), num_tokens,
+        region,          x.data,                    static_cast<const int64_t*>(topk_idx.data), num_tokens,
         num_max_tokens,  hidden,                    num_topk,                     num_experts,
         use_fp8,         round_scale,               use_ue8m0,                    recv_x,
         recv_scales,     static_cast<int32_t*>(recv_count), static_cast<int32_t*>(src_info),
-        static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), ptr<int32_t>(cumulative_recv_stats),
-        ptr<int64_t>(wait_cost_stats), phases, num_sms};
+        static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), static_cast<int32_t*>(in[2].data),
+        static_cast<int64_t*>(in[3].data), phases, num_sms};
     launch(args, as_stream(stream));
     return py::make_tuple(0, outputs.release(), pending(args, phases, stream));
   }
 
-  // out 0: allocate it. -> (code, out or None, LowLatencyReceive or None), as dispatch.
-  py::tuple combine(int32_t phases, std::uintptr_t x, std::uintptr_t topk_idx, std::uintptr_t topk_weights,
-                    std::uintptr_t src_info, std::uintptr_t layout_range, std::uintptr_t positions, int32_t num_tokens,
-                    int32_t num_max_tokens, int32_t hidden, int32_t num_topk, int32_t num_experts, bool use_logfmt,
-                    std::uintptr_t out, std::uintptr_t wait_cost_stats, int32_t num_sms, std::uintptr_t stream) const {
+  // tensors: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info,
+  // layout_range, positions, out or None, combine_wait_recv_cost_stats, x as the caller passed it); values:
+  // (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook).
+  // -> (code, the combined rows (allocated; None when out is given), LowLatencyReceive or None), as dispatch.
+  py::tuple combine(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
+                    std::uintptr_t stream, const py::object& check) {
+    const uccl_ep::bindings::TensorArguments in(tensors, values, checked_combines, check);
     const int32_t failure = state->status().code;
     if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+    const auto &topk_idx = in[1], &out = in[6];
+    const int32_t num_tokens = static_cast<int32_t>(topk_idx.size(0));
+    const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
+    const int32_t num_max_tokens = static_cast<int32_t>(in.value(0)), hidden = static_cast<int32_t>(in.value(1));
+    const int32_t num_experts = static_cast<int32_t>(in.value(2));
     NewTensors outputs(TensorDevice::kCuda, device);
-    void* combined = out != 0 ? ptr<void>(out)
-                              : outputs.add({num_tokens, hidden}, uccl_ep::bindings::TensorDtype::kBfloat16);
+    void* combined =
+        out.present ? out.data : outputs.add({num_tokens, hidden}, uccl_ep::bindings::TensorDtype::kBfloat16);
     const uccl_ep::LowLatencyCombineArgs args{
-        region,         ptr<const void>(x),     ptr<const int64_t>(topk_idx), ptr<const float>(topk_weights),
-        ptr<const int32_t>(src_info), ptr<const int64_t>(layout_range), ptr<const int32_t>(positions), num_tokens,
+        region,         in[0].data,             static_cast<const int64_t*>(topk_idx.data),
+        static_cast<const float*>(in[2].data),  static_cast<const int32_t*>(in[3].data),
+        static_cast<const int64_t*>(in[4].data), static_cast<const int32_t*>(in[5].data), num_tokens,
         num_max_tokens,
-        hidden,         num_topk,               num_experts,                  use_logfmt,
-        combined,       ptr<int64_t>(wait_cost_stats), phases,              num_sms};
+        hidden,         num_topk,               num_experts,                  in.value(3) != 0,
+        combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms};
     launch(args, as_stream(stream));
-    return py::make_tuple(0, out != 0 ? py::object(py::none()) : py::object(outputs.release()[0]),
+    return py::make_tuple(0, out.present ? py::object(py::none()) : py::object(outputs.release()[0]),
                           pending(args, phases, stream));
   }
 
@@ -218,20 +234,22 @@ void bind_low_latency(py::module_& m) {
                                  "Launches the low-latency kernels on one half of the region (positional "
                                  "arguments only: each operation is one call).")
       .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const LowLatencyState& state) {
-             return LowLatencyLauncher{region, device, &state};
+             return LowLatencyLauncher{region, device, &state, {}, {}};
            }),
            py::arg("region"), py::arg("device"), py::arg("state"), py::keep_alive<1, 4>())
       .def("dispatch", &LowLatencyLauncher::dispatch,
-           "dispatch(phases, x, topk_idx, num_tokens, num_max_tokens, hidden, num_topk, num_experts, use_fp8, "
-           "round_scale, use_ue8m0, cumulative_recv_stats, wait_cost_stats, num_sms, stream) -> (code, outputs, "
-           "receive): code is the failure recorded before (nothing allocated or launched), else 0 with the outputs "
-           "[recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions] allocated on the current "
-           "stream and the kernel (send, receive or both) queued on `stream`; receive: a LowLatencyReceive for the "
-           "hook when phases has no receive.")
+           "dispatch(phases, (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), "
+           "(num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook), num_sms, "
+           "stream, check) -> (code, outputs, receive): check (the caller's argument checks) runs only for a kind of "
+           "call not seen pass before; code is the failure recorded before (nothing allocated or launched), else 0 "
+           "with the outputs [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions] "
+           "allocated on the current stream and the kernel (send, receive or both) queued on `stream`; receive: a "
+           "LowLatencyReceive for the hook when phases has no receive.")
       .def("combine", &LowLatencyLauncher::combine,
-           "combine(phases, x, topk_idx, topk_weights, src_info, layout_range, positions, num_tokens, num_max_tokens, "
-           "hidden, num_topk, num_experts, use_logfmt, out, wait_cost_stats, num_sms, stream) -> (code, out, "
-           "receive) as dispatch; out 0: allocate it (returned), else None.")
+           "combine(phases, (x, topk_idx, topk_weights, src_info, layout_range, positions, out, "
+           "combine_wait_recv_cost_stats, x as given), (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, "
+           "async_finish, return_recv_hook), num_sms, stream, check) -> (code, combined, receive) as dispatch; "
+           "combined is None when out is given.")
       .def("receive", &LowLatencyLauncher::receive, py::arg("send"),
            "A hook: the receive of `send` on its stream -> the failure code recorded before (nothing launched) or 0.");
 }

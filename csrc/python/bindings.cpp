@@ -128,6 +128,26 @@ void dispatch_layout(std::uintptr_t topk_idx_ptr, int64_t num_tokens, int64_t nu
       as_pointer<bool>(is_token_in_rank_ptr), reinterpret_cast<uccl_ep::gpuStream_t>(stream));
 }
 
+// Buffer.get_dispatch_layout as one call: tensors (topk_idx,), values (num_experts,) read as every operation
+// reads its arguments (torch_tensors.h: `check` runs only for a kind of call `checked` has not seen pass), the
+// outputs allocated here on the current stream -> [num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank].
+py::list get_dispatch_layout(const py::tuple& tensors, const py::tuple& values, int64_t num_ranks,
+                             std::uintptr_t stream, int device, uccl_ep::bindings::CheckedCalls& checked,
+                             const py::object& check) {
+  using uccl_ep::bindings::TensorDtype;
+  const uccl_ep::bindings::TensorArguments in(tensors, values, checked, check);
+  const uccl_ep::bindings::TensorArgument& topk_idx = in[0];
+  const int64_t num_tokens = topk_idx.size(0), num_experts = in.value(0);
+  uccl_ep::bindings::NewTensors outputs(uccl_ep::bindings::TensorDevice::kCuda, device);
+  const std::uintptr_t per_rank = reinterpret_cast<std::uintptr_t>(outputs.add({num_ranks}, TensorDtype::kInt32));
+  const std::uintptr_t per_expert = reinterpret_cast<std::uintptr_t>(outputs.add({num_experts}, TensorDtype::kInt32));
+  const std::uintptr_t in_rank =
+      reinterpret_cast<std::uintptr_t>(outputs.add({num_tokens, num_ranks}, TensorDtype::kBool));
+  dispatch_layout(topk_idx.address(), num_tokens, topk_idx.size(1), num_ranks, num_experts, per_rank, per_expert,
+                  in_rank, stream, device);
+  return outputs.release();
+}
+
 void load_engine_kernels() {
   py::gil_scoped_release no_gil;
   uccl_ep::load_dispatch_layout_kernels();
@@ -264,6 +284,11 @@ Raises ValueError naming the argument (iterations, capacity: a power of two, tim
 any GPU work, RuntimeError with the CUDA error text if a runtime call fails.)doc");
   m.attr("DISPATCH_LAYOUT_MAX_TOPK") = uccl_ep::kDispatchLayoutMaxTopk;
   m.attr("DISPATCH_LAYOUT_MAX_RANKS") = uccl_ep::kDispatchLayoutMaxRanks;
+  m.def("get_dispatch_layout", &get_dispatch_layout, py::arg("tensors"), py::arg("values"), py::arg("num_ranks"),
+        py::arg("stream"), py::arg("device"), py::arg("checked"), py::arg("check"),
+        "Buffer.get_dispatch_layout in one call: tensors (topk_idx,), values (num_experts,); check (the Buffer's "
+        "argument checks) runs only for a kind of call `checked` has not seen pass. -> [num_tokens_per_rank, "
+        "num_tokens_per_expert, is_token_in_rank], allocated on the current stream, the layout queued on `stream`.");
   m.def("dispatch_layout", &dispatch_layout, py::arg("topk_idx_ptr"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_experts"),
         py::arg("num_tokens_per_rank_ptr"), py::arg("num_tokens_per_expert_ptr"),

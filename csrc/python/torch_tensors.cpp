@@ -241,7 +241,8 @@ bool TensorArguments::take(const py::tuple& tensors, const py::tuple& values, py
   num_values_ = static_cast<int>(values.size());
   for (int i = 0; i < num_values_; ++i) {
     PyObject* item = values[i].ptr();
-    if (!PyLong_CheckExact(item)) {  // the checks refuse bools and floats too
+    value_is_bool_[i] = PyBool_Check(item);
+    if (!PyLong_CheckExact(item) && !value_is_bool_[i]) {  // an int subclass, a float, None: checked each time
       taken = false;
       continue;
     }
@@ -311,7 +312,10 @@ std::string TensorArguments::signature() const {
       put(a.strides[d]);
     }
   }
-  for (int i = 0; i < num_values_; ++i) put(values_[i]);
+  for (int i = 0; i < num_values_; ++i) {
+    put(value_is_bool_[i] ? 1 : 0);
+    put(values_[i]);
+  }
   return call;
 }
 

@@ -91,15 +91,16 @@ class CheckedCalls {
 };
 
 // An operation's arguments as its checks see them: `tensors` holds Tensors and Nones in the operation's
-// order, `values` the ints the checks read besides. `check` (the operation's Python checks: it raises,
-// naming a bad argument) runs first when a tensor item is neither a Tensor nor None or a value is not an
-// int, and else when the call's signature is not in `checked`: every tensor's presence, dtype, device,
-// sizes and strides, and the values. A call that passes is added, so a later call of the same kind
-// costs no Python. What `check` raises propagates.
+// order, `values` the ints and bools the checks read besides. `check` (the operation's Python checks: it
+// raises, naming a bad argument) runs first when a tensor item is neither a Tensor nor None or a value
+// neither an int nor a bool, and else when the call's signature is not in `checked`: every tensor's
+// presence, dtype, device, sizes and strides, and the values (a bool told apart from the int of its
+// value). A call that passes is added, so a later call of the same kind costs no Python. What `check`
+// raises propagates.
 class TensorArguments {
  public:
   static constexpr int kMaxArguments = 12;
-  static constexpr int kMaxValues = 4;
+  static constexpr int kMaxValues = 8;
 
   TensorArguments(const pybind11::tuple& tensors, const pybind11::tuple& values, CheckedCalls& checked,
                   const pybind11::object& check);
@@ -116,6 +117,7 @@ class TensorArguments {
   TensorArgument arguments_[kMaxArguments];
   int count_ = 0;
   int64_t values_[kMaxValues] = {};
+  bool value_is_bool_[kMaxValues] = {};
   int num_values_ = 0;
   // torch's own dtype and device codes: in the signature, those the operations never take stay told apart.
   int32_t torch_dtypes_[kMaxArguments] = {};

@@ -4,7 +4,7 @@ It reports, per operation, why it cannot serve (no GPU, not built, not implement
 it cannot map), so the Buffer can fall back visibly instead of silently.
 """
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -109,6 +109,7 @@ class NativeEngine:
         self.aggressive_atomics = aggressive_atomics()
         self.low_latency: Optional[NativeLowLatency] = None
         self.normal: Optional[NativeNormal] = None
+        self._checked_layouts = self._C.CheckedCalls()   # get_dispatch_layout's kinds of call that passed the checks
         # Before any of our kernels spins on a peer or the proxy (see _C.load_kernels).
         with torch.cuda.device(device):
             self._C.load_kernels()
@@ -198,15 +199,10 @@ class NativeEngine:
     def low_latency_buffer(self) -> Optional[torch.Tensor]:
         return None if self.low_latency is None else self.low_latency.peer_buffer.tensor
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int):
-        num_tokens, num_topk = topk_idx.shape
-        options = dict(device=self.device)
-        num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, **options)
-        num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, **options)
-        is_token_in_rank = torch.empty((num_tokens, self.num_ranks), dtype=torch.bool, **options)
-        self._C.dispatch_layout(topk_idx.data_ptr(), num_tokens, num_topk, self.num_ranks, num_experts,
-                                num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr(),
-                                is_token_in_rank.data_ptr(), stream, self.device.index)
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, stream: int, check: Callable[[], None]):
+        """``check``: the caller's argument checks, which the extension runs only for a new kind of call."""
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self._C.get_dispatch_layout(
+            (topk_idx,), (num_experts,), self.num_ranks, stream, self.device.index, self._checked_layouts, check)
         per_rdma_rank = None
         if self.rdma_ranks is not None:   # torch ops reading the kernel's output: on its stream
             with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):

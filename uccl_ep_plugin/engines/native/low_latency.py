@@ -125,11 +125,13 @@ class NativeLowLatency:
             self.peer_buffer = None
 
     def _launcher(self, num_max_tokens: int, hidden: int, num_experts: int, buffer_idx: int,
-                  masked_ranks: Optional[torch.Tensor]):
-        """The LowLatencyLauncher of one half for these sizes: built once, not per call."""
+                  masked_ranks: Optional[torch.Tensor], check: Callable[[], None]):
+        """The LowLatencyLauncher of one half for these sizes: built once, not per call, and only for sizes that
+        pass the caller's checks (``check`` raises, naming the argument)."""
         key = (num_max_tokens, hidden, num_experts, buffer_idx, _ptr(masked_ranks))
         launcher = self._launchers.get(key)
         if launcher is None:
+            check()
             layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
             launcher = self._launchers[key] = self._C.LowLatencyLauncher(
                 self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state)
@@ -180,23 +182,26 @@ class NativeLowLatency:
         return hook
 
     # ------------------------------------------------------------------ operations
-    # Each is one launcher call: it allocates the outputs (on the current stream, as torch.empty would) and
-    # launches on the caller's current stream (the Buffer makes its communication stream current for
-    # async_finish); a hook launches on the stream its operation used, as DeepEP's do.
+    # Each is one launcher call: it reads the tensors, runs the caller's checks (``check``) only for a kind of call
+    # it has not seen pass, allocates the outputs (on the current stream, as torch.empty would) and launches on the
+    # caller's current stream (the Buffer makes its communication stream current for async_finish); a hook launches
+    # on the stream its operation used, as DeepEP's do.
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int, *,
                              use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked_ranks: Optional[torch.Tensor],
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor], return_recv_hook: bool,
-                             buffer_idx: int) -> LowLatencyDispatchResult:
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor], async_finish: bool,
+                             return_recv_hook: bool, buffer_idx: int,
+                             check: Callable[[], None]) -> LowLatencyDispatchResult:
         if self.proxy_path is not None:
             self.proxy_path.check()
-        num_tokens, hidden = x.shape
-        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2):   # the launcher is picked by x's hidden size
+            check()
+        launcher = self._launcher(num_max_tokens, x.size(1), num_experts, buffer_idx, masked_ranks, check)
         code, outputs, send = launcher.dispatch(
-            self._send if return_recv_hook else self._send | self._recv, x.data_ptr(), topk_idx.data_ptr(), num_tokens,
-            num_max_tokens, hidden, topk_idx.size(1), num_experts, use_fp8, round_scale, use_ue8m0,
-            _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats), self.num_sms,
-            current_stream_handle(self.device))
+            self._send if return_recv_hook else self._send | self._recv,
+            (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats),
+            (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
+            self.num_sms, current_stream_handle(self.device), check)
         if code:
             self._raise_failure(code)
         recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
@@ -204,23 +209,25 @@ class NativeLowLatency:
         return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            layout_range: torch.Tensor, *, src_info: torch.Tensor, num_max_tokens: int,
-                            num_experts: int, positions: Optional[torch.Tensor], use_logfmt: bool,
-                            masked_ranks: Optional[torch.Tensor],
-                            out: Optional[torch.Tensor], combine_wait_recv_cost_stats: Optional[torch.Tensor],
-                            return_recv_hook: bool, buffer_idx: int):
+                            layout_range: torch.Tensor, *, src_info: torch.Tensor, num_max_tokens: int, hidden: int,
+                            num_experts: int, positions: Optional[torch.Tensor], use_logfmt: bool, zero_copy: bool,
+                            masked_ranks: Optional[torch.Tensor], out: Optional[torch.Tensor],
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor], async_finish: bool,
+                            return_recv_hook: bool, buffer_idx: int, x_given: torch.Tensor,
+                            check: Callable[[], None]):
+        """``x``: what the kernel reads (with zero_copy the buffer's own view), ``x_given``: what the caller passed
+        (both in the call's signature); ``hidden`` and the sizes: the dispatch handle's."""
         if self.proxy_path is not None:
             self.proxy_path.check()
-        hidden = x.size(2)
         if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
+            check()
             positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
-        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks)
-        # The Buffer checked every tensor contiguous, and out (if given) bf16 [num_tokens, hidden].
+        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
         code, combined, send = launcher.combine(
-            self._send if return_recv_hook else self._send | self._recv, x.data_ptr(), topk_idx.data_ptr(),
-            topk_weights.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), positions.data_ptr(),
-            topk_idx.size(0), num_max_tokens, hidden, topk_idx.size(1), num_experts, use_logfmt, _ptr(out),
-            _ptr(combine_wait_recv_cost_stats), self.num_sms, current_stream_handle(self.device))
+            self._send if return_recv_hook else self._send | self._recv,
+            (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats, x_given),
+            (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook),
+            self.num_sms, current_stream_handle(self.device), check)
         if code:
             self._raise_failure(code)
         hook = self._hook(launcher, send) if return_recv_hook else None

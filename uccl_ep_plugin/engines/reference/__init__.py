@@ -35,13 +35,14 @@ class ReferenceEngine:
     def combine(self, x, handle, topk_weights, biases, num_channels, stream: int):
         return normal.combine(self.comm, x, handle, topk_weights, biases)
 
-    # The buffer half (buffer_idx) and the handle's src_info/sizes matter to the native kernels only: the
-    # reference orders rows deterministically and moves them through the group, not the registered buffer.
-    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, *, buffer_idx, **kwargs):
+    # The buffer half (buffer_idx), the handle's src_info/sizes and the call's flags as its signature
+    # (async_finish, zero_copy, x as given) matter to the native engine only: the reference orders rows
+    # deterministically and moves them through the group, not the registered buffer.
+    def low_latency_dispatch(self, x, topk_idx, num_max_tokens, num_experts, *, buffer_idx, async_finish, **kwargs):
         return low_latency.low_latency_dispatch(self.comm, x, topk_idx, num_max_tokens, num_experts, **kwargs)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, *, src_info, num_max_tokens, num_experts,
-                            buffer_idx, positions, **kwargs):
+    def low_latency_combine(self, x, topk_idx, topk_weights, layout_range, *, src_info, num_max_tokens, hidden,
+                            num_experts, buffer_idx, positions, zero_copy, async_finish, x_given, **kwargs):
         return low_latency.low_latency_combine(self.comm, x, topk_idx, topk_weights, layout_range, **kwargs)
 
     def barrier(self, phase: str) -> None:
