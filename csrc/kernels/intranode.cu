@@ -15,9 +15,6 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
-__global__ void announce_arrival(NormalRegion r) { block_announce_arrival(r); }
-__global__ void announce_freed(NormalRegion r) { block_announce_freed(r); }
-
 // ------------------------------------------------------------------------------ send layout
 // One block per rank scans that rank's column of is_token_in_rank: a token's position among the
 // tokens sent to the rank (send_pos), the inclusive count at the end of each channel's token range
@@ -202,7 +199,7 @@ __device__ void notify_exchange(const NormalNotifyArgs& a) {
 __global__ void __launch_bounds__(kWideThreads, 1)
     layout_and_notify(NormalSendLayoutArgs layout, NormalNotifyArgs notify) {
   send_layout_of_rank(layout);
-  if (last_block_to_finish(notify.region.control + kNormalLayoutBlocksWord)) notify_exchange(notify);
+  if (last_block_to_finish(notify.region.control + kNormalBlocksDoneWord)) notify_exchange(notify);
 }
 
 // ------------------------------------------------------------------------------ channels
@@ -302,7 +299,7 @@ __device__ __forceinline__ void run_channel_block(const NormalRegion& r, bool fi
   } else {
     receive(b, epoch);
   }
-  if (last_block_to_finish(r.control + kNormalExchangeBlocksWord)) finish_exchange(r);
+  if (last_block_to_finish(r.control + kNormalBlocksDoneWord)) finish_exchange(r);
 }
 
 // Of the rows `src` sends `dst` (a dispatch's, or their way back in a combine), the send positions in
@@ -642,18 +639,7 @@ void check_notify_args(const NormalNotifyArgs& args) {
 
 void load_normal_kernels() {
   using namespace normal_kernels;
-  gpu_load_kernels(announce_arrival, announce_freed, send_layout, layout_and_notify, dispatch_by_channels,
-                   combine_by_channels);
-}
-
-void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream) {
-  normal_kernels::announce_arrival<<<1, kNormalMaxRanks, 0, stream>>>(region);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
-}
-
-void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream) {
-  normal_kernels::announce_freed<<<1, kNormalMaxRanks, 0, stream>>>(region);
-  UCCL_EP_GPU_CHECK(gpu_last_error());
+  gpu_load_kernels(send_layout, layout_and_notify, dispatch_by_channels, combine_by_channels);
 }
 
 void launch_normal_send_layout(const NormalSendLayoutArgs& args, gpuStream_t stream) {

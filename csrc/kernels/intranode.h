@@ -154,12 +154,12 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_combine_rows_landed(uint64_t word, uin
                                     static_cast<int32_t>(within / kNormalChunkCounts));
 }
 // Words of NormalRegion::control (the LowLatencyState control block the Python side lends). A kernel
-// whose last block to finish does a step of its own (the notify after the send layout, the end of an
-// SM-path exchange) counts its finished blocks in a word, which that block sets back to 0.
+// whose last block to finish does a step of its own (the notify after the send layout, an exchange's
+// arrival after the gather, its end) counts its finished blocks in kNormalBlocksDoneWord, which that
+// block sets back to 0: a Buffer's normal-mode kernels run one after another, so they share it.
 constexpr int kNormalExchangesWord = 0;
-constexpr int kNormalLayoutBlocksWord = 1;
+constexpr int kNormalBlocksDoneWord = 1;
 constexpr int kNormalAbortedWord = 2;
-constexpr int kNormalExchangeBlocksWord = 3;
 
 enum NormalError : int32_t {
   kNormalTimeout = 1,        // a peer's flag did not arrive in time
@@ -517,10 +517,6 @@ void launch_normal_layout_and_notify(const NormalSendLayoutArgs& layout, const N
                                      gpuStream_t stream);
 void launch_normal_dispatch(const NormalDispatchArgs& args, gpuStream_t stream);
 void launch_normal_combine(const NormalCombineArgs& args, gpuStream_t stream);
-
-// An exchange's arrival and its freed announcement on their own (the copy-engine path puts copies between them).
-void launch_normal_announce_arrival(const NormalRegion& region, gpuStream_t stream);
-void launch_normal_announce_freed(const NormalRegion& region, gpuStream_t stream);
 
 // The argument checks of the launchers above (the copy-engine path shares them).
 void check_normal_dispatch_args(const NormalDispatchArgs& args);

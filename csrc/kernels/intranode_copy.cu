@@ -61,12 +61,12 @@ __device__ inline void announce_gathered(const NormalRegion& r, const bool* push
   }
 }
 
-// Dispatch, before the arrival: the rows for every other rank into this rank's staging, one pull
-// chunk after another, each announced to the peers once every warp has gathered its part. With
-// push_rows, the rows for peers it pushes to (normal_pushes_rows) without their data, which the copy
-// engines push from x, and unannounced: the pushes raise those peers' chunk words.
-__global__ void __launch_bounds__(kWideThreads, 1)
-    gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, bool push_rows, uint32_t* gathered_warps) {
+// Dispatch, a block's part: the rows for every other rank into this rank's staging, one pull chunk
+// after another, each announced to the peers once every warp has gathered its part. With push_rows,
+// the rows for peers it pushes to (normal_pushes_rows) without their data, which the copy engines
+// push from x, and unannounced: the pushes raise those peers' chunk words.
+__device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullChunks chunks, bool push_rows,
+                                       uint32_t* gathered_warps) {
   const NormalRegion& r = a.region;
   if (!wait_destinations_free(r, kNormalDispatchSend)) return;
   // The host checks the same counts before it pulls; here only: gather nothing that would not fit.
@@ -113,6 +113,48 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   }
 }
 
+// Dispatch: the gather, then the arrival by the last block to finish (a rank whose staging would not
+// fit arrives with nothing gathered). The system fence puts every block's rows before the arrival.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, bool push_rows, uint32_t* gathered_warps) {
+  gather_block_for_peers(a, chunks, push_rows, gathered_warps);
+  __threadfence_system();
+  if (last_block_to_finish(a.region.control + kNormalBlocksDoneWord)) block_announce_arrival(a.region);
+}
+
+// The end of a copy-engine exchange, by the last block of its last kernel: the copy streams in
+// `copies` have done their copies (which read and write the caller's tensors: its stream may reuse
+// them after this kernel), then freed. A stream late past the timeout records the failure, which
+// raises this rank's chunk words so that its stream waits let go; after twice the timeout the wait
+// gives up on that stream.
+__device__ void end_after_copies(const NormalRegion& r, const NormalCopiesDone& copies, int32_t phase) {
+  for (int i = threadIdx.x; i < 2 * r.num_ranks; i += blockDim.x) {
+    if (!copies.has(i)) continue;
+    const uint64_t start = device_time_ns();
+    bool recorded = false;
+    while (load_acquire_system(copies.done + i) == 0) {
+      const uint64_t waited = device_time_ns() - start;
+      if (!recorded && waited > static_cast<uint64_t>(r.timeout_ns)) {
+        record_failure(r, kNormalTimeout, phase, i % r.num_ranks, 0);
+        recorded = true;
+      }
+      if (waited > 2 * static_cast<uint64_t>(r.timeout_ns)) break;
+      device_pause();
+    }
+    copies.done[i] = 0;  // for the next exchange's streams, which start after this kernel
+  }
+  __syncthreads();
+  block_announce_freed(r);
+}
+
+// An exchange's end on its own (the caller gave up before its last kernel).
+__global__ void end_exchange_after_copies(NormalRegion r, NormalCopiesDone copies, int32_t phase) {
+  end_after_copies(r, copies, phase);
+}
+
+// Without stream writes on the device: a copy stream's done word, after its copies.
+__global__ void mark_copies_done(uint64_t* word) { store_release_system(word, 1); }
+
 // A peer's block for this rank in its staging.
 struct PeerBlock {
   const uint8_t* base;
@@ -129,14 +171,14 @@ __device__ __forceinline__ PeerBlock peer_block(const NormalDispatchArgs& a, int
                    normal_rows_before(a.rank_prefix_matrix, r.num_ranks, src, r.rank)};
 }
 
-// Dispatch, after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
+// Dispatch, a block's part after the arrival (beside the pulls): this rank's rows to itself, the tail of each peer's
 // block that the copy engines leave to SMs (sm_pull_percent; none of the peers in `pushing_sources`,
 // whose rows the copy engines move whole), and the small fields of every peer row (fp8 scales,
 // top-k, source index), read from the peers' staging: copy engines would pay a ramp per extra copy
 // for them. With `own_x_by_engine` a copy engine copies the own rows' data (runs of consecutive
 // tokens), and the SMs write the rest of each own row.
-__global__ void __launch_bounds__(kWideThreads, 1)
-    receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent, bool own_x_by_engine, uint32_t pushing_sources) {
+__device__ void receive_block_own_rows(const NormalDispatchArgs& a, int32_t sm_pull_percent, bool own_x_by_engine,
+                                       uint32_t pushing_sources) {
   const NormalRegion& r = a.region;
   if (!wait_sources_arrived(r, kNormalDispatchRecv)) return;
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
@@ -184,6 +226,16 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   }
 }
 
+// Dispatch, after the arrival (beside the pulls), then the exchange's end once the copies are done.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    receive_own_rows(NormalDispatchArgs a, int32_t sm_pull_percent, bool own_x_by_engine, uint32_t pushing_sources,
+                     NormalCopiesDone copies) {
+  receive_block_own_rows(a, sm_pull_percent, own_x_by_engine, pushing_sources);
+  if (last_block_to_finish(a.region.control + kNormalBlocksDoneWord)) {
+    end_after_copies(a.region, copies, kNormalDispatchRecv);
+  }
+}
+
 // Combine, before the sums: the rows the copy engines leave to SMs (the last sm_push_percent of
 // each peer's, with their top-k weights) into that peer's staging, then, once every warp stored its
 // part, the exchange's number into each peer's sm_pushed word for this rank.
@@ -220,11 +272,11 @@ __device__ void push_sm_share(const NormalCombineArgs& a, int32_t sm_push_percen
   }
 }
 
-// Combine: each token's rows, its own straight from x, the others' from the blocks the peers push
-// into this rank's staging, summed as soon as the chunks holding them have landed (or, for the
-// rows their SMs store, once their sm_pushed word names this exchange).
-__global__ void __launch_bounds__(kWideThreads, 1)
-    reduce_from_staging(NormalCombineArgs a, int32_t sm_push_percent, uint32_t* pushed_warps) {
+// Combine, a block's part: each token's rows, its own straight from x, the others' from the blocks
+// the peers push into this rank's staging, summed as soon as the chunks holding them have landed
+// (or, for the rows their SMs store, once their sm_pushed word names this exchange).
+__device__ void reduce_block_from_staging(const NormalCombineArgs& a, int32_t sm_push_percent,
+                                          uint32_t* pushed_warps) {
   const NormalRegion& r = a.region;
   const int num_ranks = r.num_ranks, me = r.rank;
   __shared__ CombineSources from;
@@ -277,12 +329,22 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   });
 }
 
+// Combine: the sums, then the exchange's end once this rank's pushes are done.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    reduce_from_staging(NormalCombineArgs a, int32_t sm_push_percent, uint32_t* pushed_warps,
+                        NormalCopiesDone copies) {
+  reduce_block_from_staging(a, sm_push_percent, pushed_warps);
+  if (last_block_to_finish(a.region.control + kNormalBlocksDoneWord)) {
+    end_after_copies(a.region, copies, kNormalCombineSend);
+  }
+}
+
 }  // namespace normal_kernels
 
 void load_normal_copy_kernels() {
   using namespace normal_kernels;
   gpu_load_kernels(wait_destinations_freed_then_arrive, wait_source_arrived, gather_for_peers, receive_own_rows,
-                   reduce_from_staging);
+                   reduce_from_staging, end_exchange_after_copies, mark_copies_done);
 }
 
 namespace {
@@ -347,6 +409,8 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   require(combine_chunks == kNormalCombineChunksBySms || in_range(combine_chunks),
           "combine_chunks must be 0 (by the combine's SMs) or in " + range + ", got " + std::to_string(combine_chunks));
   require(in_range(pull_chunks), "pull_chunks must be in " + range + ", got " + std::to_string(pull_chunks));
+  require(peer_bases_.size() <= static_cast<size_t>(kNormalMaxRanks),
+          "the copy engine serves at most " + std::to_string(kNormalMaxRanks) + " ranks");
   require(!push_rows || peer_bases_.size() <= static_cast<size_t>(kNormalMaxCombineRanks),
           "push_rows serves at most " + std::to_string(kNormalMaxCombineRanks) + " ranks");
   int previous = 0;
@@ -355,26 +419,23 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
   stream_waits_ = gpu_stream_waits_supported(device_);
   void* words = nullptr;
   // kNormalMaxChunks combine chunk values, then the gather's warp counters (one per chunk) and the
-  // combine's SM share's (after them).
-  const size_t words_bytes = 2 * kNormalMaxChunks * sizeof(uint64_t);
+  // combine's SM share's (after them), then a done word per copy stream.
+  const size_t words_bytes = (2 * kNormalMaxChunks + 2 * peer_bases_.size()) * sizeof(uint64_t);
   gpuError_t status = gpu_device_alloc(&words, words_bytes);
   if (status == kGpuSuccess) {
     chunk_values_ = static_cast<uint64_t*>(words);
     gathered_warps_ = reinterpret_cast<uint32_t*>(chunk_values_ + kNormalMaxChunks);
+    copies_done_ = chunk_values_ + 2 * kNormalMaxChunks;
     status = gpu_memset(words, 0, words_bytes);
   }
   peer_streams_.assign(peer_bases_.size(), nullptr);
-  peer_done_.assign(peer_bases_.size(), nullptr);
   for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
     status = gpu_stream_create_nonblocking(&peer_streams_[peer]);
-    if (status == kGpuSuccess) status = gpu_event_create(&peer_done_[peer]);
   }
   if (push_rows_) {
     push_streams_.assign(peer_bases_.size(), nullptr);
-    push_done_.assign(peer_bases_.size(), nullptr);
     for (size_t peer = 0; peer < peer_bases_.size() && status == kGpuSuccess; ++peer) {
       status = gpu_stream_create_nonblocking(&push_streams_[peer]);
-      if (status == kGpuSuccess) status = gpu_event_create(&push_done_[peer]);
     }
     void* values = nullptr;
     void* values_device = nullptr;  // unused: the copies read the host address
@@ -391,7 +452,8 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
 NormalCopyEngine::~NormalCopyEngine() { release(); }
 
 void NormalCopyEngine::release() {
-  // Nothing is in flight here that the caller did not order before: its stream waits for peer_done_.
+  // Nothing is in flight here that the caller did not order before: its stream's last kernel of an
+  // exchange waits for the copy streams.
   if (host_counts_ != nullptr) (void)gpu_host_free(host_counts_);
   host_counts_ = nullptr;
   host_counts_device_ = nullptr;
@@ -399,18 +461,13 @@ void NormalCopyEngine::release() {
   if (chunk_values_ != nullptr) (void)gpu_device_free(chunk_values_);
   chunk_values_ = nullptr;
   gathered_warps_ = nullptr;
+  copies_done_ = nullptr;
   if (notify_done_ != nullptr) (void)gpu_event_destroy(notify_done_);
   notify_done_ = nullptr;
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
   fork_ = nullptr;
   if (push_values_ != nullptr) (void)gpu_host_free(push_values_);
   push_values_ = nullptr;
-  for (std::vector<gpuEvent_t>* events : {&peer_done_, &push_done_}) {
-    for (gpuEvent_t event : *events) {
-      if (event != nullptr) (void)gpu_event_destroy(event);
-    }
-    events->clear();
-  }
   for (std::vector<gpuStream_t>* streams : {&peer_streams_, &push_streams_}) {
     for (gpuStream_t peer_stream : *streams) {
       if (peer_stream != nullptr) (void)gpu_stream_destroy(peer_stream);
@@ -433,14 +490,28 @@ void NormalCopyEngine::fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t 
     if (peer == me) continue;
     UCCL_EP_GPU_CHECK(gpu_stream_wait_event(peer_streams_[peer], since));
     queue(peer, peer_streams_[peer]);
-    UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[peer], peer_streams_[peer]));
   }
 }
 
-void NormalCopyEngine::join_peer_streams(int skip, gpuStream_t stream) {
-  for (int peer = 0; peer < static_cast<int>(peer_streams_.size()); ++peer) {
-    if (peer != skip) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, peer_done_[peer]));
+NormalCopiesDone NormalCopyEngine::mark_copies(int me, bool peers, bool own) {
+  NormalCopiesDone copies;
+  copies.done = copies_done_;
+  const int num_ranks = static_cast<int>(peer_streams_.size());
+  const auto mark = [&](int index, gpuStream_t copy_stream) {
+    if (stream_waits_) {
+      UCCL_EP_GPU_CHECK(gpu_stream_write_word(copy_stream, copies_done_ + index, 1));
+    } else {
+      normal_kernels::mark_copies_done<<<1, 1, 0, copy_stream>>>(copies_done_ + index);
+      UCCL_EP_GPU_CHECK(gpu_last_error());
+    }
+    copies.add(index);
+  };
+  for (int peer = 0; peer < num_ranks; ++peer) {
+    if (peers && (peer != me || own)) mark(peer, peer_streams_[peer]);
+    if (normal_rank_in_mask(pushed_to_, peer)) mark(num_ranks + peer, push_streams_[peer]);
   }
+  pushed_to_ = 0;
+  return copies;
 }
 
 void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t since) {
@@ -450,10 +521,9 @@ void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t si
   const int me = a.region.rank;
   const gpuStream_t own_stream = peer_streams_[me];
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(own_stream, since));
-  own_rows_queued_ = true;  // from here end_receive joins the own stream, whatever fails after
+  own_rows_queued_ = true;  // from here end_receive waits for the own stream, whatever fails after
   copy_token_runs(own_runs_.runs, NormalTokenRange{0, a.num_tokens}, a.x,
                   static_cast<uint8_t*>(a.recv_x) + own_runs_.first_row * a.x_row_bytes, a.x_row_bytes, own_stream);
-  UCCL_EP_GPU_CHECK(gpu_event_record(peer_done_[me], own_stream));
 }
 
 uint8_t* NormalCopyEngine::staging(int owner) const {
@@ -479,11 +549,6 @@ void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChun
   normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks, push_rows,
                                                                                             gathered_warps_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  launch_normal_announce_arrival(a.region, stream);
-}
-
-void NormalCopyEngine::abandon_dispatch(const NormalRegion& region, gpuStream_t stream) {
-  launch_normal_announce_freed(region, stream);
 }
 
 void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
@@ -527,43 +592,43 @@ void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t str
             "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
     // The own rows' copies wait for the notify, as the pulls do (unless start_dispatch queued them).
     queue_own_rows(a, notify_done_);
-    normal_kernels::receive_own_rows<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(
-        a, sm_pull_percent_, own_rows_queued_, receive_pushing_sources_);
-    UCCL_EP_GPU_CHECK(gpu_last_error());
   } catch (...) {
-    end_receive(stream);
+    end_receive(stream, nullptr);
     throw;
   }
-  end_receive(stream);
+  end_receive(stream, &a);
 }
 
 void NormalCopyEngine::abandon_receive(const NormalRegion& region, gpuStream_t stream) {
   require_unreleased();
   if (receive_pending_) {
-    end_receive(stream);
-  } else {
-    own_runs_.ready = false;
-    join_pushes(stream);
-    abandon_dispatch(region, stream);
+    end_receive(stream, nullptr);
+    return;
   }
+  own_runs_.ready = false;
+  end_exchange(region, mark_copies(region.rank, false, false), stream);  // after the pushes queued so far
 }
 
-void NormalCopyEngine::end_receive(gpuStream_t stream) {
+void NormalCopyEngine::end_receive(gpuStream_t stream, const NormalDispatchArgs* rest) {
   receive_pending_ = false;
   own_runs_.ready = false;
   const bool own_rows_queued = own_rows_queued_;
+  const uint32_t pushing_sources = receive_pushing_sources_;
   own_rows_queued_ = false;
   receive_pushing_sources_ = 0;
-  join_peer_streams(own_rows_queued ? -1 : pending_region_.rank, stream);
-  join_pushes(stream);
-  launch_normal_announce_freed(pending_region_, stream);
+  const NormalCopiesDone copies = mark_copies(pending_region_.rank, true, own_rows_queued);
+  if (rest == nullptr) {
+    end_exchange(pending_region_, copies, stream);
+    return;
+  }
+  normal_kernels::receive_own_rows<<<rest->num_sms, normal_kernels::kWideThreads, 0, stream>>>(
+      *rest, sm_pull_percent_, own_rows_queued, pushing_sources, copies);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
-void NormalCopyEngine::join_pushes(gpuStream_t stream) {
-  for (int peer = 0; peer < static_cast<int>(push_done_.size()); ++peer) {
-    if (normal_rank_in_mask(pushed_to_, peer)) UCCL_EP_GPU_CHECK(gpu_stream_wait_event(stream, push_done_[peer]));
-  }
-  pushed_to_ = 0;
+void NormalCopyEngine::end_exchange(const NormalRegion& region, const NormalCopiesDone& copies, gpuStream_t stream) {
+  normal_kernels::end_exchange_after_copies<<<1, kNormalMaxRanks, 0, stream>>>(region, copies, kNormalDispatchRecv);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 
 void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, int src,
@@ -630,7 +695,6 @@ void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vect
     push_values_[piece] = normal_chunk_word(pulls_.epoch, piece + 1, chunks.count);
     copy_async(word, push_values_ + piece, sizeof(uint64_t), push_stream);
   }
-  UCCL_EP_GPU_CHECK(gpu_event_record(push_done_[peer], push_stream));
 }
 
 void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
@@ -711,7 +775,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   NormalDispatchStart start;
   if (notify_epoch == kNormalNotifyFailed) {  // recorded on the device: the caller raises it
     start.counts.assign(prefix_size + notify.num_local_experts, 0);
-    if (gather != nullptr) abandon_dispatch(region, stream);
+    if (gather != nullptr) abandon_receive(region, stream);
     return start;
   }
   const int32_t* counts = host_counts_ + channel_ints;
@@ -724,7 +788,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
       normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, dispatch_rows) <= region.data_bytes &&
       normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine_rows) <= region.data_bytes;
   if (!start.by_copy_engine) {
-    abandon_dispatch(region, stream);
+    abandon_receive(region, stream);
     return start;
   }
   const int32_t* gaps = host_counts_ + normal_host_gaps_index(epoch_index, region.rank);
@@ -810,10 +874,8 @@ void NormalCopyEngine::combine(const NormalCombineArgs& a, const std::vector<int
     }
   });
   normal_kernels::reduce_from_staging<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(
-      a, sm_push_percent_, gathered_warps_ + kNormalMaxChunks);
+      a, sm_push_percent_, gathered_warps_ + kNormalMaxChunks, mark_copies(me, true, false));
   UCCL_EP_GPU_CHECK(gpu_last_error());
-  join_peer_streams(me, stream);
-  launch_normal_announce_freed(a.region, stream);
 }
 
 }  // namespace uccl_ep

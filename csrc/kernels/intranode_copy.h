@@ -38,6 +38,19 @@ namespace uccl_ep {
 // Loads NormalCopyEngine's kernels into the current device's context (gpu_load_kernels).
 void load_normal_copy_kernels();
 
+// The copy streams an exchange's last kernel waits for before it ends the exchange (a kernel argument):
+// stream i (the peer streams by rank, then the push streams by rank) writes 1 into done[i] once its
+// copies are done, and that kernel's last block sets the word back to 0. The value is always the same,
+// so a CUDA graph that captured the exchange replays it correctly.
+struct NormalCopiesDone {
+  static constexpr int kMaxStreams = 2 * kNormalMaxRanks;
+  uint64_t* done = nullptr;
+  uint64_t streams[kMaxStreams / 64] = {};  // bit i: wait for stream i
+
+  UCCL_EP_HOST_DEVICE bool has(int i) const { return (streams[i / 64] >> (i % 64)) & 1; }
+  void add(int i) { streams[i / 64] |= uint64_t{1} << (i % 64); }
+};
+
 // What start_dispatch brings back: the dispatch's counts on the host (rank_prefix_matrix
 // flattened, then the tokens each local expert receives) and whether the copy engines carry its rows.
 struct NormalDispatchStart {
@@ -120,29 +133,28 @@ class NormalCopyEngine {
   // notify, as the runs between `gaps` (the notify's list for the peer), in the pieces of pulls_.
   void queue_pushes(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int peer,
                     const int32_t* gaps);
-  // `stream` waits for the pushes the last start_dispatch queued (they read x).
-  void join_pushes(gpuStream_t stream);
   // Each peer's rows for this rank into recv_x on the peer's stream: whole after a
   // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
                    gpuStream_t peer_stream);
-  // After the pulls and this rank's part: the caller's stream waits for the pulls (and the own rows'
-  // copies when queued), then freed.
-  void end_receive(gpuStream_t stream);
-  // Ends a dispatch_send's exchange with nothing read (every rank alike).
-  void abandon_dispatch(const NormalRegion& region, gpuStream_t stream);
+  // The receive's last kernel on `stream`: with `rest`, receive_own_rows into its outputs, else only
+  // the exchange's end; either waits for the pulls (and the own rows' copies and the pushes when queued)
+  // before it announces freed.
+  void end_receive(gpuStream_t stream, const NormalDispatchArgs* rest);
+  // Has the copy streams this exchange queued copies on (every peer's stream but this rank's own
+  // unless `own`, when `peers`; the push streams in pushed_to_) write their done words after them.
+  NormalCopiesDone mark_copies(int me, bool peers, bool own);
+  // The exchange's end on its own, after `copies`.
+  void end_exchange(const NormalRegion& region, const NormalCopiesDone& copies, gpuStream_t stream);
   // Waits until the notify launched by start_dispatch has written its exchange number into
   // host_counts_ (at epoch_index), and returns it (kNormalNotifyFailed: a wait on the device gave up).
   uint64_t wait_for_notify(const NormalRegion& region, int64_t epoch_index) const;
   void check_usable(const NormalRegion& region, const std::vector<int32_t>& rank_prefix_matrix_host) const;
   void require_unreleased() const;
   // Each peer's stream waits for `stream` up to now (or up to the event `since`, recorded on it),
-  // then `queue(peer, peer_stream)` puts that peer's copies on it; join_peer_streams makes `stream`
-  // wait for all of them.
+  // then `queue(peer, peer_stream)` puts that peer's copies on it (mark_copies ends them).
   template <typename Queue>
   void fork_peer_streams(int me, gpuStream_t stream, gpuEvent_t since, Queue&& queue);
-  // `stream` waits for every peer's stream but `skip`'s (-1: every one).
-  void join_peer_streams(int skip, gpuStream_t stream);
   // The own rows' data by copy engine, on this rank's own stream (peer_streams_[me]) after the
   // event `since`, when own_runs_ holds this dispatch's runs (then own_rows_queued_).
   void queue_own_rows(const NormalDispatchArgs& args, gpuEvent_t since);
@@ -184,18 +196,18 @@ class NormalCopyEngine {
     int64_t first_row = 0;
   } own_runs_;
   // Device words: the chunk word values of the current combine (written by its first kernel, copied
-  // to the owners after each chunk), then the gather's per-chunk warp counters (back to 0 after use).
+  // to the owners after each chunk), then the gather's per-chunk warp counters (back to 0 after use),
+  // then the copy streams' done words (NormalCopiesDone).
   uint64_t* chunk_values_ = nullptr;
   uint32_t* gathered_warps_ = nullptr;
+  uint64_t* copies_done_ = nullptr;
   // One stream per peer (indexed by rank; this rank's own carries the own rows' copies): each peer's pulls or pushes
   // run on their own stream beside the SMs' work, so at 4 or 8 ranks the copy engines move every
   // peer's block at once instead of one after another.
   std::vector<gpuStream_t> peer_streams_;
-  std::vector<gpuEvent_t> peer_done_;  // recorded on each peer's stream after its copies
   // With push_rows, one more stream per peer for the pushes to it: on the peer's stream they would
   // hold back the copies out of this rank's landing.
   std::vector<gpuStream_t> push_streams_;
-  std::vector<gpuEvent_t> push_done_;
   uint64_t* push_values_ = nullptr;    // pinned: the chunk words the pushes' 8-byte copies write
   gpuEvent_t fork_ = nullptr;          // the caller's stream up to the copies
   gpuEvent_t notify_done_ = nullptr;   // the caller's stream up to the notify (before the gather)

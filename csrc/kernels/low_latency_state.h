@@ -11,7 +11,7 @@ namespace uccl_ep {
 class LowLatencyState {
  public:
   // Per half: uses (in shares), spare, aborted, spare; the normal mode's own state (intranode.h) uses
-  // its spares to count a kernel's finished blocks.
+  // the first spare to count a kernel's finished blocks.
   static constexpr int kControlWords = 4;
 
   explicit LowLatencyState(int device);
