@@ -817,13 +817,15 @@ def comparison_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidat
 
 # ---------------------------------------------------------------------------------------- a peer that never comes
 def missing_peer_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str, enable_shrink: bool,
-                      timeout_s: float, in_combine: bool = False) -> None:
+                      timeout_s: float, in_combine: bool = False, settings: Optional[Dict[str, str]] = None) -> None:
     """Rank 0 calls low_latency_dispatch; no other rank does. Without enable_shrink rank 0 must get a
     CommTimeoutError naming itself, the operation and a silent rank; with it, every silent rank is masked and
     rank 0 carries on alone. The silent ranks wait on a gloo barrier until rank 0 is done.
 
     ``in_combine`` (without enable_shrink): every rank dispatches, then only rank 0 calls low_latency_combine
-    (the pre-reduced combine's send waits for each peer's routing records)."""
+    (its receive waits for the peers' rows; pre-reduced, its send first waits for their routing records).
+    ``settings``: environment variables this rank sets first."""
+    os.environ.update(settings or {})
     side = dist.new_group(backend="gloo")
     case = TIMEOUT_CASE
     silent = list(range(1, num_ranks))

@@ -23,6 +23,7 @@ import pytest
 from tests import gpu_low_latency_cases as ll
 from tests.multiprocess import SHARE_GPU_ENV, environment, needs_gpus, ranks_share_gpus
 from tests.reference_checks import SectionCache, SectionResults, assert_section
+from uccl_ep_plugin.engines.native.low_latency import COMBINE_ENV
 from uccl_ep_plugin.platform_config.loader import AUTO_ATOMIC_KEY as AGGRESSIVE_ATOMIC_KEY
 from uccl_ep_plugin.proxies import MODULE_LOADING_ENV
 
@@ -124,12 +125,29 @@ def test_missing_peer(enable_shrink):
 @pytest.mark.gpu
 @needs_rank_gpus
 @needs_native
-def test_missing_peer_in_combine():
+@pytest.mark.parametrize("combine", ["direct", "prereduce"])
+def test_missing_peer_in_combine(combine):
     """Every rank dispatches, then only rank 0 combines: it raises CommTimeoutError (naming rank 0, the combine
-    and a silent rank) within timeout + 5 s; the pre-reduced combine's send is what waits for the peers."""
+    and a silent rank) within timeout + 5 s: its receive waits for the peers' rows, or, pre-reduced, its send for
+    their routing."""
     results = SectionCache(ll.missing_peer_body, backend="nccl", deadline_s=90.0, candidate=CANDIDATE,
-                           enable_shrink=False, timeout_s=MISSING_PEER_TIMEOUT_S, in_combine=True).get(RANKS)
+                           enable_shrink=False, timeout_s=MISSING_PEER_TIMEOUT_S, in_combine=True,
+                           settings={COMBINE_ENV: combine}).get(RANKS)
     assert_section(results, "missing_combine_peer_raises")
+
+
+# The same comparison with the combine pre-reduced on the experts' ranks where it fits (the default is direct).
+_PREREDUCED = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
+                           mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES,
+                           environment={COMBINE_ENV: "prereduce"})
+
+
+@pytest.mark.gpu
+@needs_rank_gpus
+@needs_native
+@pytest.mark.parametrize("section", ll.SECTIONS)
+def test_low_latency_prereduced_matches_reference(section):
+    assert_section(_PREREDUCED.get(RANKS), section)
 
 
 # ---------------------------------------------------------------------------------------- the harness, on CPU

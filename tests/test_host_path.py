@@ -67,7 +67,7 @@ class RecordingExtension:
                 extension.calls["LowLatencyState.release"] += 1
 
         class Launcher:
-            def __init__(self, region, device, state):
+            def __init__(self, region, device, state, prereduce):
                 extension.calls["LowLatencyLauncher"] += 1
                 self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}
 

@@ -868,7 +868,7 @@ constexpr int kSumBatch = 4;
 // ------------------------------------------------------------------ pre-reduced combine (low_latency.h)
 constexpr int kPartialChunks = 2;
 __host__ __device__ inline bool prereduces(const LowLatencyCombineArgs& a) {
-  return !a.use_logfmt && a.region.via_proxy == nullptr &&
+  return a.prereduce && !a.use_logfmt && a.region.via_proxy == nullptr &&
          low_latency_combine_prereduces(a.num_max_tokens, a.hidden, a.num_topk, a.num_experts / a.region.num_ranks);
 }
 

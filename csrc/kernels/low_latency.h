@@ -148,6 +148,9 @@ struct LowLatencyCombineArgs {
   int64_t* wait_cost_stats;    // [R] or null
   int32_t phases;
   int32_t num_sms;
+  // Pre-reduce where it fits (low_latency_combine_prereduces); every rank must choose the same. Its send waits
+  // for every source's routing records, so a rank whose peers call later waits for them before it sends.
+  bool prereduce;
 };
 
 // Bytes of one dispatch message (16-byte header, then the row, then fp8 scales) and of one

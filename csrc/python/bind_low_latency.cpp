@@ -75,6 +75,7 @@ struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
   const uccl_ep::LowLatencyState* state;
+  bool prereduce;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
   uccl_ep::bindings::CheckedCalls checked_dispatches, checked_combines;
 
   // tensors: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats); values:
@@ -142,7 +143,8 @@ struct LowLatencyLauncher {
         static_cast<const int64_t*>(in[4].data), static_cast<const int32_t*>(in[5].data), num_tokens,
         num_max_tokens,
         hidden,         num_topk,               num_experts,                  in.value(3) != 0,
-        combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms};
+        combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms,
+        prereduce};
     launch(args, as_stream(stream));
     return py::make_tuple(0, out.present ? py::object(py::none()) : py::object(outputs.release()[0]),
                           pending(args, phases, stream));
@@ -233,10 +235,9 @@ void bind_low_latency(py::module_& m) {
   py::class_<LowLatencyLauncher>(m, "LowLatencyLauncher",
                                  "Launches the low-latency kernels on one half of the region (positional "
                                  "arguments only: each operation is one call).")
-      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const LowLatencyState& state) {
-             return LowLatencyLauncher{region, device, &state, {}, {}};
-           }),
-           py::arg("region"), py::arg("device"), py::arg("state"), py::keep_alive<1, 4>())
+      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const LowLatencyState& state,
+                       bool prereduce) { return LowLatencyLauncher{region, device, &state, prereduce, {}, {}}; }),
+           py::arg("region"), py::arg("device"), py::arg("state"), py::arg("prereduce"), py::keep_alive<1, 4>())
       .def("dispatch", &LowLatencyLauncher::dispatch,
            "dispatch(phases, (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), "
            "(num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook), num_sms, "

@@ -9,9 +9,10 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ...hosts import RdmaRanks
-from .low_latency import NativeLowLatency
+from .low_latency import COMBINE_ENV, NativeLowLatency, combine_mode
 from .normal import NativeNormal
-from .peers import FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer, ranks_on_other_hosts
+from .peers import (FORCE_PROXY_ENV, first_reason, force_proxy, map_peer_buffer, ranks_on_other_hosts,
+                    same_on_every_rank)
 from ...platform_config import resolve_config
 from ...platform_config.loader import AUTO_ATOMIC_KEY
 from ...proxies import (TRANSPORT_ENV, TRANSPORT_FEATURES, cross_host_reason, no_rdma_device_reason, proxy_transport,
@@ -156,6 +157,7 @@ class NativeEngine:
         """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts (logical hosts of this
         machine too), or every peer with UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns
         ``{operation: reason}`` for the operations that cannot run natively after all (the same on every rank)."""
+        prereduce = same_on_every_rank(group, COMBINE_ENV, combine_mode()) == "prereduce"
         with torch.cuda.device(self.device):
             # cuda-copy named: the logical hosts UCCL_EP_GPUS_PER_NODE cuts this machine into reach each other
             # through the proxies' copy engines, which write into every rank's buffer: the whole machine is mapped,
@@ -188,7 +190,7 @@ class NativeEngine:
                     raise
             self.low_latency = NativeLowLatency(self._C, peer_buffer, rank, self.num_ranks, self.device, timeout_s,
                                                 torch.cuda.get_device_properties(self.device).multi_processor_count,
-                                                self.aggressive_atomics, proxy_path)
+                                                self.aggressive_atomics, proxy_path, prereduce)
         # The operations themselves, not wrappers: a call from the Buffer goes straight to them (the extension
         # makes the Buffer's device current for its own calls).
         self.low_latency_dispatch = self.low_latency.low_latency_dispatch

@@ -15,6 +15,7 @@ from ...dispatch_config import LowLatencyLayout, low_latency_layout
 from ...streams import current_stream_handle
 from ..reference.collectives import CommTimeoutError
 from ..reference.low_latency import LowLatencyDispatchResult
+from .settings import mode_setting
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
                 3: "low_latency_dispatch (send)", 4: "low_latency_combine (send)",
@@ -23,6 +24,15 @@ _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (re
 _SEND_PHASES = (3, 4)
 _RECORDS_PHASE = 6
 _TIMEOUT, _TOO_MANY_ROWS, _PROXY_STALLED = 1, 2, 3
+COMBINE_ENV = "UCCL_EP_LOW_LATENCY_COMBINE"   # how the combine returns rows: "direct" or "prereduce"
+
+
+def combine_mode() -> str:
+    """COMBINE_ENV: "direct" (the default: each expert's rank sends every received row back, and its send waits
+    for no peer, as DeepEP's) or "prereduce" (where it fits, the expert's rank first sums each token's rows over
+    its experts, so a token crosses once per rank: fewer bytes, but the send waits for every peer's routing, so a
+    rank whose peers start their combine later waits for them). Every rank must use the same."""
+    return mode_setting(COMBINE_ENV, ("direct", "prereduce"))
 
 
 def _ptr(tensor: Optional[torch.Tensor]) -> int:
@@ -58,10 +68,11 @@ def dispatch_positions(topk_idx: torch.Tensor, num_experts: int, rank: int, num_
 
 class NativeLowLatency:
     """``num_sms``: the device's SMs; ``proxy_path``: a ProxyPath for the peers reached through the CPU proxy, or
-    None (all mapped)."""
+    None (all mapped); ``prereduce``: the combine pre-reduces where it fits (combine_mode)."""
 
     def __init__(self, extension, peer_buffer, rank: int, num_ranks: int, device: torch.device,
-                 timeout_s: float, num_sms: int, aggressive_atomics: bool, proxy_path=None) -> None:
+                 timeout_s: float, num_sms: int, aggressive_atomics: bool, proxy_path=None,
+                 prereduce: bool = False) -> None:
         self._C = extension
         self.peer_buffer = peer_buffer
         self.proxy_path = proxy_path
@@ -70,6 +81,7 @@ class NativeLowLatency:
         self.device = device
         self.timeout_s = timeout_s
         self.aggressive_atomics = aggressive_atomics
+        self.prereduce = prereduce
         self.state = extension.LowLatencyState(device.index)
         self.num_sms = num_sms   # the kernels' grid: every SM
         self._launchers = {}   # (T, hidden, experts, half, mask address) -> LowLatencyLauncher
@@ -134,7 +146,7 @@ class NativeLowLatency:
             check()
             layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
             launcher = self._launchers[key] = self._C.LowLatencyLauncher(
-                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state)
+                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state, self.prereduce)
         return launcher
 
     def _new_region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):

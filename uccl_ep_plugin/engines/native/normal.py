@@ -29,6 +29,7 @@ import torch
 
 from ..reference.collectives import CommTimeoutError
 from ..reference.normal import DispatchResult
+from .settings import mode_setting
 
 _PHASE_NAMES = {1: "dispatch (notify: sending the layout)", 2: "dispatch (notify: receiving the layout)",
                 3: "dispatch (sending rows)", 4: "dispatch (receiving rows)",
@@ -67,11 +68,7 @@ def copy_mode(env: str = COPY_ENV) -> str:
     few runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the
     caller's thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
     launcher's own thread, and the call returns sooner, but its work ends later on the GPU; each rank may choose)."""
-    modes = _MODES[env]
-    mode = os.environ.get(env, "").strip().lower() or modes[0]
-    if mode not in modes:
-        raise ValueError(f"{env}={mode!r}: expected one of {', '.join(modes)}")
-    return mode
+    return mode_setting(env, _MODES[env])
 
 
 def _int_setting(env: str, default: int, low: int, high: int) -> int:

@@ -42,6 +42,16 @@ def _all_gather(group, value) -> List:
     return gathered
 
 
+def same_on_every_rank(group, setting: str, mine: str) -> str:
+    """``mine``, once every rank of ``group`` has the same value of ``setting`` (collective); else every rank raises,
+    naming each rank's value."""
+    values = _all_gather(group, mine)
+    if any(value != mine for value in values):
+        raise ValueError(f"{setting} must be the same on every rank; the ranks have "
+                         + ", ".join(f"{rank}: {value!r}" for rank, value in enumerate(values)))
+    return mine
+
+
 def first_reason(group, mine: Optional[str]) -> Optional[str]:
     """The first rank's reason not to go on, or None where no rank has one: every rank decides the same."""
     return next((reason for reason in _all_gather(group, mine) if reason is not None), None)
