@@ -95,19 +95,22 @@ def test_low_latency_across_two_hosts_matches_reference(section, transport):
     assert_section(results, section)
 
 
-# The same comparison with the kernels' flags as relaxed accesses between explicit fences
-# (UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC=1, AMD's default; CUDA's is the release/acquire pair).
-_AGGRESSIVE = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
-                           mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES,
-                           environment={AGGRESSIVE_ATOMIC_KEY: "1"})
+# The same comparison with settings other than the defaults: the kernels' flags as relaxed accesses between
+# explicit fences (UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC=1, AMD's default; CUDA's is the release/acquire pair), and the
+# combine pre-reduced on the experts' ranks where it fits (UCCL_EP_LOW_LATENCY_COMBINE=prereduce; direct by default).
+_SETTINGS = {name: SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
+                                mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES, environment=settings)
+             for name, settings in (("aggressive-atomics", {AGGRESSIVE_ATOMIC_KEY: "1"}),
+                                    ("prereduced-combine", {COMBINE_ENV: "prereduce"}))}
 
 
 @pytest.mark.gpu
 @needs_rank_gpus
 @needs_native
+@pytest.mark.parametrize("setting", list(_SETTINGS))
 @pytest.mark.parametrize("section", ll.SECTIONS)
-def test_low_latency_with_aggressive_atomics_matches_reference(section):
-    assert_section(_AGGRESSIVE.get(RANKS), section)
+def test_low_latency_with_other_settings_matches_reference(section, setting):
+    assert_section(_SETTINGS[setting].get(RANKS), section)
 
 
 @pytest.mark.gpu
@@ -134,20 +137,6 @@ def test_missing_peer_in_combine(combine):
                            enable_shrink=False, timeout_s=MISSING_PEER_TIMEOUT_S, in_combine=True,
                            settings={COMBINE_ENV: combine}).get(RANKS)
     assert_section(results, "missing_combine_peer_raises")
-
-
-# The same comparison with the combine pre-reduced on the experts' ranks where it fits (the default is direct).
-_PREREDUCED = SectionCache(ll.comparison_body, backend="nccl", candidate=CANDIDATE, cases=ll.GPU_CASES,
-                           mask_cases=ll.GPU_MASK_CASES, graph_cases=ll.GPU_GRAPH_CASES,
-                           environment={COMBINE_ENV: "prereduce"})
-
-
-@pytest.mark.gpu
-@needs_rank_gpus
-@needs_native
-@pytest.mark.parametrize("section", ll.SECTIONS)
-def test_low_latency_prereduced_matches_reference(section):
-    assert_section(_PREREDUCED.get(RANKS), section)
 
 
 # ---------------------------------------------------------------------------------------- the harness, on CPU
