@@ -115,9 +115,9 @@ struct NormalLauncherCalls {
       offset += rows * columns;
     }
     const uccl_ep::NormalDispatchRequest request{x.data,
-                                                 hidden * x.element_bytes(),
+                                                 x.row_bytes(),
                                                  x_scales.data,
-                                                 x_scales.present ? x_scales.size(1) * x_scales.element_bytes() : 0,
+                                                 x_scales.row_bytes(),
                                                  static_cast<const int64_t*>(topk_idx.data),
                                                  static_cast<const float*>(topk_weights.data),
                                                  num_topk,
@@ -176,9 +176,9 @@ struct NormalLauncherCalls {
     void* recv_x_scales = optional_rows(tensors_out, num_rows_out, x_scales);
     const uccl_ep::NormalDispatchArgs args{launcher.region(),
                                            x.data,
-                                           hidden * x.element_bytes(),
+                                           x.row_bytes(),
                                            x_scales.data,
-                                           x_scales.present ? x_scales.size(1) * x_scales.element_bytes() : 0,
+                                           x_scales.row_bytes(),
                                            nullptr,  // no top-k: a cached dispatch moves x (and its scales)
                                            nullptr,
                                            0,

@@ -75,6 +75,8 @@ struct TensorArgument {
 
   int64_t size(int d) const { return sizes[d]; }
   int64_t element_bytes() const;  // 0 when dtype is -1
+  // Bytes of one row of a 2-D tensor (size(1) elements); 0 for None.
+  int64_t row_bytes() const { return present ? sizes[1] * element_bytes() : 0; }
   std::uintptr_t address() const { return reinterpret_cast<std::uintptr_t>(data); }
 };
 
