@@ -34,6 +34,8 @@ def _measure_body(rank, num_ranks, group, engine, copy_gbps):
     options = runner.BenchOptions(num_ranks=num_ranks, device="cpu", normal=WORKLOAD, low_latency=None, warmup=1,
                                   iters=2, seed=0, device_name="cpu", commit="test")
     result = runner.measure(case, options, rank, group, torch.device("cpu"), lambda _: None, copy_gbps)
+    # Every case carries its slowest rank's pure-Python loop, so host figures can be read against it.
+    assert result["host_loop_us"] > 0 and "host loop" in table([result])
     if engine == "native" and copy_gbps:
         assert result["nvlink_floor_us"] == pytest.approx(5000.0) and result["copy_gbps"] == copy_gbps
         assert "NVLink floor" in table([result]) and "5000.0 us" in table([result])

@@ -13,6 +13,7 @@ def time_cell(us: float) -> str:
 COLUMNS = (("mode", "mode", "{}"), ("op", "op", "{}"), ("dtype", "dtype", "{}"), ("engine", "engine", "{}"),
            ("path", "path", "{}"), ("median_us", "median", time_cell), ("kernel_us", "kernel", time_cell),
            ("host_us", "host", time_cell), ("host_back_to_back_us", "host b2b", time_cell),
+           ("host_loop_us", "host loop", time_cell),
            ("gbps", "GB/s", "{:.2f}"), ("nvlink_floor_us", "NVLink floor", time_cell),
            ("back_to_back_us", "b2b", time_cell),
            ("back_to_back_gbps", "b2b GB/s", "{:.2f}"), ("rail_us", "rail", time_cell),
@@ -27,6 +28,7 @@ def progress_line(index: int, total: int, result: Dict) -> str:
                                                                  ("host_beyond_count_wait_us",
                                                                   "host beyond the count wait"),
                                                                  ("host_back_to_back_us", "host back to back"),
+                                                                 ("host_loop_us", "host's Python loop"),
                                                                  ("back_to_back_us", "back to back"),
                                                                  ("nvlink_floor_us", "NVLink floor"),
                                                                  ("rail_us", "rail"), ("forward_us", "forward"))

@@ -17,7 +17,7 @@ from ..engines.rail import rail_transport
 from ..engines.two_level import rail_rdma_bytes
 from ..hosts import gpus_per_node
 from ..proxies import proxy_transport
-from . import baselines, nvlink
+from . import baselines, host_speed, nvlink
 from .case import Case
 from .workloads import Workload, low_latency_bytes, normal_bytes, per_token_fp8, routing
 
@@ -539,6 +539,7 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
     back_to_back = _back_to_back_seconds(case, options, group, device) if timing == "eager" else None
     correct = case.check()
     _settle(case, device)
+    host_loop_us = float(_gather_floats([host_speed.python_loop_us()], group, device).amax())
     kernel_names = sorted(kernels) if kernels is not None else []
     hops = [statistics.median(call[key] for call in eager.hops) if eager.hops else 0.0 for key in _HOP_KEYS]
     extra = ([case.bytes_per_rank or 0.0, float(correct)] + host + [kernels[name] for name in kernel_names] +
@@ -578,6 +579,8 @@ def measure(case: Case, options: BenchOptions, rank: int, group, device: torch.d
               "host_us": None if host_s is None else host_s * 1e6,
               "host_beyond_count_wait_us": None if host_beyond_wait_s is None else host_beyond_wait_s * 1e6,
               "host_back_to_back_us": None if host_back_to_back_s is None else host_back_to_back_s * 1e6,
+              # The slowest rank's pure-Python loop: what the host figures above scale with (host_speed.py).
+              "host_loop_us": host_loop_us,
               "back_to_back_us": None if back_to_back_s is None else back_to_back_s * 1e6,
               "gbps": bandwidth(median_s),
               "back_to_back_gbps": bandwidth(back_to_back_s),
