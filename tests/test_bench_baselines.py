@@ -40,12 +40,12 @@ def test_case_count_follows_modes_and_baselines():
         return BenchOptions(num_ranks=2, device=device, normal=normal, low_latency=ll, warmup=0, iters=1, seed=0,
                             device_name=device, commit="test", baselines=with_baselines)
 
-    assert num_cases(options(WORKLOAD, None, True)) == 3 + baselines.NUM_CASES
-    assert num_cases(options(WORKLOAD, None, False)) == 3
-    assert num_cases(options(WORKLOAD, low_latency, False)) == 3 + 7
+    assert num_cases(options(WORKLOAD, None, True)) == 4 + baselines.NUM_CASES
+    assert num_cases(options(WORKLOAD, None, False)) == 4
+    assert num_cases(options(WORKLOAD, low_latency, False)) == 4 + 7
     assert num_cases(options(None, low_latency, True)) == 7
     # On GPUs normal mode is also timed with num_worst_tokens (fp8 and bf16 dispatch, combine), replayed from graphs.
-    assert num_cases(options(WORKLOAD, None, False, "cuda")) == 6
+    assert num_cases(options(WORKLOAD, None, False, "cuda")) == 7
 
 
 def test_report_shows_kernel_host_and_back_to_back_times():

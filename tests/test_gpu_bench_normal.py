@@ -21,10 +21,11 @@ def test_normal_bench_times_worst_token_calls_by_graph_replay(tmp_path):
                  "--warmup", "1", "--iters", "3", "--no-baselines", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())
     assert [(row["op"], row["dtype"]) for row in rows] == [
-        ("dispatch", "fp8"), ("dispatch", "bf16"), ("combine", "bf16"), ("dispatch (num_worst_tokens)", "fp8"),
-        ("dispatch (num_worst_tokens)", "bf16"), ("combine (num_worst_tokens)", "bf16")]
+        ("dispatch", "fp8"), ("dispatch", "bf16"), ("dispatch (cached)", "bf16"), ("combine", "bf16"),
+        ("dispatch (num_worst_tokens)", "fp8"), ("dispatch (num_worst_tokens)", "bf16"),
+        ("combine (num_worst_tokens)", "bf16")]
     assert all(row["correct"] and row["engine"] == "native" for row in rows), rows
-    eager, replayed = rows[:3], rows[3:]
+    eager, replayed = rows[:4], rows[4:]
     assert {row["timing"] for row in eager} == {"eager"}
     assert {row["path"] for row in eager} == {"nvlink-ce"}   # UCCL_EP_NORMAL_COPY=auto: copy engines at 2 ranks
     assert {row["timing"] for row in replayed} == {"cuda-graph"}

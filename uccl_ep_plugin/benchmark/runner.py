@@ -278,7 +278,7 @@ def num_cases(options: BenchOptions) -> int:
     low_latency_cases), for progress output."""
     total = 0
     if options.normal is not None:
-        total += 3 + (3 if options.device == "cuda" else 0) + (baselines.NUM_CASES if options.baselines else 0)
+        total += 4 + (3 if options.device == "cuda" else 0) + (baselines.NUM_CASES if options.baselines else 0)
     if options.low_latency is not None:
         total += 7
     return total
@@ -325,12 +325,25 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
             return _close(combined, x.float() * copies, 2e-2)
         return run, check
 
+    def cached() -> Tuple[Callable[[], None], Callable[[], bool]]:
+        """A dispatch of x again through the handle of combine()'s dispatch (its layout reused), and its check: the
+        same rows."""
+        recv_x, _, _, _, handle, _ = state[("dispatch", 0)]
+
+        def run() -> None:
+            state[("cached", 0)] = buffer.dispatch(x, handle=handle)
+
+        def check() -> bool:
+            return torch.equal(state[("cached", 0)][0], recv_x)
+        return run, check
+
     def served_by(num_worst_tokens: int) -> str:
         """The engine that served that dispatch (one the native engine cannot fit goes to the reference)."""
         handle = state[("dispatch", num_worst_tokens)][4]
         return getattr(handle, "served_by", None) or buffer.engine_by_operation["dispatch"]
 
     run_combine, check_combine = combine()
+    run_cached, check_cached = cached()
 
     num_recv = int(expected_recv[rank])
     own = int(per_rank[rank])
@@ -353,9 +366,10 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = native is not None and two_level is None and not native.dispatch_by_copy_engine(Buffer.num_sms)
-    eager_path = path
+    eager_path = cached_path = path
     if native is not None and two_level is None:
         eager_path = "nvlink-sm" if by_sm else "nvlink-ce"
+        cached_path = "nvlink-ce" if native.cached_dispatch_by_copy_engine() else "nvlink-sm"
     dispatch_kernels = ("normal_kernels::layout_and_notify", "normal_kernels::dispatch_by_channels") if by_sm else ()
     combine_kernels = ("normal_kernels::combine_by_channels",) if by_sm else ()
     count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
@@ -366,6 +380,9 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
         Case("normal", "dispatch", "bf16", workload, dispatch(x), check_dispatch(False),
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=dispatch_kernels, capturable=False,
              count_wait=count_wait, nvlink_bytes=over_nvlink("bf16"), path=eager_path, hops=hops),
+        Case("normal", "dispatch (cached)", "bf16", workload, run_cached, check_cached,
+             normal_bytes(num_recv, workload.hidden, "bf16"), engine, capturable=False,
+             nvlink_bytes=over_nvlink("bf16"), path=cached_path, hops=hops),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
              nvlink_bytes=over_nvlink("bf16"), path=eager_path, hops=hops),

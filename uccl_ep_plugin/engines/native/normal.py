@@ -183,6 +183,11 @@ class NativeNormal:
         (and so its combine's), else the SM path."""
         return self._C.normal_dispatch_by_copy_engine(self.row_path, self.num_ranks, num_sms)
 
+    def cached_dispatch_by_copy_engine(self) -> bool:
+        """Whether the copy engines move the rows of a cached dispatch whose handle kept its counts on the host (a
+        fresh dispatch's by copy engine), else SMs."""
+        return self._C.normal_cached_dispatch_by_copy_engine(self.row_path, self.num_ranks)
+
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
         num_channels, pull_chunks, sm_push_percent, push_rows = self._C.normal_notify_settings(word)
