@@ -1,7 +1,7 @@
 """How fast a rank's host core runs Python, printed beside each case's host figures.
 
 The lent GPU machines are virtual: the same pure-Python loop takes twice as long in one rank's process as in
-another's on the same machine, for the whole life of the process, pinned or not. A call's host time follows, so
+another's on the same machine, pinned or not, and can change speed within a run. A call's host time follows, so
 two host figures compare only at similar loop times."""
 
 import statistics
