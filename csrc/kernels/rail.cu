@@ -324,8 +324,8 @@ void DeviceRail::release() {
   released_ = true;
   CurrentDevice on(device_);
   const gpuError_t synced = gpu_device_synchronize();  // no kernel still reads the scratch or the record
-  if (scratch_ != nullptr) gpu_device_free(scratch_);
-  if (failure_host_ != nullptr) gpu_host_free(failure_host_);
+  if (scratch_ != nullptr) (void)gpu_device_free(scratch_);  // the synchronize reports a failure first
+  if (failure_host_ != nullptr) (void)gpu_host_free(failure_host_);
   scratch_ = nullptr;
   failure_host_ = failure_device_ = nullptr;
   UCCL_EP_GPU_CHECK(synced);
