@@ -107,7 +107,6 @@ __device__ void copy_share(const uint8_t* src, uint8_t* dst, int64_t bytes, int 
 // completes the piece, which also resets the counter after the last piece (every block is done with it then).
 __device__ bool completes_piece(const RailArgs& a, int role, int host, int64_t piece, bool last) {
   uint32_t* counter = a.scratch + 1 + role * kRailMaxHosts + host;
-  __threadfence_system();  // this block's copies before its count
   const uint32_t done = atomicAdd(counter, 1u) + 1;
   if (done != static_cast<uint32_t>(a.blocks_per_host * (piece + 1))) return false;
   __threadfence_system();  // every block's copies before what the caller does next
@@ -148,6 +147,7 @@ __device__ void send_block(const RailArgs& a, int to, int part) {
     const int64_t count = smaller(a.cap, rows - piece * a.cap), bytes = count * a.width;
     copy_share(a.rows + (a.send_first[to] + piece * a.cap) * a.width, a.region + send_slot(a, to), bytes, part,
                a.blocks_per_host, false);
+    __threadfence_system();  // every thread's stores, for the transport's read (not only thread 0's)
     __syncthreads();
     if (threadIdx.x == 0 && completes_piece(a, kRoleSend, to, piece, piece + 1 == pieces)) {
       uint64_t* staged = word(a, kRailArrivedStaged, to);
