@@ -61,40 +61,46 @@ def test_two_hops_in_pieces_over_a_transport_on_gpus(rail):
 WIDTH, SLOT_ROWS = 48, 3
 
 
-def _device_rail(group, rank, num_ranks, rail, timeout_s=20.0):
+def _device_rail(group, rank, num_ranks, rail, timeout_s=20.0, slot_bytes=SLOT_ROWS * WIDTH):
     from uccl_ep_plugin import _C
     from uccl_ep_plugin.engines.rail import DeviceRail, rail_control_bytes
-    num_bytes = rail_control_bytes(num_ranks) + 2 * num_ranks * SLOT_ROWS * WIDTH
+    num_bytes = rail_control_bytes(num_ranks) + 2 * num_ranks * slot_bytes
     device_rail = DeviceRail(group, rank, num_ranks, rank_device(rank), num_bytes, rail, timeout_s, _C)
-    assert device_rail.native.slot_bytes // WIDTH == SLOT_ROWS
+    assert device_rail.native.slot_bytes == slot_bytes
     return device_rail
 
 
-def _device_rail_pieces_body(rank, num_ranks, group, rail, reorder_seed):
+def _device_rail_exchanges_body(rank, num_ranks, group, rail, reorder_seed, widths, max_rows, slot_bytes,
+                                between):
     if reorder_seed is not None:
         os.environ["UCCL_EP_TRANSPORT_REORDER"] = str(reorder_seed + rank)
     device = rank_device(rank)
-    device_rail = _device_rail(group, rank, num_ranks, rail)
+    device_rail = _device_rail(group, rank, num_ranks, rail, slot_bytes=slot_bytes)
 
     def block(source, host, step):   # what ``source`` sends ``host`` in exchange ``step``: random, seeded by all 3
-        count = (7 * source + 5 * host + 3 * step) % 11 if (source + host + step) % 4 else 0
+        count = (7 * source + 5 * host + 3 * step) % (max_rows + 1) if (source + host + step) % 4 else 0
         gen = torch.Generator().manual_seed(1000 * step + 100 * source + host)
-        return torch.randint(0, 256, (count, WIDTH), generator=gen, dtype=torch.uint8).to(device)
+        width = widths[step % len(widths)]
+        return torch.randint(0, 256, (count, width), generator=gen, dtype=torch.uint8).to(device)
 
     results = []
-    for step in range(8):   # back to back, no host sync: every piece waits for its slot on the device
+    for step in range(8):
         blocks = [block(rank, host, step) for host in range(num_ranks)]
         expected = [block(source, rank, step) for source in range(num_ranks)]
         rows = sum(b.size(0) for b in expected)
-        torch.full((rows + 64, WIDTH), 0xA5, dtype=torch.uint8, device=device)   # freed at once: the output reuses it
+        width = widths[step % len(widths)]
+        torch.full((rows + 64, width), 0xA5, dtype=torch.uint8, device=device)   # freed at once: the output reuses it
         received = device_rail.exchange(torch.cat(blocks), [b.size(0) for b in blocks], [b.size(0) for b in expected],
                                         f"exchange {step}")
         results.append((received, torch.cat(expected)))
+        if between:   # other work between exchanges, as the two hops have: a collective and a host wait
+            total = torch.ones(1, device=device)
+            dist.all_reduce(total, group=group)
+            assert int(total.item()) == num_ranks
     torch.cuda.synchronize(device)
     device_rail.check()
     for step, (received, expected) in enumerate(results):
         assert torch.equal(received, expected), f"rank {rank}, exchange {step}"
-    assert device_rail.writes > 2 * (num_ranks - 1) * 8   # some blocks went in more than one piece
     device_rail.close(wait_for_peers=True)
 
 
@@ -103,7 +109,17 @@ def _device_rail_pieces_body(rank, num_ranks, group, rail, reorder_seed):
 def test_a_device_rail_sends_blocks_larger_than_a_slot_in_pieces_back_to_back(rail, reorder_seed):
     """Blocks of 0 to 10 rows through slots of 3, eight exchanges queued without a host wait: every row arrives
     once, in order, into poisoned outputs."""
-    run_ranks(RANKS, _device_rail_pieces_body, backend="nccl", rail=rail, reorder_seed=reorder_seed)
+    run_ranks(RANKS, _device_rail_exchanges_body, backend="nccl", rail=rail, reorder_seed=reorder_seed,
+              widths=[WIDTH], max_rows=10, slot_bytes=SLOT_ROWS * WIDTH, between=False)
+
+
+@pytest.mark.parametrize("rail", TRANSPORTS)
+@pytest.mark.parametrize("reorder_seed", [None, 17], ids=["in-order", "reordered"])
+def test_a_device_rail_changes_row_widths_between_exchanges_with_other_work_between(rail, reorder_seed):
+    """As the two hops use it: each exchange's rows of another width (a dispatch's, a cached dispatch's, a
+    combine's), blocks of up to 40 rows in one piece, and a collective and a host wait between exchanges."""
+    run_ranks(RANKS, _device_rail_exchanges_body, backend="nccl", rail=rail, reorder_seed=reorder_seed,
+              widths=[320, 272, 528], max_rows=40, slot_bytes=40 * 528, between=True)
 
 
 def _silent_peer_body(rank, num_ranks, group, rail):
