@@ -141,3 +141,22 @@ def _silent_peer_body(rank, num_ranks, group, rail):
 @pytest.mark.parametrize("rail", TRANSPORTS)
 def test_a_silent_rail_peer_raises_naming_the_rank_phase_and_piece(rail):
     run_ranks(RANKS, _silent_peer_body, backend="nccl", rail=rail)
+
+
+def _captured_body(rank, num_ranks, group, rail):
+    device = rank_device(rank)
+    device_rail = _device_rail(group, rank, num_ranks, rail)
+    rows = torch.randint(0, 256, (2 * num_ranks, WIDTH), dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        with pytest.raises(ValueError, match="a CUDA graph could not replay it"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+                device_rail.exchange(rows, [2] * num_ranks, [2] * num_ranks, "combine across hosts")
+    dist.barrier(group=group)
+    device_rail.close()
+
+
+@pytest.mark.parametrize("rail", TRANSPORTS)
+def test_a_device_rail_refuses_graph_capture(rail):
+    """Its pieces are numbered on the host: a replay would reuse the numbers, so capturing it is an error."""
+    run_ranks(RANKS, _captured_body, backend="nccl", rail=rail)

@@ -259,6 +259,10 @@ int64_t DeviceRail::exchange(const uint8_t* rows, uint8_t* out, int64_t width, c
   require(width <= slot_bytes_, "a row of " + std::to_string(width) + " bytes does not fit the rail's slots of " +
                                     std::to_string(slot_bytes_) + " bytes");
   require(send_counts[host_] == recv_counts[host_], "the rows this host keeps must be counted alike both ways");
+  bool capturing = false;
+  UCCL_EP_GPU_CHECK(gpu_stream_capturing(stream, &capturing));
+  require(!capturing, "the rail between hosts numbers its pieces on the host, so a CUDA graph could not replay it; "
+                      "capture normal mode across hosts over the collective rail (UCCL_EP_PROXY_TRANSPORT unset)");
   RailArgs a{};
   a.region = region_;
   a.rows = rows;
