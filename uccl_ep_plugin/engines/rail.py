@@ -59,9 +59,10 @@ class DeviceRail:
     """The rail of GPU ranks over a proxies' transport, driven by the GPU: each exchange is one kernel, which copies
     each host's rows into this rank's send slot for it, hands the proxy the write into that host's receive slot and
     then the write of the rows' count, and copies every source's rows out as they land, freeing its slot with a
-    write back (csrc/kernels/rail.h). A block larger than a slot goes in pieces. The host only launches the kernel:
-    no host wait, no host copy. A failed wait on the device (a silent peer) is raised by the next exchange, or by
-    :meth:`check`, naming the rank, the phase and what was awaited."""
+    write back (csrc/kernels/rail.h). A block larger than a slot goes in pieces. Over a NIC the host only launches
+    the kernel (no host wait, no host copy); over the stand-in transports it also waits for it (``settles``). A
+    failed wait on the device (a silent peer) is raised by the next exchange, or by :meth:`check`, naming the rank,
+    the phase and what was awaited."""
 
     name = "device"
     row_align = _DEVICE_ROW_ALIGN
@@ -73,6 +74,12 @@ class DeviceRail:
         self.group, self.host, self.num_hosts, self.num_bytes, self.timeout_s = group, host, num_hosts, num_bytes, \
             timeout_s
         self.label = transport
+        # The stand-in transports (cuda-copy, tcp) move GPU memory through the CUDA runtime from the proxy's
+        # threads, and a kernel of the caller's that waits meanwhile (a collective's) or a blocking runtime call
+        # holds those copies while the peer's rail kernel waits for them (KERNEL_NOTES.md, the proxy path's "Late
+        # delivery"). Over them an exchange returns only once its kernel is done and the proxy has delivered its
+        # last writes. A NIC moves the bytes without the runtime: over verbs the exchanges stay asynchronous.
+        self.settles = transport != "verbs"
         self.writes = 0                      # transport writes asked of the proxy (rows, counts, freed slots)
         self._phases = {}                    # exchange number -> its phase, for a failure's message
         self.region = self.peer_buffer = self.threads = self.native = None
@@ -107,9 +114,13 @@ class DeviceRail:
         number = self.native.exchanges + 1
         self._phases[number] = phase
         self._phases.pop(number - 8, None)   # a failure is raised within a few exchanges
-        stream = torch.cuda.current_stream(rows.device).cuda_stream
+        stream = torch.cuda.current_stream(rows.device)
         self.writes += self.native.exchange(rows.data_ptr(), received.data_ptr(), width, send_counts, recv_counts,
-                                            stream)
+                                            stream.cuda_stream)
+        if self.settles:
+            stream.synchronize()
+            self.threads.drain(self.timeout_s)
+            self.check()
         return received
 
     def check(self) -> None:
