@@ -68,6 +68,7 @@ BuildInfo get_build_info() {
   info.features.push_back("cuda_copy_transport");
   info.features.push_back("tcp_device_memory");
   info.features.push_back("normal_nvlink");
+  info.features.push_back("device_rail");
 #endif
   info.features.push_back("host_channel");
   info.features.push_back("tcp_transport");

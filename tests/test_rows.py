@@ -7,15 +7,18 @@ import torch
 from uccl_ep_plugin.engines.reference.rows import pack_rows, row_spec, unpack_rows
 
 
+@pytest.mark.parametrize("align", [1, 16], ids=["unpadded", "rows-of-16-bytes"])
 @pytest.mark.parametrize("num_rows", [0, 1, 2, 7])
 @pytest.mark.parametrize("hidden", [256, 258])
-def test_round_trip_with_odd_widths(num_rows, hidden):
+def test_round_trip_with_odd_widths(num_rows, hidden, align):
     gen = torch.Generator().manual_seed(num_rows * 1000 + hidden)
     tensors = [torch.randn((num_rows, hidden), generator=gen).to(torch.bfloat16),   # 2 * hidden bytes
                torch.randint(-1, 9, (num_rows, 2), generator=gen),                   # int64, after 2*hidden bytes
                torch.rand((num_rows, 2), generator=gen),                             # float32: rows of 540 bytes
                torch.randint(0, 100, (num_rows,), generator=gen).to(torch.int32)]
-    packed = pack_rows(tensors, num_rows, torch.device("cpu"))
+    packed = pack_rows(tensors, num_rows, torch.device("cpu"), align)
+    width = 2 * hidden + 8 * 2 + 4 * 2 + 4
+    assert packed.size(1) == -(-width // align) * align   # padded to the alignment, no more
     for start in range(min(num_rows, 2)):   # a slice that starts at an odd row too
         sliced = packed[start:]
         back = unpack_rows(sliced, [row_spec(t) for t in tensors])

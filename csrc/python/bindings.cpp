@@ -24,6 +24,7 @@
 namespace py = pybind11;
 void bind_transport(py::module_& m);  // bind_transport.cpp
 void bind_proxy(py::module_& m);      // bind_proxy.cpp
+void bind_rail(py::module_& m);       // bind_rail.cpp
 #if defined(UCCL_EP_WITH_GPU)
 void bind_low_latency(py::module_& m);  // bind_low_latency.cpp
 void bind_normal(py::module_& m);       // bind_normal.cpp
@@ -219,6 +220,7 @@ PYBIND11_MODULE(_C, m) {
         "them.");
   bind_transport(m);
   bind_proxy(m);
+  bind_rail(m);
   m.def("use_torch_shim", &uccl_ep::bindings::use_torch_shim, py::arg("libtorch_path"), py::arg("to_tensors"),
         py::arg("from_tensors"), py::arg("tensor_type"),
         "Let the extension allocate its outputs and read its tensor arguments with torch: find torch's C shim in "

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .rail import CollectiveRail, TransportRail, transport_rail_bytes
+from .rail import CollectiveRail, DeviceRail, TransportRail, transport_rail_bytes
 from .reference.collectives import GroupComm
 from .reference.normal import DispatchResult, exchange_layout
 from .reference.rows import pack_rows, row_spec, segment_ids, unpack_rows
@@ -120,11 +120,14 @@ class TwoLevel:
                                     use_local_synchronization=True)
         rail_group = dist.new_group([ranks[h * self.per_host + self.local] for h in range(self.num_hosts)],
                                     use_local_synchronization=True)
-        # The rail: a collective, or (rail_transport: tcp, verbs) a proxies' transport over num_rdma_bytes.
-        self.rail = (CollectiveRail(GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s))
-                     if rail_transport is None else
-                     TransportRail(rail_group, self.host, self.num_hosts, device, num_rdma_bytes, rail_transport,
-                                   timeout_s, extension))
+        # The rail: a collective, or (rail_transport: verbs, tcp, cuda-copy) a proxies' transport over
+        # num_rdma_bytes, driven by the GPU on GPU ranks and by the host on CPU ranks.
+        if rail_transport is None:
+            self.rail = CollectiveRail(GroupComm(rail_group, self.host, self.num_hosts, device, timeout_s))
+        else:
+            rail_kind = DeviceRail if device.type == "cuda" else TransportRail
+            self.rail = rail_kind(rail_group, self.host, self.num_hosts, device, num_rdma_bytes, rail_transport,
+                                  timeout_s, extension)
         self.within_host = GroupComm(host_group, self.local, self.per_host, device, timeout_s)
         self.hops = HopTimes(device)
         try:
@@ -138,7 +141,7 @@ class TwoLevel:
         inner, self.inner = self.inner, None
         if inner is not None:
             inner.destroy()
-        self.rail.close()
+        self.rail.close(wait_for_peers=True)
 
     def release(self) -> None:
         """Free the host's Buffer and the rail without waiting for the peers (garbage collection, a failed
@@ -227,7 +230,7 @@ class TwoLevel:
         """Each host's block of ``payload``'s rows (``send_counts``) to the rail's rank on that host; the blocks
         received (``recv_counts``), by host."""
         specs = [row_spec(p) for p in payload]
-        packed = pack_rows(payload, payload[0].size(0), self.device)
+        packed = pack_rows(payload, payload[0].size(0), self.device, self.rail.row_align)
         writes = self.rail.writes
         with self.hops.span("rail"):
             rows = self.rail.exchange(packed, send_counts, recv_counts, phase)

@@ -7,9 +7,14 @@ import torch
 RowSpec = Tuple[torch.dtype, Tuple[int, ...]]
 
 
-def pack_rows(tensors: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> torch.Tensor:
-    """Concatenate the bytes of each row of every tensor (all with ``num_rows`` rows)."""
+def pack_rows(tensors: Sequence[torch.Tensor], num_rows: int, device: torch.device, align: int = 1) -> torch.Tensor:
+    """Concatenate the bytes of each row of every tensor (all with ``num_rows`` rows), each row padded at its end to
+    a multiple of ``align`` bytes (unpack_rows ignores the padding)."""
     parts = [_byte_rows(t, num_rows) for t in tensors]
+    width = sum(part.size(1) for part in parts)
+    padding = -width % align
+    if padding:   # in the same concatenation: no extra copy
+        parts.append(torch.empty((num_rows, padding), dtype=torch.uint8, device=device))
     if not parts:
         return torch.empty((num_rows, 0), dtype=torch.uint8, device=device)
     return torch.cat(parts, dim=1)
