@@ -15,6 +15,10 @@ void bind_rail(py::module_& m) {
   using namespace uccl_ep::bindings;
   m.def("rail_control_bytes", &uccl_ep::rail_control_bytes, py::arg("num_hosts"),
         "Bytes at the start of a GPU-driven rail's region that hold its control words, for num_hosts hosts.");
+  m.def("rail_counters_offset", &uccl_ep::rail_counters_offset, py::arg("num_hosts"),
+        "Where a GPU-driven rail's region keeps the proxies' counter (its ProxyConfig.counters_offset).");
+  m.def("rail_flags_offset", &uccl_ep::rail_flags_offset, py::arg("num_hosts"),
+        "Where a GPU-driven rail's region keeps the count flags (its ProxyConfig.flags_offset).");
 #if defined(UCCL_EP_WITH_GPU)
   py::class_<DeviceRail>(m, "DeviceRail",
                          "The rail hop between hosts driven by the GPU: one kernel per exchange copies the rows into "
