@@ -11,8 +11,6 @@
 namespace py = pybind11;
 
 void bind_rail(py::module_& m) {
-  using uccl_ep::DeviceRail;
-  using namespace uccl_ep::bindings;
   m.def("rail_control_bytes", &uccl_ep::rail_control_bytes, py::arg("num_hosts"),
         "Bytes at the start of a GPU-driven rail's region that hold its control words, for num_hosts hosts.");
   m.def("rail_counters_offset", &uccl_ep::rail_counters_offset, py::arg("num_hosts"),
@@ -20,6 +18,8 @@ void bind_rail(py::module_& m) {
   m.def("rail_flags_offset", &uccl_ep::rail_flags_offset, py::arg("num_hosts"),
         "Where a GPU-driven rail's region keeps the count flags (its ProxyConfig.flags_offset).");
 #if defined(UCCL_EP_WITH_GPU)
+  using uccl_ep::DeviceRail;
+  using namespace uccl_ep::bindings;
   py::class_<DeviceRail>(m, "DeviceRail",
                          "The rail hop between hosts driven by the GPU: one kernel per exchange copies the rows into "
                          "send slots and hands the proxy the writes; its receiving blocks wait for each source's "

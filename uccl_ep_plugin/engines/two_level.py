@@ -263,6 +263,8 @@ class TwoLevel:
         """The forward hop's valid rows in rank order, padded with ``fill`` to the outputs' size."""
         if rows is None:
             return None
+        if route.num_rows == route.order.numel():   # no padding (no num_worst_tokens): one gather, no fill
+            return rows[route.order]
         out = torch.full((route.num_rows,) + tuple(rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
         out[:route.order.numel()] = rows[route.order]
         return out
