@@ -184,8 +184,9 @@ class TwoLevel:
         payload += [ranks_per_host[send_tokens, dst_host], send_tokens.to(torch.int32)]
         experts_here = num_tokens_per_expert.numel() // self.num_hosts
         if topk_idx is not None:
-            local = topk_idx[send_tokens] - dst_host[:, None] * experts_here
-            here = (topk_idx[send_tokens] >= 0) & (local >= 0) & (local < experts_here)
+            sent_idx = topk_idx[send_tokens]
+            local = sent_idx - dst_host[:, None] * experts_here
+            here = (sent_idx >= 0) & (local >= 0) & (local < experts_here)
             payload += [torch.where(here, local, torch.full_like(local, -1)), topk_weights[send_tokens]]
         recv_counts = rail_counts[self.local].tolist()
         rows = self._rail(payload, send_counts, recv_counts, "dispatch across hosts")

@@ -43,7 +43,7 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tens
     out, offset = [], 0
     num_rows = rows.size(0)
     for dtype, shape in specs:
-        width = _row_numel(shape) * torch.empty((), dtype=dtype).element_size()
+        width = _row_numel(shape) * dtype.itemsize
         # A fresh buffer, not .contiguous(): a one-row slice counts as contiguous and keeps its row stride
         # and offset, which view() to a wider dtype rejects unless they happen to be multiples of its size.
         values = torch.empty((num_rows,) + tuple(shape), dtype=dtype, device=rows.device)
