@@ -89,12 +89,11 @@ class DeviceRail:
         self.region = self.peer_buffer = self.threads = self.native = None
         sizes = [None] * num_hosts
         dist.all_gather_object(sizes, num_bytes, group=group)
-        if len(set(sizes)) > 1:   # the slots' places must agree on both ends: every rank raises alike
-            raise ValueError("num_rdma_bytes differs between the ranks of a rail: " +
-                             ", ".join(f"host {h}: {size}" for h, size in enumerate(sizes)))
+        differ = _sizes_differ(sizes)
+        if differ:   # the slots' places must agree on both ends: every rank raises alike
+            raise ValueError(differ)
         if num_bytes < transport_rail_bytes(num_hosts, 1, _DEVICE_ROW_ALIGN):
-            raise ValueError(f"num_rdma_bytes={num_bytes} leaves no room for normal mode's rows across "
-                             f"{num_hosts} hosts over the {transport} transport")
+            raise ValueError(_no_room(num_bytes, num_hosts, transport))
         try:
             self.region, memory, self.peer_buffer = _rail_region(extension, transport, group, host, num_bytes, device)
             ordering = dict(num_counters=1, counters_offset=extension.rail_counters_offset(num_hosts),
@@ -188,8 +187,7 @@ class TransportRail:
         self.label = transport
         self.slot_bytes = num_bytes // (2 * num_hosts) // _ALIGN * _ALIGN
         if self.slot_bytes <= 0:
-            raise ValueError(f"num_rdma_bytes={num_bytes} leaves no room for normal mode's rows across hosts over "
-                             f"the {transport} transport")
+            raise ValueError(_no_room(num_bytes, num_hosts, transport))
         self.region = self.transport = None
         try:
             self.region, self.transport = _open_transport(extension, transport, host, num_hosts, num_bytes, timeout_s)
@@ -199,10 +197,8 @@ class TransportRail:
         records = [None] * num_hosts
         dist.all_gather_object(records, mine, group=group)
         failure = next((why for _, why, _ in records if why is not None), None)
-        sizes = [size for _, _, size in records]
-        if failure is None and len(set(sizes)) > 1:   # the pieces' size is the slot's: both ends must agree on it
-            failure = ("num_rdma_bytes differs between the ranks of a rail: " +
-                       ", ".join(f"host {h}: {size}" for h, size in enumerate(sizes)))
+        if failure is None:   # the pieces' size is the slot's: both ends must agree on it
+            failure = _sizes_differ([size for _, _, size in records])
         if failure is not None:
             self.close()
             raise RuntimeError(f"the {transport} transport of normal mode across hosts could not start: {failure}")
@@ -293,6 +289,19 @@ class TransportRail:
             self.transport.close()
             self.transport = None
         self.region = None
+
+
+def _sizes_differ(sizes: List[int]) -> Optional[str]:
+    """What is wrong where the ranks of a rail gave different num_rdma_bytes (``sizes``, by host), else None."""
+    if len(set(sizes)) <= 1:
+        return None
+    return "num_rdma_bytes differs between the ranks of a rail: " + ", ".join(
+        f"host {h}: {size}" for h, size in enumerate(sizes))
+
+
+def _no_room(num_bytes: int, num_hosts: int, transport: str) -> str:
+    return (f"num_rdma_bytes={num_bytes} leaves no room for normal mode's rows across {num_hosts} hosts over the "
+            f"{transport} transport")
 
 
 def _awaited(incomplete, unsent) -> str:
