@@ -201,6 +201,18 @@ def test_a_transport_rail_sends_blocks_larger_than_a_slot_in_pieces(reorder_seed
     run_ranks(3, _rail_pieces_body, reorder_seed=reorder_seed)
 
 
+def test_the_device_rails_control_area_is_sized_alike_in_python_and_the_extension():
+    """The Buffer sizes num_rdma_bytes in Python; the GPU-driven rail lays its region out in C++: the control
+    area (freed words, the ordering layer's counter and count flags) must agree, and hold the flags."""
+    from uccl_ep_plugin.engines.rail import rail_control_bytes
+    native = _extension()
+    for num_hosts in (1, 2, 3, 5, 8, 64):
+        assert rail_control_bytes(num_hosts) == native.rail_control_bytes(num_hosts), num_hosts
+        flags = native.rail_flags_offset(num_hosts)
+        assert native.rail_counters_offset(num_hosts) + 8 <= flags
+        assert flags % 8 == 0 and flags + 2 * 8 * num_hosts <= rail_control_bytes(num_hosts), num_hosts
+
+
 def _unequal_rail_bytes_body(rank, num_ranks, group):
     from uccl_ep_plugin.engines.rail import TransportRail
     with pytest.raises(RuntimeError, match=r"num_rdma_bytes differs between the ranks of a rail: host 0: 4096, "

@@ -188,13 +188,18 @@ class ProxyThreads:
     ``transport="cuda-copy"``). A rank that cannot start its proxy raises its error, every other rank a
     RuntimeError naming it (nobody waits for it). FIFOs
     are pinned and mapped into the device for device memory (kernels push; ``device_views``), host
-    FIFOs otherwise (``fifos``, with ``push``)."""
+    FIFOs otherwise (``fifos``, with ``push``). ``ordering``: where the region keeps the counters and
+    count flags the receiving proxy applies immediates to (``num_counters``, ``counters_offset``,
+    ``flags_offset``); none by default."""
 
     def __init__(self, group, rank: int, num_ranks: int, memory, device: torch.device, *, transport: str,
-                 low_latency: bool, timeout_s: float, extension=None) -> None:
+                 low_latency: bool, timeout_s: float, extension=None,
+                 ordering: Optional[Dict[str, int]] = None) -> None:
         extension = extension or _load_extension()
         platform = resolve_config()
         config = extension.ProxyConfig.from_environ(platform.as_environ())
+        for key, value in (ordering or {}).items():   # the counter layout of the region (ProxyConfig's keys)
+            setattr(config, key, value)
         config.low_latency = low_latency
         config.timeout_s = timeout_s
         config.cpu_affinity = proxy_cpus(device.index if device.type == "cuda" else rank)

@@ -26,6 +26,10 @@ enum class CommandKind : uint32_t {
   kBarrier = 5,         // quiet, then synchronise with every peer's proxy
 };
 
+// Flags of a command (the proxy's header says what each kind does with them).
+constexpr uint32_t kCommandFlagBuffer = 1u;     // which of two buffers (of counts, of count flags) it concerns
+constexpr uint32_t kCommandFlagCountFlag = 2u;  // kAtomicAdd: a count flag, not an add
+
 constexpr uint64_t kCommandUnitBytes = 16;
 constexpr uint32_t kMaxRanks = 1u << 12;
 constexpr uint32_t kMaxFlags = 1u << 4;

@@ -78,7 +78,7 @@ __device__ bool wait_word(const RailArgs& a, const uint64_t* addr, Ready ready, 
     if (ready(value)) return true;
     if (aborted(a)) return false;
     if (device_time_ns() - start > static_cast<uint64_t>(a.timeout_ns)) {
-      record_failure(a, phase, peer, expected, static_cast<int64_t>(value >> 32));
+      record_failure(a, phase, peer, expected, static_cast<int64_t>(value));
       return false;
     }
   }
@@ -114,12 +114,16 @@ __device__ bool completes_piece(const RailArgs& a, int role, int host, int64_t p
   return true;
 }
 
-__device__ __forceinline__ Command write_command(int peer, int64_t local, int64_t remote, int64_t bytes) {
-  return encode_command(CommandKind::kWrite, static_cast<uint32_t>(peer), 0, static_cast<uint64_t>(bytes) / 16, 0,
+__device__ __forceinline__ Command write_command(CommandKind kind, int peer, uint32_t flags, int64_t local,
+                                                 int64_t remote, int64_t bytes) {
+  return encode_command(kind, static_cast<uint32_t>(peer), flags, static_cast<uint64_t>(bytes) / 16, kRailCounter,
                         static_cast<uint64_t>(local) / 16, static_cast<uint64_t>(remote) / 16);
 }
 
-// All commands to one host go through one FIFO, so a quiet orders them.
+// The int64 count flag the receiving proxy stores once the `writes` it announces have landed: -(writes + 1).
+__device__ __forceinline__ int64_t announced_writes(int64_t flag) { return -flag - 1; }
+
+// All commands to one host go through one FIFO.
 __device__ void push_commands(const RailArgs& a, int peer, const Command* commands, int count) {
   const FifoView fifo = a.fifos[peer % a.num_fifos];
   DeviceFifoOps ops{device_time_ns() + static_cast<uint64_t>(a.timeout_ns)};
@@ -150,16 +154,18 @@ __device__ void send_block(const RailArgs& a, int to, int part) {
     __threadfence_system();  // every thread's stores, for the transport's read (not only thread 0's)
     __syncthreads();
     if (threadIdx.x == 0 && completes_piece(a, kRoleSend, to, piece, piece + 1 == pieces)) {
-      uint64_t* staged = word(a, kRailArrivedStaged, to);
-      store_release_system(staged, seq << 32 | static_cast<uint64_t>(count));
-      Command commands[3];
+      // The rows' write lands with an immediate; the count flag (a signed value in the length field) announces
+      // it, and the receiving proxy holds the flag until it has landed: no quiet, and any delivery order.
+      const uint32_t buffer = static_cast<uint32_t>(seq % 2);
+      const int64_t writes = bytes > 0 ? 1 : 0;
+      Command commands[2];
       int n = 0;
       if (bytes > 0) {
-        commands[n++] = write_command(to, send_slot(a, to), receive_slot(a, a.host), bytes);
-        commands[n++] = encode_command(CommandKind::kQuiet, 0, 0, 0, 0, 0, 0);  // the rows land before their count
+        commands[n++] = write_command(CommandKind::kWriteWithCount, to, buffer, send_slot(a, to),
+                                      receive_slot(a, a.host), bytes);
       }
-      commands[n++] = write_command(to, word_offset(a, kRailArrivedStaged, to), word_offset(a, kRailArrived, a.host),
-                                    kRailWordBytes);
+      commands[n++] = encode_command(CommandKind::kAtomicAdd, static_cast<uint32_t>(to),
+                                     buffer | kCommandFlagCountFlag, static_cast<uint64_t>(writes), kRailCounter, 0, 0);
       push_commands(a, to, commands, n);
     }
   }
@@ -171,13 +177,17 @@ __device__ void receive_block(const RailArgs& a, int from, int part) {
   const int64_t rows = a.recv_rows[from], pieces = rail_pieces(rows, a.cap);
   for (int64_t piece = 0; piece < pieces; ++piece) {
     const uint64_t seq = a.received[from] + piece + 1;
-    const int64_t count = smaller(a.cap, rows - piece * a.cap);
+    const int64_t count = smaller(a.cap, rows - piece * a.cap), writes = count > 0 ? 1 : 0;
+    uint64_t* flag = reinterpret_cast<uint64_t*>(a.region + rail_flag_offset(a.num_hosts, seq, from));
     if (threadIdx.x == 0) {
+      // The flag of this piece's parity was reset after the piece two before; the sender sends this one only
+      // after this rank freed the one before, so a nonzero flag is this piece's.
       uint64_t value;
-      ok = wait_word(a, word(a, kRailArrived, from), [seq](uint64_t arrived) { return (arrived >> 32) == seq; },
-                     kRailWaitArrived, from, static_cast<int64_t>(seq), value);
-      if (ok && static_cast<int64_t>(value & 0xFFFFFFFFu) != count) {
-        record_failure(a, kRailBadCount, from, count, static_cast<int64_t>(value & 0xFFFFFFFFu));
+      ok = wait_word(a, flag, [](uint64_t v) { return v != 0; }, kRailWaitArrived, from, static_cast<int64_t>(seq),
+                     value);
+      const int64_t announced = announced_writes(static_cast<int64_t>(value));
+      if (ok && announced != writes) {
+        record_failure(a, kRailBadCount, from, writes, announced);
         ok = 0;
       }
     }
@@ -187,9 +197,10 @@ __device__ void receive_block(const RailArgs& a, int from, int part) {
                count * a.width, part, a.blocks_per_host, true);
     __syncthreads();  // every load of the slot returned before it is freed
     if (threadIdx.x == 0 && completes_piece(a, kRoleReceive, from, piece, piece + 1 == pieces)) {
+      store_release_system(flag, 0);  // every block has read it: the piece two later may reuse it once freed
       store_release_system(word(a, kRailFreedStaged, from), seq);
-      const Command command =
-          write_command(from, word_offset(a, kRailFreedStaged, from), word_offset(a, kRailFreed, a.host), kRailWordBytes);
+      const Command command = write_command(CommandKind::kWrite, from, 0, word_offset(a, kRailFreedStaged, from),
+                                            word_offset(a, kRailFreed, a.host), kRailWordBytes);
       push_commands(a, from, &command, 1);
     }
   }
@@ -298,7 +309,7 @@ int64_t DeviceRail::exchange(const uint8_t* rows, uint8_t* out, int64_t width, c
   for (int h = 0; h < num_hosts_; ++h) {
     if (h == host_) continue;
     const int64_t out_pieces = rail_pieces(send_counts[h], a.cap), in_pieces = rail_pieces(recv_counts[h], a.cap);
-    writes += (send_counts[h] > 0 ? 2 : 1) * out_pieces + in_pieces;  // rows and their count; each freed slot
+    writes += (send_counts[h] > 0 ? 2 : 1) * out_pieces + in_pieces;  // rows and their count flag; freed slots
     sent_[h] += static_cast<uint32_t>(out_pieces);
     received_[h] += static_cast<uint32_t>(in_pieces);
   }

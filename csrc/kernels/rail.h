@@ -1,18 +1,23 @@
 // The rail hop of normal mode across hosts, driven by the GPU: a kernel copies each destination host's rows into
 // a send slot of this rank's rail region and hands the proxy the commands that write them into that host's
-// receive slot for this rank, then the rows' count; the same kernel's receiving blocks wait for each source's
-// count, copy its rows out and give the slot back. The host only launches the kernel.
+// receive slot for this rank and announce them; the same kernel's receiving blocks wait for each source's
+// announcement, copy its rows out and give the slot back. The host only launches the kernel.
 //
 // Region (every rank of the rail the same; offsets and lengths in multiples of 16, as the commands need):
-//   control area, one 16-byte word per (kind, host):
-//     kArrived  written by source host h: (piece sequence << 32) | rows of the piece now in our slot for h
-//     kFreed    written by destination host h: the sequence of our last piece to h that h has copied out
-//     kArrivedStaged, kFreedStaged: what this rank writes into those words of a peer (the proxy reads them)
+//   control area:
+//     kFreed        one 16-byte word per host h, written by destination host h: the sequence of our last piece
+//                   to h that h has copied out
+//     kFreedStaged  one per host: what this rank writes into that word of host h (the proxy reads it)
+//     the proxies' ordering layout (proxy/ordering.h) with one counter: int64 counters[1], then the count flags
+//                   int64 flags[2][1][num_hosts], flags[piece sequence % 2][0][h] for host h's piece
 //   send slots, one per destination host, then receive slots, one per source host, slot_bytes each.
-// A block larger than a slot goes in pieces; each piece to a host waits until that host freed the one before
-// (the sequences count pieces per pair of hosts over the rail's life, on both ends alike). Every write to a
-// peer's word follows, through that peer's answer, the landing of the write before it: no two writes to one
-// word are ever in flight, so an unordered transport cannot make a word go back.
+// A piece's rows go as one write carrying a write-landed immediate, then a count flag announcing that one write
+// (none for an empty piece); the receiving proxy releases the flag only once the write has landed, whatever the
+// order the transport delivered them in (and flushes the NIC's writes first where the GPU might see them out of
+// order), and the receiver resets it after copying out. A block larger than a slot goes in pieces; each piece to
+// a host waits until that host freed the one before (sequences count pieces per pair of hosts over the rail's
+// life, on both ends alike), so at most one flag per source is held at a time and every write to a peer's freed
+// word follows, through that peer's answer, the landing of the one before: nothing goes back out of order.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +30,9 @@ namespace uccl_ep {
 
 constexpr int kRailMaxHosts = 64;
 constexpr int64_t kRailWordBytes = 16;
-constexpr int kRailWordKinds = 4;  // arrived, freed, and their staged values
-enum RailWord : int { kRailArrived = 0, kRailFreed = 1, kRailArrivedStaged = 2, kRailFreedStaged = 3 };
+constexpr int kRailWordKinds = 2;  // freed, and its staged value
+enum RailWord : int { kRailFreed = 0, kRailFreedStaged = 1 };
+constexpr uint32_t kRailCounter = 0;  // the ordering layout's one counter (its count flags announce the pieces)
 
 // Where a wait failed, as the host reports it.
 enum RailPhase : int32_t { kRailWaitFreed = 1, kRailWaitArrived = 2, kRailBadCount = 3, kRailFifoFull = 4 };
@@ -37,13 +43,22 @@ struct RailFailure {
   int32_t peer;    // the host waited on
   int32_t pad;
   int64_t exchange;  // the host's number of the exchange (DeviceRail::exchange's count)
-  int64_t expected;  // the sequence (or rows) awaited
-  int64_t seen;      // what the word held
+  int64_t expected;  // the piece awaited (the writes it announces, for kRailBadCount)
+  int64_t seen;      // what the word held (the writes announced, for kRailBadCount)
 };
 
+// Where the proxies' ordering layout starts in the control area of a rail of `num_hosts`, and its flags.
+UCCL_EP_HOST_DEVICE inline int64_t rail_counters_offset(int num_hosts) {
+  return kRailWordKinds * kRailWordBytes * num_hosts;
+}
+UCCL_EP_HOST_DEVICE inline int64_t rail_flags_offset(int num_hosts) { return rail_counters_offset(num_hosts) + 16; }
+// The flag that announces piece `seq` of host `source`.
+UCCL_EP_HOST_DEVICE inline int64_t rail_flag_offset(int num_hosts, uint64_t seq, int source) {
+  return rail_flags_offset(num_hosts) + ((static_cast<int64_t>(seq % 2) * num_hosts) + source) * 8;
+}
 // The control area's bytes for `num_hosts`.
-inline int64_t rail_control_bytes(int num_hosts) {
-  const int64_t bytes = kRailWordKinds * kRailWordBytes * num_hosts;
+UCCL_EP_HOST_DEVICE inline int64_t rail_control_bytes(int num_hosts) {
+  const int64_t bytes = rail_flags_offset(num_hosts) + 2 * 8 * static_cast<int64_t>(num_hosts);
   return (bytes + 255) / 256 * 256;
 }
 
@@ -65,7 +80,7 @@ class DeviceRail {
   // Each host's block of `rows` (send_counts[h] rows of `width` bytes, by host) to the rail's rank on that host,
   // and the blocks received (recv_counts[h] rows from host h, by host) into `out`, in one launch on `stream`.
   // `width` is a multiple of 16 and a row fits a slot. Returns the transport writes it asks of the proxy (rows,
-  // counts, freed slots). A failed wait is recorded (failure()), and later exchanges end at once.
+  // count flags, freed slots). A failed wait is recorded (failure()), and later exchanges end at once.
   int64_t exchange(const uint8_t* rows, uint8_t* out, int64_t width, const std::vector<int64_t>& send_counts,
                    const std::vector<int64_t>& recv_counts, gpuStream_t stream);
 

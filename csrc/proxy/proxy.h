@@ -56,9 +56,6 @@
 
 namespace uccl_ep {
 
-constexpr uint32_t kCommandFlagBuffer = 1u;     // which low-latency buffer
-constexpr uint32_t kCommandFlagCountFlag = 2u;  // kAtomicAdd: a low-latency count flag
-
 class ProxyError : public std::runtime_error {
  public:
   explicit ProxyError(const std::string& what) : std::runtime_error(what) {}

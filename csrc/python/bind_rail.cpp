@@ -13,6 +13,10 @@ namespace py = pybind11;
 void bind_rail(py::module_& m) {
   m.def("rail_control_bytes", &uccl_ep::rail_control_bytes, py::arg("num_hosts"),
         "Bytes at the start of a GPU-driven rail's region that hold its control words, for num_hosts hosts.");
+  m.def("rail_counters_offset", &uccl_ep::rail_counters_offset, py::arg("num_hosts"),
+        "Where a GPU-driven rail's region keeps the proxies' counter (its ProxyConfig.counters_offset).");
+  m.def("rail_flags_offset", &uccl_ep::rail_flags_offset, py::arg("num_hosts"),
+        "Where a GPU-driven rail's region keeps the count flags (its ProxyConfig.flags_offset).");
 #if defined(UCCL_EP_WITH_GPU)
   using uccl_ep::DeviceRail;
   using namespace uccl_ep::bindings;

@@ -20,12 +20,15 @@ from .reference.collectives import CommTimeoutError, GroupComm, wait_until
 _GIVEN_BACK = 1 << 30  # an empty write's immediate: our rows are read out of its slot (row counts stay below)
 _ALIGN = 64
 _DEVICE_ROW_ALIGN = 16     # the GPU-driven rail moves rows in 16-byte units
-_CONTROL_BYTES_PER_HOST = 64   # the GPU-driven rail's control words per host (csrc/kernels/rail.h's layout)
+# The GPU-driven rail's control area (csrc/kernels/rail.h's layout): two 16-byte words per host (a freed word and
+# its staged value), the ordering layout's one counter, then two 8-byte count flags per host.
+_WORD_BYTES_PER_HOST, _COUNTER_BYTES, _FLAG_BYTES_PER_HOST = 32, 16, 16
 
 
 def rail_control_bytes(num_hosts: int) -> int:
     """The bytes a GPU-driven rail of ``num_hosts`` keeps for its control words at the start of its region."""
-    return -(-_CONTROL_BYTES_PER_HOST * num_hosts // 256) * 256
+    used = (_WORD_BYTES_PER_HOST + _FLAG_BYTES_PER_HOST) * num_hosts + _COUNTER_BYTES
+    return -(-used // 256) * 256
 
 
 def transport_rail_bytes(num_hosts: int, rows: int, row_bytes: int) -> int:
@@ -57,9 +60,10 @@ class CollectiveRail:
 
 class DeviceRail:
     """The rail of GPU ranks over a proxies' transport, driven by the GPU: each exchange is one kernel, which copies
-    each host's rows into this rank's send slot for it, hands the proxy the write into that host's receive slot and
-    then the write of the rows' count, and copies every source's rows out as they land, freeing its slot with a
-    write back (csrc/kernels/rail.h). A block larger than a slot goes in pieces. Over a NIC the host only launches
+    each host's rows into this rank's send slot for it, hands the proxy the write into that host's receive slot (with
+    an immediate) and a count flag announcing it, which the receiving proxy releases once the write has landed, and
+    copies every source's rows out as their flags are released, freeing its slot with a write back
+    (csrc/kernels/rail.h). A block larger than a slot goes in pieces. Over a NIC the host only launches
     the kernel (no host wait, no host copy); over the stand-in transports it also waits for it (``settles``). A
     failed wait on the device (a silent peer) is raised by the next exchange, or by :meth:`check`, naming the rank,
     the phase and what was awaited."""
@@ -92,8 +96,11 @@ class DeviceRail:
             raise ValueError(_no_room(num_bytes, num_hosts, transport))
         try:
             self.region, memory, self.peer_buffer = _rail_region(extension, transport, group, host, num_bytes, device)
+            ordering = dict(num_counters=1, counters_offset=extension.rail_counters_offset(num_hosts),
+                            flags_offset=extension.rail_flags_offset(num_hosts))
             self.threads = ProxyThreads(group, host, num_hosts, memory, device, transport=transport,
-                                        low_latency=False, timeout_s=timeout_s, extension=extension)
+                                        low_latency=False, timeout_s=timeout_s, extension=extension,
+                                        ordering=ordering)
             self.native = extension.DeviceRail(self.region.data_ptr(), num_bytes, host, num_hosts,
                                                self.threads.device_views, self.threads.num_fifos, timeout_s,
                                                device.index)
@@ -134,10 +141,11 @@ class DeviceRail:
         peer, expected, seen = failure["peer"], failure["expected"], failure["seen"]
         where = f"rank {dist.get_rank()}: {phase} (rail over {self.label}, GPU-driven)"
         if failure["what"] == "bad_count":
-            raise RuntimeError(f"{where}: host {peer} announced {seen} rows for a piece of {expected}")
+            raise RuntimeError(f"{where}: host {peer}'s count flag announced {seen} writes for a piece of {expected}")
         awaited = {
             "freed": f"host {peer} to free its slot for this rank's piece {expected + 1} (it freed up to piece {seen})",
-            "arrived": f"piece {expected} of host {peer}'s rows (the last that arrived: piece {seen})",
+            "arrived": f"piece {expected} of host {peer}'s rows (its count flag was not released: the rows or the "
+                       "flag did not land)",
             "fifo_full": f"the proxy to take commands for host {peer} (its FIFO stayed full)",
         }.get(failure["what"], f"host {peer}")
         raise CommTimeoutError(f"uccl_ep_plugin: {where}: timed out after {self.timeout_s:g}s waiting for {awaited}")
