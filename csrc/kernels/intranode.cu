@@ -354,13 +354,26 @@ __device__ void send_dispatch_channels(const NormalDispatchArgs& a, const Channe
     const NormalTokenRange tokens = normal_channel_tokens(a.num_channels, channel, channel + 1, a.num_tokens);
     for (int64_t round = tokens.first; round < tokens.end; round += b.warp.stride, parity ^= 1) {
       const int64_t token = round + b.warp.first;
-      if (token < tokens.end) {
-        for (int dst = 0; dst < num_ranks; ++dst) {
-          const int32_t pos = a.send_pos[token * num_ranks + dst];
-          if (pos < 0) continue;
-          const DispatchRowOut out = dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + pos, a);
-          write_dispatch_row<kWideCopyUnroll>(a, static_cast<int>(token), dst, out, b.warp.lane);
-          if (b.warp.lane == 0) atomicMax(&round_most[parity][dst], pos + 1);
+      // The token's destinations a warp's width at a time: lane t reads destination group + t's send
+      // position, and the row's x is loaded once for all of them.
+      for (int group = 0; token < tokens.end && group < num_ranks; group += kWarpSize) {
+        const int mine = group + b.warp.lane;
+        const int32_t pos = mine < num_ranks ? a.send_pos[token * num_ranks + mine] : -1;
+        const LaneMask sent = warp_ballot(pos >= 0);
+        uint8_t* my_x = nullptr;
+        if (pos >= 0) {
+          my_x = dispatch_row_in_area(data_area(r, mine), area[mine], first_row[mine] + pos, a).x;
+          atomicMax(&round_most[parity][mine], pos + 1);
+        }
+        warp_copy_to_each<kWideCopyUnroll>(sent, my_x,
+                                           static_cast<const uint8_t*>(a.x) + token * a.x_row_bytes,
+                                           a.x_row_bytes, b.warp.lane);
+        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
+          const int dst = group + lowest_lane(rest);
+          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
+          const DispatchRowOut out = dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + dst_pos, a);
+          // the rest: scales of a few hundred bytes (an unrolled loop there made the sender spill)
+          write_dispatch_row<1>(a, static_cast<int>(token), dst, out, b.warp.lane, /*with_x=*/false);
         }
       }
       publish_round(r, channel, a.num_channels, epoch, [&](int dst) -> int64_t {

@@ -185,6 +185,55 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
   }
 }
 
+// warp_copy_to_each's rare case, out of line so that its registers do not burden the callers' loops.
+__device__ __noinline__ inline void warp_copy_to_each_unaligned(LaneMask targets, void* my_target, const void* src,
+                                                                int64_t bytes, int lane) {
+  for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+    warp_copy<1>(reinterpret_cast<void*>(warp_shuffle(reinterpret_cast<unsigned long long>(my_target),
+                                                      lowest_lane(rest))),
+                 src, bytes, lane);
+  }
+}
+
+// A warp copies `bytes` (a multiple of 4) from `src` to several places: lane t holds the t-th one's
+// address where bit t of `targets` is set. Each piece of `src` is loaded once and stored to every
+// target (a dispatched token goes to several ranks, and an SM moves about as many bytes as it loads
+// plus stores). Unaligned (rare: rows of 16-byte multiples are the rule): a plain copy per target.
+template <int kUnroll>
+__device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_target, const void* src, int64_t bytes,
+                                                  int lane) {
+  const auto target_at = [&](int t) {
+    return reinterpret_cast<int4*>(warp_shuffle(reinterpret_cast<unsigned long long>(my_target), t));
+  };
+  const bool my_aligned = ((targets >> lane) & 1) == 0 || (reinterpret_cast<uintptr_t>(my_target) & 15) == 0;
+  if (!warp_all(my_aligned) || ((reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(bytes)) & 15) != 0) {
+    warp_copy_to_each_unaligned(targets, my_target, src, bytes, lane);
+    return;
+  }
+  const int64_t vectors = bytes / 16;
+  const auto* from = reinterpret_cast<const int4*>(src);
+  int64_t first = 0;
+  for (; first + kUnroll * kWarpSize <= vectors; first += kUnroll * kWarpSize) {
+    int4 values[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) values[u] = load_l2_16(from + first + u * kWarpSize + lane);
+    for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+      int4* to = target_at(lowest_lane(rest)) + first + lane;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) to[u * kWarpSize] = values[u];
+    }
+  }
+  // The tail a vector per lane; every lane takes the shuffles, only those with a vector store.
+  for (; first < vectors; first += kWarpSize) {
+    const bool mine = first + lane < vectors;
+    const int4 value = mine ? load_l2_16(from + first + lane) : int4{};
+    for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+      int4* to = target_at(lowest_lane(rest));
+      if (mine) to[first + lane] = value;
+    }
+  }
+}
+
 // A warp zeroes `bytes` (a multiple of 4).
 __device__ __forceinline__ void warp_zero(void* dst, int64_t bytes, int lane) {
   for (int64_t i = lane; i < bytes / 4; i += kWarpSize) reinterpret_cast<int32_t*>(dst)[i] = 0;
