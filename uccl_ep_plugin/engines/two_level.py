@@ -251,8 +251,8 @@ class TwoLevel:
         padded = torch.full((int(rail_counts.sum(1).max()),), -1, dtype=torch.int64, device=self.device)
         padded[:source_token.numel()] = source_token
         tokens = self.within_host.all_gather_rows(padded, "dispatch across hosts: forwarded tokens")
-        rank_prefix = inner_handle[0][:, self.local].to(torch.int64)
-        forwarder = segment_ids(torch.diff(rank_prefix, prepend=rank_prefix.new_zeros(1)), num_rows)
+        # The forward hop's rows from forwarding rank g end at its rank_prefix_matrix[g][local] (inclusive prefix).
+        forwarder = segment_ids(inner_handle[0][:, self.local], num_rows)
         position = inner_handle[3][:forwarder.numel()].to(torch.int64)    # row in the forwarder's input
         host = torch.searchsorted(rail_counts.cumsum(1).to(self.device)[forwarder], position.unsqueeze(1),
                                   right=True).squeeze(1)

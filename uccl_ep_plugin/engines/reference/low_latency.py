@@ -103,7 +103,7 @@ def low_latency_dispatch(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tenso
     def receive() -> None:
         fields = unpack_rows(exchange.finish(), specs)
         row_local_expert, row_token = fields[-2].reshape(-1).long(), fields[-1].reshape(-1)
-        row_source = segment_ids(torch.tensor(recv_counts, device=device))
+        row_source = segment_ids(torch.tensor(recv_counts, device=device).cumsum(0))
         group_sizes = from_source.flatten().to(device)                              # (source, local expert) groups
         group_start = group_sizes.cumsum(0) - group_sizes
         group = row_source * local_experts + row_local_expert
@@ -143,8 +143,9 @@ def low_latency_combine(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tensor
         count[masked_ranks.cpu()] = 0
     group_sizes = count.flatten()
     group_base = (torch.arange(local_experts) * slots).unsqueeze(0) + begin
-    group_start = group_sizes.cumsum(0) - group_sizes
-    row_group = segment_ids(group_sizes)
+    group_end = group_sizes.cumsum(0)
+    group_start = group_end - group_sizes
+    row_group = segment_ids(group_end)
     rows_index = (group_base.flatten()[row_group] + torch.arange(row_group.numel()) - group_start[row_group]).to(device)
     rows = x.reshape(local_experts * slots, hidden)[rows_index]
     payload = [logfmt_roundtrip(rows) if use_logfmt else rows]

@@ -54,13 +54,12 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[RowSpec]) -> List[torch.Tens
     return out
 
 
-def segment_ids(sizes: torch.Tensor, total: Optional[int] = None) -> torch.Tensor:
-    """For rows laid out as consecutive segments of ``sizes``, the segment index of each row; ``total``, the sum of
-    ``sizes``, where the caller knows it (it spares a GPU caller a sync).
+def segment_ids(ends: torch.Tensor, total: Optional[int] = None) -> torch.Tensor:
+    """For rows laid out as consecutive segments that end at ``ends`` (the inclusive prefix sum of their sizes), the
+    segment index of each row; ``total``, the last end, where the caller knows it (it spares a GPU caller a sync).
 
     (``repeat_interleave(arange(len(sizes)), sizes)`` computed by a search, which is much faster.)
     """
-    ends = sizes.cumsum(0)
     if total is None:
         total = int(ends[-1]) if ends.numel() else 0
-    return torch.searchsorted(ends, torch.arange(total, device=sizes.device), right=True)
+    return torch.searchsorted(ends, torch.arange(total, dtype=ends.dtype, device=ends.device), right=True)
