@@ -88,6 +88,10 @@ constexpr uint64_t kNormalChunkWordsOpen = uint64_t{1} << 62;
 // its owner has gathered it (NormalPullChunks). Each further pull costs the engines 12-16 us, so few
 // pieces: 3 measured best at EP2 (4: 25-74 us slower).
 constexpr int kNormalPullChunks = 3;
+// A cached copy-engine dispatch pulls in pieces from this many channels (16 SMs) on, else whole blocks:
+// at EP2 (2x H200, bf16, 4096 tokens) pieces took 244 us back to back against 261 with 24 SMs, and 386
+// against 370 with 8, where the slow gather leaves little to overlap and each piece's waiting kernel costs.
+constexpr int kNormalCachedPiecesMinChannels = 8;
 // Share (percent) of each peer's dispatch rows that SMs copy beside the copy engines: 12 measured best at EP2.
 constexpr int kNormalSmPullPercent = 12;
 // Share (percent) of the rows a combine returns to each peer that SMs store into its staging beside

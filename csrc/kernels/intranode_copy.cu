@@ -41,6 +41,15 @@ __global__ void wait_source_arrived(NormalRegion r, int32_t source) {
   wait_at_least(r, arrived_word(r, r.rank, source), exchanges_done(r), kNormalDispatchRecv, source);
 }
 
+// Dispatch, on `source`'s stream before a pull piece when the host does not know the exchange's number
+// (a cached dispatch): `source` has gathered `chunks` pieces. The stream forked before the gather, whose
+// arrival may or may not have counted the exchange yet; this rank's freed word for itself has the last
+// exchange until this one ends, after its pulls.
+__global__ void wait_source_gathered(NormalRegion r, int32_t source, int32_t chunks) {
+  const uint64_t epoch = poll_flag(freed_word(r, r.rank, r.rank), r.aggressive_atomics) + 1;
+  wait_at_least(r, chunk_word(r, r.rank, source), normal_chunk_word(epoch, chunks, 0), kNormalDispatchRecv, source);
+}
+
 // The calling warp has written its rows of one pull chunk; the last warp of the grid to get here
 // raises the chunk word for this rank of every peer that pulls (not `pushed` to) to `value` (all
 // warps' rows first, at system scope: the peers' copy engines read them). Warps, not blocks, count: a
@@ -343,8 +352,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 
 void load_normal_copy_kernels() {
   using namespace normal_kernels;
-  gpu_load_kernels(wait_destinations_freed_then_arrive, wait_source_arrived, gather_for_peers, receive_own_rows,
-                   reduce_from_staging, end_exchange_after_copies, mark_copies_done);
+  gpu_load_kernels(wait_destinations_freed_then_arrive, wait_source_arrived, wait_source_gathered, gather_for_peers,
+                   receive_own_rows, reduce_from_staging, end_exchange_after_copies, mark_copies_done);
 }
 
 namespace {
@@ -443,7 +452,7 @@ NormalCopyEngine::NormalCopyEngine(int device, std::vector<std::uintptr_t> peer_
     if (status == kGpuSuccess) push_values_ = static_cast<uint64_t*>(values);
   }
   if (status == kGpuSuccess) status = gpu_event_create(&fork_);
-  if (status == kGpuSuccess) status = gpu_event_create(&notify_done_);
+  if (status == kGpuSuccess) status = gpu_event_create(&before_gather_);
   if (status != kGpuSuccess) release();
   (void)gpu_set_device(previous);
   UCCL_EP_GPU_CHECK(status);
@@ -462,8 +471,8 @@ void NormalCopyEngine::release() {
   chunk_values_ = nullptr;
   gathered_warps_ = nullptr;
   copies_done_ = nullptr;
-  if (notify_done_ != nullptr) (void)gpu_event_destroy(notify_done_);
-  notify_done_ = nullptr;
+  if (before_gather_ != nullptr) (void)gpu_event_destroy(before_gather_);
+  before_gather_ = nullptr;
   if (fork_ != nullptr) (void)gpu_event_destroy(fork_);
   fork_ = nullptr;
   if (push_values_ != nullptr) (void)gpu_host_free(push_values_);
@@ -570,9 +579,10 @@ void NormalCopyEngine::pull_rows(const NormalDispatchArgs& a, const std::vector<
     require(normal_staging_bytes(NormalStaging::kDispatch, prefix, num_ranks, owner, row_bytes) <= a.region.data_bytes,
             "rank " + std::to_string(owner) + "'s rows for its peers do not fit in the data area");
   }
-  // Chunked pulls need not wait for the gather queued after the notify: their stream waits do.
-  // Nothing on `stream` after the notify can touch the outputs, allocated on it before that end.
-  fork_peer_streams(me, stream, pulls_.ready ? notify_done_ : nullptr,
+  // Chunked pulls need not wait for the gather: their waits do. Nothing on `stream` after the gather's
+  // start can touch the outputs (a fresh dispatch allocates them on it before that end, a cached one's
+  // caller before the call).
+  fork_peer_streams(me, stream, pulls_.ready ? before_gather_ : nullptr,
                     [&](int src, gpuStream_t peer_stream) { queue_pulls(a, prefix, src, peer_stream); });
   receive_pushing_sources_ = pulls_.ready ? pulls_.pushing_sources : 0;
   pulls_.ready = false;
@@ -590,8 +600,8 @@ void NormalCopyEngine::receive_rest(const NormalDispatchArgs& a, gpuStream_t str
     check_normal_dispatch_args(a);
     require(a.recv_x == pulled_into_ && a.num_rows_out == pulled_rows_,
             "receive_rest's recv_x and num_rows_out must be those given to pull_rows");
-    // The own rows' copies wait for the notify, as the pulls do (unless start_dispatch queued them).
-    queue_own_rows(a, notify_done_);
+    // The own rows' copies start with the gather, as the pulls do (unless start_dispatch queued them).
+    queue_own_rows(a, before_gather_);
   } catch (...) {
     end_receive(stream, nullptr);
     throw;
@@ -667,8 +677,14 @@ void NormalCopyEngine::queue_pulls(const NormalDispatchArgs& a, const std::vecto
     const int64_t end = std::min(
         engine_rows, chunk + 1 < chunks.count ? channel_starts[normal_pull_chunk_first_channel(chunks, chunk + 1)] : rows);
     if (end <= begin) continue;
-    // At least chunk + 1 of the owner's pieces (the notify checked that it gathers in as many).
-    UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, normal_chunk_word(pulls_.epoch, chunk + 1, 0)));
+    // At least chunk + 1 of the owner's pieces (the notify checked that it gathers in as many; a
+    // cached dispatch's owner gathers as its fresh one did).
+    if (pulls_.epoch == 0) {
+      normal_kernels::wait_source_gathered<<<1, 1, 0, peer_stream>>>(a.region, src, chunk + 1);
+      UCCL_EP_GPU_CHECK(gpu_last_error());
+    } else {
+      UCCL_EP_GPU_CHECK(gpu_stream_wait_at_least(peer_stream, word, normal_chunk_word(pulls_.epoch, chunk + 1, 0)));
+    }
     pull(begin, end);
   }
 }
@@ -681,7 +697,7 @@ void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vect
       staging(peer) + pulls_.landing_offset + normal_rows_before(prefix.data(), num_ranks, me, peer) * a.x_row_bytes;
   uint8_t* word = reinterpret_cast<uint8_t*>(peer_bases_[peer]) + normal_chunk_word_offset(me);
   const gpuStream_t push_stream = push_streams_[peer];
-  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(push_stream, notify_done_));
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(push_stream, before_gather_));
   pushed_to_ |= 1u << peer;  // from here the exchange's end waits for this stream
   ++blocks_pushed_;
   // The pieces are the pull chunks' token ranges, so the peer finds each one's rows in its
@@ -697,11 +713,23 @@ void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vect
   }
 }
 
-void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix, gpuStream_t stream) {
+void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
+                                const std::vector<int32_t>& recv_channel_prefix, gpuStream_t stream) {
   check_usable(a.region, prefix);
-  pulls_.ready = false;  // a cached dispatch: the host does not know its exchange number
-  own_runs_.ready = false;  // nor which tokens it keeps
-  dispatch_send(a, NormalPullChunks{1, 1}, false, stream);
+  require(static_cast<int64_t>(recv_channel_prefix.size()) == static_cast<int64_t>(a.region.num_ranks) * a.num_channels,
+          "recv_channel_prefix_host must have num_ranks * num_channels entries");
+  own_runs_.ready = false;  // the host does not know which tokens it keeps
+  // Nor its exchange's number: the pieces' waits read it on the device (epoch 0). Pulls in pieces fork
+  // before the gather, as a fresh dispatch's do before theirs; whole blocks after it.
+  const NormalPullChunks chunks{
+      a.num_channels, a.num_channels >= kNormalCachedPiecesMinChannels ? pull_chunks(a.num_channels) : 1};
+  pulls_.ready = chunks.count > 1;
+  pulls_.epoch = 0;
+  pulls_.chunks = chunks;
+  pulls_.recv_channel_prefix = recv_channel_prefix;
+  pulls_.pushing_sources = 0;
+  if (pulls_.ready) UCCL_EP_GPU_CHECK(gpu_event_record(before_gather_, stream));
+  dispatch_send(a, chunks, false, stream);
   pull_rows(a, prefix, stream);
   receive_rest(a, stream);
 }
@@ -765,7 +793,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   to_host.sm_push_percent = sm_push_percent_;
   launch_normal_layout_and_notify(layout, to_host, stream);
   if (gather != nullptr) {  // runs while the host waits; the copy engines' later work starts after the notify
-    UCCL_EP_GPU_CHECK(gpu_event_record(notify_done_, stream));
+    UCCL_EP_GPU_CHECK(gpu_event_record(before_gather_, stream));
     dispatch_send(*gather, chunks, push, stream);
   }
   const auto wait_begin = std::chrono::steady_clock::now();
@@ -781,6 +809,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const int32_t* counts = host_counts_ + channel_ints;
   start.counts.assign(counts, counts + prefix_size + notify.num_local_experts);
   if (gather == nullptr) return start;
+  start.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
   const std::vector<int32_t> prefix(start.counts.begin(), start.counts.begin() + prefix_size);
   const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
   const NormalRowBytes combine_rows{combine_row_bytes, 0, gather->num_topk};
@@ -802,7 +831,7 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     pulls_.ready = true;
     pulls_.epoch = notify_epoch + 1;  // the gather's exchange follows the notify's
     pulls_.chunks = chunks;
-    pulls_.recv_channel_prefix.assign(host_counts_, host_counts_ + channel_ints);
+    pulls_.recv_channel_prefix = start.recv_channel_prefix;
   }
   if (push) {  // pushes_rows: stream waits, so pulls_ holds this exchange
     const int64_t notify_bytes = normal_notify_area_bytes(num_ranks, notify.num_channels, notify.num_local_experts);

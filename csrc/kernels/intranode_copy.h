@@ -55,6 +55,7 @@ struct NormalCopiesDone {
 // flattened, then the tokens each local expert receives) and whether the copy engines carry its rows.
 struct NormalDispatchStart {
   std::vector<int32_t> counts;
+  std::vector<int32_t> recv_channel_prefix;  // [R, C] as the notify wrote it (with a gather)
   bool by_copy_engine = false;
 };
 
@@ -116,9 +117,10 @@ class NormalCopyEngine {
   int64_t blocks_pushed() const { return blocks_pushed_; }
   // How long the last start_dispatch waited for the counts to reach the host (the peers' notify).
   int64_t last_count_wait_ns() const { return last_count_wait_ns_; }
-  // A whole dispatch (a cached one: its counts are known on the host already).
+  // A whole dispatch (a cached one: its counts are known on the host already, recv_channel_prefix_host
+  // [R, C] too, so each peer's block is pulled in pieces as the gather completes them).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
-                gpuStream_t stream);
+                const std::vector<int32_t>& recv_channel_prefix_host, gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
   void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                gpuStream_t stream);
@@ -133,8 +135,9 @@ class NormalCopyEngine {
   // notify, as the runs between `gaps` (the notify's list for the peer), in the pieces of pulls_.
   void queue_pushes(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int peer,
                     const int32_t* gaps);
-  // Each peer's rows for this rank into recv_x on the peer's stream: whole after a
-  // wait for its arrival, or chunk by chunk behind stream waits when pulls_ holds the exchange.
+  // Each peer's rows for this rank into recv_x on the peer's stream: whole after a wait for its
+  // arrival, or chunk by chunk when pulls_ holds the exchange, each piece behind a stream wait (or a
+  // waiting kernel when only the device knows the exchange's number).
   void queue_pulls(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int src,
                    gpuStream_t peer_stream);
   // The receive's last kernel on `stream`: with `rest`, receive_own_rows into its outputs, else only
@@ -173,7 +176,7 @@ class NormalCopyEngine {
   // What pull_rows needs to pull chunk by chunk, from the last start_dispatch (cleared once used).
   struct PendingPulls {
     bool ready = false;
-    uint64_t epoch = 0;                        // the dispatch's exchange number
+    uint64_t epoch = 0;                        // the dispatch's exchange number; 0: only the device knows it
     NormalPullChunks chunks{1, 1};
     std::vector<int32_t> recv_channel_prefix;  // [R, C] as read on the host
     uint32_t pushing_sources = 0;              // those that push their rows into this rank's landing
@@ -210,7 +213,7 @@ class NormalCopyEngine {
   std::vector<gpuStream_t> push_streams_;
   uint64_t* push_values_ = nullptr;    // pinned: the chunk words the pushes' 8-byte copies write
   gpuEvent_t fork_ = nullptr;          // the caller's stream up to the copies
-  gpuEvent_t notify_done_ = nullptr;   // the caller's stream up to the notify (before the gather)
+  gpuEvent_t before_gather_ = nullptr;  // the caller's stream up to the gather (after a fresh dispatch's notify)
   int32_t* host_counts_ = nullptr;     // mapped pinned memory the notify writes, host_counts_capacity_ int32
   int32_t* host_counts_device_ = nullptr;
   int64_t host_counts_capacity_ = 0;

@@ -146,7 +146,8 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   }
   receive(args, allocate, start.by_copy_engine, prefix, stream);
   if (start.by_copy_engine) {
-    result.host_counts = std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix)});
+    result.host_counts =
+        std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix), start.recv_channel_prefix});
   }
   return result;
 }
@@ -203,10 +204,9 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
     return NormalCallStatus::kDone;
   }
   // The counts by value: the handle that holds them may go before the thread uses them.
-  launch_thread_.run_on(stream, "cached dispatch",
-                        [this, args, prefix = host_counts->rank_prefix_matrix](gpuStream_t work_stream) {
-                          copy_engine_->dispatch(args, prefix, work_stream);
-                        });
+  launch_thread_.run_on(stream, "cached dispatch", [this, args, counts = *host_counts](gpuStream_t work_stream) {
+    copy_engine_->dispatch(args, counts.rank_prefix_matrix, counts.recv_channel_prefix, work_stream);
+  });
   return NormalCallStatus::kDone;
 }
 

@@ -20,10 +20,12 @@
 
 namespace uccl_ep {
 
-// A dispatch's [R, R] rank_prefix_matrix as read on the host, kept with its handle when the copy
-// engines carried the dispatch: its cached dispatches and its combine go that way too.
+// A dispatch's counts as read on the host, kept with its handle when the copy engines carried the
+// dispatch: its cached dispatches and its combine go that way too. recv_channel_prefix is this rank's
+// [R, C] recv_channel_prefix_matrix: where each source's pull pieces start in its rows.
 struct NormalHostCounts {
   std::vector<int32_t> rank_prefix_matrix;
+  std::vector<int32_t> recv_channel_prefix;
 };
 
 // The receive side of a dispatch: each output the call has, of its rows (the others null).
