@@ -118,7 +118,8 @@ class NormalCopyEngine {
   // How long the last start_dispatch waited for the counts to reach the host (the peers' notify).
   int64_t last_count_wait_ns() const { return last_count_wait_ns_; }
   // A whole dispatch (a cached one: its counts are known on the host already, recv_channel_prefix_host
-  // [R, C] too, so each peer's block is pulled in pieces as the gather completes them).
+  // [R, C] too, so from kNormalCachedPiecesMinChannels channels on each peer's block is pulled in
+  // pieces as the gather completes them).
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                 const std::vector<int32_t>& recv_channel_prefix_host, gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
