@@ -110,11 +110,23 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
     const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
     for (int token = static_cast<int>(tokens.first) + w.first; token < tokens.end; token += w.stride) {
-      for (int dst = 0; dst < r.num_ranks; ++dst) {
-        const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
-        if (dst == r.rank || pos < 0) continue;
-        write_dispatch_row<kWideCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
-                                            w.lane, !pushed[dst]);
+      // The token's destinations a warp's width at a time (lane t reads destination group + t's send
+      // position): the small fields per destination, then the row's data loaded once for all of them.
+      for (int group = 0; group < r.num_ranks; group += kWarpSize) {
+        const int mine = group + w.lane;
+        const int32_t pos =
+            mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
+        const LaneMask sent = warp_ballot(pos >= 0);
+        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
+          const int dst = group + lowest_lane(rest);
+          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
+          write_dispatch_row<1>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane,
+                                /*with_x=*/false);
+        }
+        const bool with_x = pos >= 0 && !pushed[mine];
+        uint8_t* my_x = with_x ? dispatch_row_in_area(block[mine], area[mine], pos, a).x : nullptr;
+        const uint8_t* row = static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes;
+        warp_copy_to_each<kWideCopyUnroll>(warp_ballot(with_x), my_x, row, a.x_row_bytes, w.lane);
       }
     }
     announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
