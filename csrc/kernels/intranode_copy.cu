@@ -111,17 +111,17 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
     const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
     for (int token = static_cast<int>(tokens.first) + w.first; token < tokens.end; token += w.stride) {
       // The token's destinations a warp's width at a time (lane t reads destination group + t's send
-      // position): the small fields per destination, then the row's data loaded once for all of them.
+      // position): its small fields, loaded once, to each, then its data, loaded once, to each.
       for (int group = 0; group < r.num_ranks; group += kWarpSize) {
         const int mine = group + w.lane;
         const int32_t pos =
             mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
         const LaneMask sent = warp_ballot(pos >= 0);
+        const DispatchRowFields fields = load_dispatch_fields(a, token, w.lane);
         for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
           const int dst = group + lowest_lane(rest);
           const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
-          write_dispatch_row<1>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane,
-                                /*with_x=*/false);
+          store_dispatch_fields(a, fields, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane);
         }
         const bool with_x = pos >= 0 && !pushed[mine];
         uint8_t* my_x = with_x ? dispatch_row_in_area(block[mine], area[mine], pos, a).x : nullptr;
