@@ -15,6 +15,11 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
+// The gather is bound by its loads' latency: with half the threads of the other kernels a lane keeps a
+// whole round of kGatherUnroll vectors of a row in flight without spilling.
+constexpr int kGatherThreads = 512;
+constexpr int kGatherUnroll = 8;
+
 __device__ __forceinline__ NormalRowBytes dispatch_row_bytes(const NormalDispatchArgs& a) {
   return NormalRowBytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk};
 }
@@ -107,27 +112,38 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
   __syncthreads();
   const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
   const WarpPosition w = warp_position();
+  // The token's destinations a warp's width at a time: lane t reads the send position toward destination
+  // group * warp + t (-1: not sent, or the rank itself).
+  const int groups = (r.num_ranks + kWarpSize - 1) / kWarpSize;
+  const auto position = [&](int token, int group) -> int32_t {
+    const int mine = group * kWarpSize + w.lane;
+    return mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
+  };
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
     const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
-    for (int token = static_cast<int>(tokens.first) + w.first; token < tokens.end; token += w.stride) {
-      // The token's destinations a warp's width at a time (lane t reads destination group + t's send
-      // position): its small fields, loaded once, to each, then its data, loaded once, to each.
-      for (int group = 0; group < r.num_ranks; group += kWarpSize) {
-        const int mine = group + w.lane;
-        const int32_t pos =
-            mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
-        const LaneMask sent = warp_ballot(pos >= 0);
+    // A (token, group) pair at a time; the next pair's positions load while this pair's row copies, and a
+    // row's small fields load with its data and are stored after it, so no load waits alone.
+    int token = static_cast<int>(tokens.first) + w.first, group = 0;
+    int32_t pos = token < tokens.end ? position(token, group) : -1;
+    while (token < tokens.end) {
+      int next_token = token, next_group = group + 1;
+      if (next_group == groups) next_token += w.stride, next_group = 0;
+      const int32_t next_pos = next_token < tokens.end ? position(next_token, next_group) : -1;
+      const LaneMask sent = warp_ballot(pos >= 0);
+      if (sent != 0) {
         const DispatchRowFields fields = load_dispatch_fields(a, token, w.lane);
-        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
-          const int dst = group + lowest_lane(rest);
-          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
-          store_dispatch_fields(a, fields, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane);
-        }
+        const int mine = group * kWarpSize + w.lane;
         const bool with_x = pos >= 0 && !pushed[mine];
         uint8_t* my_x = with_x ? dispatch_row_in_area(block[mine], area[mine], pos, a).x : nullptr;
         const uint8_t* row = static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes;
-        warp_copy_to_each<kWideCopyUnroll>(warp_ballot(with_x), my_x, row, a.x_row_bytes, w.lane);
+        warp_copy_to_each<kGatherUnroll, true>(warp_ballot(with_x), my_x, row, a.x_row_bytes, w.lane);
+        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
+          const int dst = group * kWarpSize + lowest_lane(rest);
+          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
+          store_dispatch_fields(a, fields, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane);
+        }
       }
+      token = next_token, group = next_group, pos = next_pos;
     }
     announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
                       w.lane);
@@ -136,7 +152,7 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
 
 // Dispatch: the gather, then the arrival by the last block to finish (a rank whose staging would not
 // fit arrives with nothing gathered). The system fence puts every block's rows before the arrival.
-__global__ void __launch_bounds__(kWideThreads, 1)
+__global__ void __launch_bounds__(kGatherThreads, 1)
     gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, bool push_rows, uint32_t* gathered_warps) {
   gather_block_for_peers(a, chunks, push_rows, gathered_warps);
   __threadfence_system();
@@ -567,7 +583,7 @@ void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChun
   require(chunks.count >= 1 && chunks.count <= chunks.num_channels && chunks.count <= kNormalMaxChunks,
           "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalMaxChunks) + "), got " +
               std::to_string(chunks.count) + " for " + std::to_string(chunks.num_channels) + " channels");
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks, push_rows,
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kGatherThreads, 0, stream>>>(a, chunks, push_rows,
                                                                                             gathered_warps_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }

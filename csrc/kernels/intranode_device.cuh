@@ -199,7 +199,8 @@ __device__ __noinline__ inline void warp_copy_to_each_unaligned(LaneMask targets
 // address where bit t of `targets` is set. Each piece of `src` is loaded once and stored to every
 // target (a dispatched token goes to several ranks, and an SM moves about as many bytes as it loads
 // plus stores). Unaligned (rare: rows of 16-byte multiples are the rule): a plain copy per target.
-template <int kUnroll>
+// kMaskedTail: the last round's loads go out together too, masked (more registers than a vector a time).
+template <int kUnroll, bool kMaskedTail = false>
 __device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_target, const void* src, int64_t bytes,
                                                   int lane) {
   const auto target_at = [&](int t) {
@@ -222,6 +223,24 @@ __device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_tar
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) to[u * kWarpSize] = values[u];
     }
+  }
+  if constexpr (kMaskedTail) {
+    if (first < vectors) {
+      int4 values[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = first + u * kWarpSize + lane;
+        values[u] = i < vectors ? load_l2_16(from + i) : int4{};
+      }
+      for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+        int4* to = target_at(lowest_lane(rest)) + first + lane;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (first + u * kWarpSize + lane < vectors) to[u * kWarpSize] = values[u];
+        }
+      }
+    }
+    return;
   }
   // The tail a vector per lane; every lane takes the shuffles, only those with a vector store.
   for (; first < vectors; first += kWarpSize) {
