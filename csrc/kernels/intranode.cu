@@ -368,12 +368,13 @@ __device__ void send_dispatch_channels(const NormalDispatchArgs& a, const Channe
         warp_copy_to_each<kWideCopyUnroll>(sent, my_x,
                                            static_cast<const uint8_t*>(a.x) + token * a.x_row_bytes,
                                            a.x_row_bytes, b.warp.lane);
+        // the rest, loaded once for every destination (scales of a few hundred bytes: a vector per lane)
+        const DispatchRowFields fields = load_dispatch_fields(a, static_cast<int>(token), b.warp.lane);
         for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
           const int dst = group + lowest_lane(rest);
           const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
           const DispatchRowOut out = dispatch_row_in_area(data_area(r, dst), area[dst], first_row[dst] + dst_pos, a);
-          // the rest: scales of a few hundred bytes (an unrolled loop there made the sender spill)
-          write_dispatch_row<1>(a, static_cast<int>(token), dst, out, b.warp.lane, /*with_x=*/false);
+          store_dispatch_fields(a, fields, static_cast<int>(token), dst, out, b.warp.lane);
         }
       }
       publish_round(r, channel, a.num_channels, epoch, [&](int dst) -> int64_t {

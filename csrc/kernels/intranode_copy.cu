@@ -15,6 +15,12 @@
 namespace uccl_ep {
 namespace normal_kernels {
 
+// The gather is bound by its loads' latency: with half the threads of the other kernels a lane keeps a
+// whole round of kGatherUnroll vectors of a row in flight without spilling (14: DeepSeek's fp8 row of
+// 7168 bytes in one round). receive_own_rows stays at kWideThreads: its small-field loops need the warps.
+constexpr int kGatherThreads = 512;
+constexpr int kGatherUnroll = 14;
+
 __device__ __forceinline__ NormalRowBytes dispatch_row_bytes(const NormalDispatchArgs& a) {
   return NormalRowBytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk};
 }
@@ -107,15 +113,38 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
   __syncthreads();
   const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
   const WarpPosition w = warp_position();
+  // The token's destinations a warp's width at a time: lane t reads the send position toward destination
+  // group * warp + t (-1: not sent, or the rank itself).
+  const int groups = (r.num_ranks + kWarpSize - 1) / kWarpSize;
+  const auto position = [&](int token, int group) -> int32_t {
+    const int mine = group * kWarpSize + w.lane;
+    return mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
+  };
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
     const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
-    for (int token = static_cast<int>(tokens.first) + w.first; token < tokens.end; token += w.stride) {
-      for (int dst = 0; dst < r.num_ranks; ++dst) {
-        const int32_t pos = a.send_pos[static_cast<int64_t>(token) * r.num_ranks + dst];
-        if (dst == r.rank || pos < 0) continue;
-        write_dispatch_row<kWideCopyUnroll>(a, token, dst, dispatch_row_in_area(block[dst], area[dst], pos, a),
-                                            w.lane, !pushed[dst]);
+    // A (token, group) pair at a time; the next pair's positions load while this pair's row copies, and a
+    // row's small fields load with its data and are stored after it, so no load waits alone.
+    int token = static_cast<int>(tokens.first) + w.first, group = 0;
+    int32_t pos = token < tokens.end ? position(token, group) : -1;
+    while (token < tokens.end) {
+      int next_token = token, next_group = group + 1;
+      if (next_group == groups) next_token += w.stride, next_group = 0;
+      const int32_t next_pos = next_token < tokens.end ? position(next_token, next_group) : -1;
+      const LaneMask sent = warp_ballot(pos >= 0);
+      if (sent != 0) {
+        const DispatchRowFields fields = load_dispatch_fields(a, token, w.lane);
+        const int mine = group * kWarpSize + w.lane;
+        const bool with_x = pos >= 0 && !pushed[mine];
+        uint8_t* my_x = with_x ? dispatch_row_in_area(block[mine], area[mine], pos, a).x : nullptr;
+        const uint8_t* row = static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes;
+        warp_copy_to_each<kGatherUnroll, true>(warp_ballot(with_x), my_x, row, a.x_row_bytes, w.lane);
+        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
+          const int dst = group * kWarpSize + lowest_lane(rest);
+          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
+          store_dispatch_fields(a, fields, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane);
+        }
       }
+      token = next_token, group = next_group, pos = next_pos;
     }
     announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
                       w.lane);
@@ -124,7 +153,7 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
 
 // Dispatch: the gather, then the arrival by the last block to finish (a rank whose staging would not
 // fit arrives with nothing gathered). The system fence puts every block's rows before the arrival.
-__global__ void __launch_bounds__(kWideThreads, 1)
+__global__ void __launch_bounds__(kGatherThreads, 1)
     gather_for_peers(NormalDispatchArgs a, NormalPullChunks chunks, bool push_rows, uint32_t* gathered_warps) {
   gather_block_for_peers(a, chunks, push_rows, gathered_warps);
   __threadfence_system();
@@ -555,7 +584,7 @@ void NormalCopyEngine::dispatch_send(const NormalDispatchArgs& a, NormalPullChun
   require(chunks.count >= 1 && chunks.count <= chunks.num_channels && chunks.count <= kNormalMaxChunks,
           "pull chunks must be in 1..min(num_channels, " + std::to_string(kNormalMaxChunks) + "), got " +
               std::to_string(chunks.count) + " for " + std::to_string(chunks.num_channels) + " channels");
-  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, chunks, push_rows,
+  normal_kernels::gather_for_peers<<<a.num_sms, normal_kernels::kGatherThreads, 0, stream>>>(a, chunks, push_rows,
                                                                                             gathered_warps_);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }

@@ -199,7 +199,8 @@ __device__ __noinline__ inline void warp_copy_to_each_unaligned(LaneMask targets
 // address where bit t of `targets` is set. Each piece of `src` is loaded once and stored to every
 // target (a dispatched token goes to several ranks, and an SM moves about as many bytes as it loads
 // plus stores). Unaligned (rare: rows of 16-byte multiples are the rule): a plain copy per target.
-template <int kUnroll>
+// kMaskedTail: the last round's loads go out together too, masked (more registers than a vector a time).
+template <int kUnroll, bool kMaskedTail = false>
 __device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_target, const void* src, int64_t bytes,
                                                   int lane) {
   const auto target_at = [&](int t) {
@@ -222,6 +223,24 @@ __device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_tar
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) to[u * kWarpSize] = values[u];
     }
+  }
+  if constexpr (kMaskedTail) {
+    if (first < vectors) {
+      int4 values[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = first + u * kWarpSize + lane;
+        values[u] = i < vectors ? load_l2_16(from + i) : int4{};
+      }
+      for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+        int4* to = target_at(lowest_lane(rest)) + first + lane;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (first + u * kWarpSize + lane < vectors) to[u * kWarpSize] = values[u];
+        }
+      }
+    }
+    return;
   }
   // The tail a vector per lane; every lane takes the shuffles, only those with a vector store.
   for (; first < vectors; first += kWarpSize) {
@@ -270,29 +289,65 @@ __device__ __forceinline__ DispatchRowOut dispatch_row_in_area(uint8_t* base, co
                         reinterpret_cast<int32_t*>(base + area.src_idx) + row};
 }
 
-// A warp writes token `token`'s row as rank `dst` receives it: its top-k ids become `dst`'s local
-// experts (-1 for the others, their weights 0). Without `with_x`, all but the row's data.
+// A row's small fields as one lane holds them between their loads and their stores, so that a token
+// going to several ranks loads them once and each field's load does not wait for the last one's store:
+// its 16 bytes of the scales (when the scales are at most a vector per lane and aligned), its top-k entry.
+struct DispatchRowFields {
+  int4 scales;
+  int64_t expert;
+  float weight;
+};
+__device__ __forceinline__ const uint8_t* dispatch_scales_row(const NormalDispatchArgs& a, int token) {
+  return static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes;
+}
+__device__ __forceinline__ bool scales_in_lanes(const NormalDispatchArgs& a, const void* to) {
+  return a.scale_row_bytes <= 16 * kWarpSize &&
+         ((reinterpret_cast<uintptr_t>(a.x_scales) | reinterpret_cast<uintptr_t>(to) |
+           static_cast<uintptr_t>(a.scale_row_bytes)) & 15) == 0;
+}
+__device__ __forceinline__ DispatchRowFields load_dispatch_fields(const NormalDispatchArgs& a, int token, int lane) {
+  DispatchRowFields fields{};
+  fields.expert = -1;
+  if (a.scale_row_bytes > 0 && lane * 16 < a.scale_row_bytes && scales_in_lanes(a, nullptr)) {
+    fields.scales = load_l2_16(reinterpret_cast<const int4*>(dispatch_scales_row(a, token)) + lane);
+  }
+  if (a.topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t entry = static_cast<int64_t>(token) * a.num_topk + lane;
+    fields.expert = a.topk_idx[entry];
+    fields.weight = a.topk_weights[entry];
+  }
+  return fields;
+}
+// Token `token`'s small fields as rank `dst` receives them: its top-k ids become `dst`'s local experts
+// (-1 for the others, their weights 0).
+__device__ __forceinline__ void store_dispatch_fields(const NormalDispatchArgs& a, const DispatchRowFields& fields,
+                                                      int token, int dst, const DispatchRowOut& out, int lane) {
+  if (a.scale_row_bytes > 0) {
+    if (scales_in_lanes(a, out.scales)) {
+      if (lane * 16 < a.scale_row_bytes) reinterpret_cast<int4*>(out.scales)[lane] = fields.scales;
+    } else {
+      warp_copy<1>(out.scales, dispatch_scales_row(a, token), a.scale_row_bytes, lane);
+    }
+  }
+  if (out.topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t local = fields.expert - static_cast<int64_t>(dst) * a.num_local_experts;
+    const bool keep = fields.expert >= 0 && local >= 0 && local < a.num_local_experts;
+    out.topk_idx[lane] = keep ? local : -1;
+    out.topk_weights[lane] = keep ? fields.weight : 0.0f;
+  }
+  if (out.src_idx != nullptr && lane == 0) *out.src_idx = token;
+}
+
+// A warp writes token `token`'s row as rank `dst` receives it (its small fields first). Without
+// `with_x`, all but the row's data.
 template <int kUnroll = 8>
 __device__ __forceinline__ void write_dispatch_row(const NormalDispatchArgs& a, int token, int dst,
                                                    const DispatchRowOut& out, int lane, bool with_x = true) {
+  store_dispatch_fields(a, load_dispatch_fields(a, token, lane), token, dst, out, lane);
   if (with_x) {
     warp_copy<kUnroll>(out.x, static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes,
                        a.x_row_bytes, lane);
   }
-  if (a.scale_row_bytes > 0) {
-    warp_copy<kUnroll>(out.scales,
-                       static_cast<const uint8_t*>(a.x_scales) + static_cast<int64_t>(token) * a.scale_row_bytes,
-                       a.scale_row_bytes, lane);
-  }
-  if (out.topk_idx != nullptr && lane < a.num_topk) {
-    const int64_t entry = static_cast<int64_t>(token) * a.num_topk + lane;
-    const int64_t expert = a.topk_idx[entry];
-    const int64_t local = expert - static_cast<int64_t>(dst) * a.num_local_experts;
-    const bool keep = expert >= 0 && local >= 0 && local < a.num_local_experts;
-    out.topk_idx[lane] = keep ? local : -1;
-    out.topk_weights[lane] = keep ? a.topk_weights[entry] : 0.0f;
-  }
-  if (out.src_idx != nullptr && lane == 0) *out.src_idx = token;
 }
 
 // The rows summed into one combined token: for each rank the token went to, where that rank's
