@@ -222,17 +222,24 @@ __device__ void receive_block_own_rows(const NormalDispatchArgs& a, int32_t sm_p
   const int num_ranks = r.num_ranks, me = r.rank, k = a.num_topk;
   const WarpPosition w = warp_position();
   const int64_t own_first = normal_rows_before(a.rank_prefix_matrix, num_ranks, me, me);
+  // As the gather: the next token's position loads during this row.
+  const auto own_position = [&](int token) -> int32_t {
+    return token < a.num_tokens ? a.send_pos[static_cast<int64_t>(token) * num_ranks + me] : -1;
+  };
+  int32_t pos = own_position(w.first);
   for (int token = w.first; token < a.num_tokens; token += w.stride) {
-    const int32_t pos = a.send_pos[static_cast<int64_t>(token) * num_ranks + me];
-    if (pos < 0) continue;
-    const int64_t row = own_first + pos;
-    const DispatchRowOut out{
-        static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes,
-        static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes,
-        a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
-        a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
-        a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
-    write_dispatch_row<kWideCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
+    const int32_t next_pos = own_position(token + w.stride);
+    if (pos >= 0) {
+      const int64_t row = own_first + pos;
+      const DispatchRowOut out{
+          static_cast<uint8_t*>(a.recv_x) + row * a.x_row_bytes,
+          static_cast<uint8_t*>(a.recv_x_scales) + row * a.scale_row_bytes,
+          a.recv_topk_idx == nullptr ? nullptr : a.recv_topk_idx + row * k,
+          a.recv_topk_weights == nullptr ? nullptr : a.recv_topk_weights + row * k,
+          a.recv_src_idx == nullptr ? nullptr : a.recv_src_idx + row};
+      write_dispatch_row<kWideCopyUnroll>(a, token, me, out, w.lane, !own_x_by_engine);
+    }
+    pos = next_pos;
   }
   for (int src = 0; src < num_ranks && sm_pull_percent > 0; ++src) {
     if (src == me || normal_rank_in_mask(pushing_sources, src)) continue;
