@@ -823,7 +823,13 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   to_host.host_counts = host_counts_device_;
   const bool push = gather != nullptr && pushes_rows();
   to_host.push_rows = push;
-  if (gather == nullptr || (own_rows_ == NormalOwnRows::kSms && !push)) to_host.send_pos = nullptr;  // no runs wanted
+  // The notify lists the tokens not sent to a rank (a pass over send_pos each) only where they are used:
+  // the pushes' runs, and this rank's own runs where a copy engine may copy its own rows (not where even
+  // every token kept would leave them to the SMs, as with 24 SMs at 4096 x 7168).
+  const bool own_runs_wanted =
+      gather != nullptr &&
+      normal_own_rows_by_engine(own_rows_, notify.num_tokens * gather->x_row_bytes, gather->num_sms);
+  if (!own_runs_wanted && !push) to_host.send_pos = nullptr;
   const NormalPullChunks chunks{notify.num_channels, pull_chunks(notify.num_channels)};
   to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
   to_host.sm_push_percent = sm_push_percent_;
