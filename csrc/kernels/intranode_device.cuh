@@ -240,15 +240,15 @@ __device__ __forceinline__ void warp_copy_to_each(LaneMask targets, void* my_tar
         }
       }
     }
-    return;
-  }
-  // The tail a vector per lane; every lane takes the shuffles, only those with a vector store.
-  for (; first < vectors; first += kWarpSize) {
-    const bool mine = first + lane < vectors;
-    const int4 value = mine ? load_l2_16(from + first + lane) : int4{};
-    for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
-      int4* to = target_at(lowest_lane(rest));
-      if (mine) to[first + lane] = value;
+  } else {
+    // The tail a vector per lane; every lane takes the shuffles, only those with a vector store.
+    for (; first < vectors; first += kWarpSize) {
+      const bool mine = first + lane < vectors;
+      const int4 value = mine ? load_l2_16(from + first + lane) : int4{};
+      for (LaneMask rest = targets; rest != 0; rest &= rest - 1) {
+        int4* to = target_at(lowest_lane(rest));
+        if (mine) to[first + lane] = value;
+      }
     }
   }
 }
