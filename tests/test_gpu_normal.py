@@ -161,11 +161,14 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
     x, topk_idx, topk_weights, gen = _inputs(case, rank, seed, device)
     layout = reference.get_dispatch_layout(topk_idx, case.num_experts)[:4]
 
+    copy_engine = native._native.normal.copy_engine
     results = {}
     for name, buffer in (("reference", reference), ("native", native)):
         _poison_allocator(device)
+        own_by_engine = copy_engine.own_rows_by_engine()
         results[name] = _dispatch(buffer, x, layout, topk_idx, topk_weights, case, num_worst_tokens)
         torch.cuda.synchronize(device)
+    fresh_own_by_engine = copy_engine.own_rows_by_engine() - own_by_engine
     got, want = results["native"], results["reference"]
     for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
         _assert_equal(got[index], want[index], f"{tag}: {what}")
@@ -179,14 +182,21 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         _C.NormalRowPath.__members__[copy_mode], dist.get_world_size(), case.num_sms)
     assert by_copy_engine == expected, f"{tag}: copy engines {by_copy_engine}"
 
-    # Cached dispatch: the handle reused, only x moves (fresh values).
+    # Cached dispatch: the handle reused, only x moves (fresh values). Where the copy engines carry it, its own
+    # rows go the way its fresh dispatch's did (the handle keeps which tokens the rank keeps).
     x2 = _inputs(case, rank, seed + 500, device)[0]
     cached = {}
     for name, buffer, handle in (("reference", reference, want[4]), ("native", native, got[4])):
         _poison_allocator(device)
+        own_by_engine = copy_engine.own_rows_by_engine()
         cached[name] = buffer.dispatch(x2, handle=handle, config=ep.Config(num_sms=case.num_sms))
         torch.cuda.synchronize(device)
     _assert_equal(cached["native"][0], cached["reference"][0], f"{tag}: cached recv_x")
+    cached_by_copy_engine = by_copy_engine and _C.normal_cached_dispatch_by_copy_engine(
+        _C.NormalRowPath.__members__[copy_mode], dist.get_world_size())
+    cached_own_by_engine = copy_engine.own_rows_by_engine() - own_by_engine
+    assert cached_own_by_engine == (fresh_own_by_engine if cached_by_copy_engine else 0), \
+        f"{tag}: own rows by copy engine in {cached_own_by_engine} cached, {fresh_own_by_engine} fresh dispatches"
 
     # Combine fresh expert outputs, with and without weights, with the case's biases.
     rows = want[0][0].size(0) if case.fp8 else want[0].size(0)

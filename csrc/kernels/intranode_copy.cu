@@ -567,8 +567,16 @@ void NormalCopyEngine::queue_own_rows(const NormalDispatchArgs& a, gpuEvent_t si
   const gpuStream_t own_stream = peer_streams_[me];
   UCCL_EP_GPU_CHECK(gpu_stream_wait_event(own_stream, since));
   own_rows_queued_ = true;  // from here end_receive waits for the own stream, whatever fails after
+  ++own_rows_by_engine_;
   copy_token_runs(own_runs_.runs, NormalTokenRange{0, a.num_tokens}, a.x,
                   static_cast<uint8_t*>(a.recv_x) + own_runs_.first_row * a.x_row_bytes, a.x_row_bytes, own_stream);
+}
+
+void NormalCopyEngine::take_own_runs(std::vector<NormalTokenRun> runs, int64_t row_bytes, int num_sms) {
+  int64_t kept = 0;
+  for (const NormalTokenRun& run : runs) kept += run.count;
+  own_runs_.ready = normal_own_rows_by_engine(own_rows_, kept * row_bytes, num_sms);
+  if (own_runs_.ready) own_runs_.runs = std::move(runs);
 }
 
 uint8_t* NormalCopyEngine::staging(int owner) const {
@@ -750,13 +758,16 @@ void NormalCopyEngine::queue_pushes(const NormalDispatchArgs& a, const std::vect
 }
 
 void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix,
-                                const std::vector<int32_t>& recv_channel_prefix, gpuStream_t stream) {
+                                const std::vector<int32_t>& recv_channel_prefix,
+                                const std::optional<std::vector<NormalTokenRun>>& own_runs, gpuStream_t stream) {
   check_usable(a.region, prefix);
   require(static_cast<int64_t>(recv_channel_prefix.size()) == static_cast<int64_t>(a.region.num_ranks) * a.num_channels,
           "recv_channel_prefix_host must have num_ranks * num_channels entries");
-  own_runs_.ready = false;  // the host does not know which tokens it keeps
-  // Nor its exchange's number: the pieces' waits read it on the device (epoch 0). Pulls in pieces fork
-  // before the gather, as a fresh dispatch's do before theirs; whole blocks after it.
+  own_runs_.ready = false;
+  if (own_runs.has_value()) take_own_runs(*own_runs, a.x_row_bytes, a.num_sms);
+  // The host does not know the exchange's number: the pieces' waits read it on the device (epoch 0).
+  // Pulls in pieces fork before the gather, as a fresh dispatch's do before theirs; whole blocks after
+  // it. The own rows' copies start with the gather either way (receive_rest).
   const NormalPullChunks chunks{
       a.num_channels, a.num_channels >= kNormalCachedPiecesMinChannels ? pull_chunks(a.num_channels) : 1};
   pulls_.ready = chunks.count > 1;
@@ -764,7 +775,7 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   pulls_.chunks = chunks;
   pulls_.recv_channel_prefix = recv_channel_prefix;
   pulls_.pushing_sources = 0;
-  if (pulls_.ready) UCCL_EP_GPU_CHECK(gpu_event_record(before_gather_, stream));
+  UCCL_EP_GPU_CHECK(gpu_event_record(before_gather_, stream));
   dispatch_send(a, chunks, false, stream);
   pull_rows(a, prefix, stream);
   receive_rest(a, stream);
@@ -863,11 +874,9 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
     return start;
   }
   const int32_t* gaps = host_counts_ + normal_host_gaps_index(epoch_index, region.rank);
-  // It keeps every token but its gaps.
-  if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxGaps &&
-      normal_own_rows_by_engine(own_rows_, (notify.num_tokens - gaps[0]) * gather->x_row_bytes, gather->num_sms)) {
-    own_runs_.runs = normal_token_runs(gaps + 1, gaps[0], notify.num_tokens);
-    own_runs_.ready = true;
+  if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxGaps) {  // it keeps every token but its gaps
+    start.own_runs = normal_token_runs(gaps + 1, gaps[0], notify.num_tokens);
+    take_own_runs(*start.own_runs, gather->x_row_bytes, gather->num_sms);
   }
   if (stream_waits_) {
     pulls_.ready = true;

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "kernels/intranode.h"
@@ -57,6 +58,9 @@ struct NormalDispatchStart {
   std::vector<int32_t> counts;
   std::vector<int32_t> recv_channel_prefix;  // [R, C] as the notify wrote it (with a gather)
   bool by_copy_engine = false;
+  // The runs of the tokens this rank keeps for itself, where the notify listed the others (few enough):
+  // its cached dispatches may copy their own rows by copy engine as well.
+  std::optional<std::vector<NormalTokenRun>> own_runs;
 };
 
 // Also the normal mode's host side in general: start_dispatch serves the SM path too.
@@ -117,11 +121,15 @@ class NormalCopyEngine {
   int64_t blocks_pushed() const { return blocks_pushed_; }
   // How long the last start_dispatch waited for the counts to reach the host (the peers' notify).
   int64_t last_count_wait_ns() const { return last_count_wait_ns_; }
+  // How many dispatches so far copied this rank's own rows by copy engine.
+  int64_t own_rows_by_engine() const { return own_rows_by_engine_; }
   // A whole dispatch (a cached one: its counts are known on the host already, recv_channel_prefix_host
   // [R, C] too, so from kNormalCachedPiecesMinChannels channels on each peer's block is pulled in
-  // pieces as the gather completes them).
+  // pieces as the gather completes them). own_runs: its fresh dispatch's (NormalDispatchStart), if any:
+  // then the own rows go the way they would in a fresh dispatch of these rows.
   void dispatch(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
-                const std::vector<int32_t>& recv_channel_prefix_host, gpuStream_t stream);
+                const std::vector<int32_t>& recv_channel_prefix_host,
+                const std::optional<std::vector<NormalTokenRun>>& own_runs, gpuStream_t stream);
   // args.x starts with the dispatch's received rows (grouped by source rank); rows past them are ignored.
   void combine(const NormalCombineArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                gpuStream_t stream);
@@ -162,6 +170,9 @@ class NormalCopyEngine {
   // The own rows' data by copy engine, on this rank's own stream (peer_streams_[me]) after the
   // event `since`, when own_runs_ holds this dispatch's runs (then own_rows_queued_).
   void queue_own_rows(const NormalDispatchArgs& args, gpuEvent_t since);
+  // Holds `runs` in own_runs_ for this dispatch's receive_rest where the own rows (kept tokens of
+  // row_bytes) go by copy engine at num_sms.
+  void take_own_runs(std::vector<NormalTokenRun> runs, int64_t row_bytes, int num_sms);
   uint8_t* staging(int owner) const;
 
   int device_;
@@ -186,6 +197,7 @@ class NormalCopyEngine {
   uint32_t receive_pushing_sources_ = 0;  // pulls_.pushing_sources, from pull_rows to receive_rest
   uint32_t pushed_to_ = 0;                // the peers the last start_dispatch queued pushes to
   int64_t blocks_pushed_ = 0;
+  int64_t own_rows_by_engine_ = 0;
   // Between pull_rows and receive_rest: the exchange's pulls are queued into pulled_into_.
   bool receive_pending_ = false;
   bool own_rows_queued_ = false;  // this rank's own rows' data go by copy engine (queue_own_rows)

@@ -147,7 +147,8 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   receive(args, allocate, start.by_copy_engine, prefix, stream);
   if (start.by_copy_engine) {
     result.host_counts =
-        std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix), start.recv_channel_prefix});
+        std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix), start.recv_channel_prefix,
+                                                                  start.own_runs});
   }
   return result;
 }
@@ -205,7 +206,7 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
   }
   // The counts by value: the handle that holds them may go before the thread uses them.
   launch_thread_.run_on(stream, "cached dispatch", [this, args, counts = *host_counts](gpuStream_t work_stream) {
-    copy_engine_->dispatch(args, counts.rank_prefix_matrix, counts.recv_channel_prefix, work_stream);
+    copy_engine_->dispatch(args, counts.rank_prefix_matrix, counts.recv_channel_prefix, counts.own_runs, work_stream);
   });
   return NormalCallStatus::kDone;
 }

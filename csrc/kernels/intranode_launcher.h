@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,10 +23,12 @@ namespace uccl_ep {
 
 // A dispatch's counts as read on the host, kept with its handle when the copy engines carried the
 // dispatch: its cached dispatches and its combine go that way too. recv_channel_prefix is this rank's
-// [R, C] recv_channel_prefix_matrix: where each source's pull pieces start in its rows.
+// [R, C] recv_channel_prefix_matrix: where each source's pull pieces start in its rows. own_runs:
+// NormalDispatchStart's, so that the cached dispatches copy the own rows as the fresh one could.
 struct NormalHostCounts {
   std::vector<int32_t> rank_prefix_matrix;
   std::vector<int32_t> recv_channel_prefix;
+  std::optional<std::vector<NormalTokenRun>> own_runs;
 };
 
 // The receive side of a dispatch: each output the call has, of its rows (the others null).

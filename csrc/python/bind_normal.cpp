@@ -435,6 +435,8 @@ void bind_normal(py::module_& m) {
            "Whether its gathered dispatches push rows where they can (push_rows and stream waits).")
       .def("blocks_pushed", &uccl_ep::NormalCopyEngine::blocks_pushed,
            "How many blocks of rows (one per peer and dispatch) its dispatches have pushed so far.")
+      .def("own_rows_by_engine", &uccl_ep::NormalCopyEngine::own_rows_by_engine,
+           "How many dispatches so far copied this rank's own rows by copy engine.")
       .def("last_count_wait_ns", &uccl_ep::NormalCopyEngine::last_count_wait_ns,
            "How long the last dispatch that read its counts waited for them on the host (nanoseconds).")
       .def("release", &uccl_ep::NormalCopyEngine::release, py::call_guard<py::gil_scoped_release>());
