@@ -564,6 +564,8 @@ class DispatchSettings:
         num_channels = self.num_sms // 2
         if self.copy_mode == "sm" or self.worst_tokens:
             rows = "rows moved by SMs"
+        elif self.copy_mode == "sends":
+            rows = "rows sent by every SM and copied out by copy engines"
         else:
             how = "pushed where they can be, else pulled" if self.dispatch_rows == "push" else "pulled"
             rows = f"rows {how} by copy engines in {min(self.pull_chunks, num_channels)} pieces"
@@ -574,6 +576,7 @@ class DispatchSettings:
 
 # The last rank's settings, one differing from the others' (DispatchSettings()) each.
 DIFFERENT_SETTINGS = {"num_sms": DispatchSettings(num_sms=8), "copy_mode": DispatchSettings(copy_mode="sm"),
+                      "sends": DispatchSettings(copy_mode="sends"),
                       "pull_chunks": DispatchSettings(pull_chunks=1),
                       "num_worst_tokens": DispatchSettings(worst_tokens=True),
                       "sm_push_percent": DispatchSettings(sm_push_percent=25),
@@ -618,15 +621,19 @@ def _settings_differ_body(rank: int, num_ranks: int, group, setting: str) -> Non
 # unevenly), 30% of the pulled rows copied and 30% of the pushed rows stored by SMs and the own rows always by SMs,
 # and with one chunk each, no pulled rows copied by SMs, every pushed row stored by SMs (no combine chunk at all) and
 # the own rows by copy engine where few tokens break their runs (the cases with many experts per rank; by SMs in the
-# others); and auto, which at 4 ranks and more moves the cached dispatches of copy-engine handles by SM stores.
+# others); and auto, which at 4 ranks and more moves the cached dispatches of copy-engine handles by SM stores; and
+# sends (every SM sends rows, copy engines copy them out), with the combine's defaults and with 7 chunks and 30% of
+# the rows stored by SMs.
 @pytest.mark.parametrize("copy_mode,combine_chunks,pull_chunks,sm_pull,sm_push,own_rows,dispatch_rows",
                          [("engine", "", "", "", "", "", ""), ("engine", "7", "5", "30", "30", "sm", ""),
                           ("engine", "1", "1", "0", "100", "engine", ""), ("sm", "", "", "", "", "", ""),
                           ("engine", "", "", "", "", "", "push"), ("engine", "7", "5", "30", "30", "sm", "push"),
-                          ("auto", "", "", "", "", "", "")],
+                          ("auto", "", "", "", "", "", ""), ("sends", "", "", "", "", "", ""),
+                          ("sends", "7", "", "", "30", "", "")],
                          ids=["engine", "engine-7-5-chunks-30-sm-own-rows-sm",
                               "engine-1-1-chunks-no-sm-pulls-sm-pushes-own-rows-engine", "sm", "engine-push",
-                              "engine-push-7-5-chunks-30-sm-own-rows-sm", "auto"])
+                              "engine-push-7-5-chunks-30-sm-own-rows-sm", "auto", "sends",
+                              "sends-7-combine-chunks-30-sm-pushes"])
 def test_native_normal_matches_reference(copy_mode, combine_chunks, pull_chunks, sm_pull, sm_push, own_rows,
                                          dispatch_rows):
     run_ranks(RANKS, _compare_body, backend="nccl", copy_mode=copy_mode, combine_chunks=combine_chunks,

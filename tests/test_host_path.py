@@ -113,7 +113,8 @@ class NormalRecordingExtension(RecordingExtension):
     NORMAL_CONTROL_BYTES = 4096
     NORMAL_SM_PUSH_PERCENT = NORMAL_SM_PULL_PERCENT = NORMAL_COMBINE_CHUNKS = 0
     NORMAL_PULL_CHUNKS, NORMAL_MAX_CHUNKS, NORMAL_MAX_COMBINE_RANKS = 3, 63, 32
-    NormalOwnRows = NormalRowPath = SimpleNamespace(__members__={"auto": 0, "engine": 1, "sm": 2})
+    NormalOwnRows = SimpleNamespace(__members__={"auto": 0, "engine": 1, "sm": 2})
+    NormalRowPath = SimpleNamespace(__members__={"auto": 0, "engine": 1, "sm": 2, "sends": 3})
     DONE = 0
 
     def __init__(self) -> None:

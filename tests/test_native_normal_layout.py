@@ -120,29 +120,34 @@ def test_chunk_words_tell_the_rows_landed_whatever_the_writers_chunking():
 def test_notify_settings_word_tells_every_setting_apart():
     ext = _extension_with_normal()
     seen = set()
-    for num_channels in (1, 4, 10, 12, 66, 1000, (1 << 17) - 1):
+    for num_channels in (1, 4, 10, 12, 66, 1000, (1 << 16) - 1):
         for pull_chunks in (0, 1, 3, ext.NORMAL_MAX_CHUNKS):
             for sm_push_percent in (0, 1, 30, 100):
-                for push_rows in (False, True):
-                    word = ext.normal_notify_settings_word(num_channels, pull_chunks, sm_push_percent, push_rows)
+                for push_rows, sends in ((False, False), (True, False), (False, True), (True, True)):
+                    word = ext.normal_notify_settings_word(num_channels, pull_chunks, sm_push_percent, push_rows,
+                                                           sends)
                     assert 0 <= word < 1 << 31
-                    assert ext.normal_notify_settings(word) == (num_channels, pull_chunks, sm_push_percent, push_rows)
+                    assert ext.normal_notify_settings(word) == (num_channels, pull_chunks, sm_push_percent,
+                                                                push_rows, sends)
                     seen.add(word)
-    assert len(seen) == 7 * 4 * 4 * 2
+    assert len(seen) == 7 * 4 * 4 * 4
 
 
 @pytest.mark.parametrize("mode,num_ranks,num_sms,fresh,cached",
                          [("auto", 2, 24, True, True), ("auto", 3, 132, True, True), ("auto", 4, 24, False, False),
                           ("auto", 4, 16, False, False), ("auto", 4, 14, True, False), ("auto", 8, 8, True, False),
-                          ("auto", 8, 20, False, False), ("engine", 8, 24, True, True), ("sm", 2, 8, False, False)])
+                          ("auto", 8, 20, False, False), ("engine", 8, 24, True, True), ("sm", 2, 8, False, False),
+                          ("sends", 4, 8, True, True), ("sends", 8, 24, True, True)])
 def test_copy_mode_picks_the_row_path(mode, num_ranks, num_sms, fresh, cached):
     """UCCL_EP_NORMAL_COPY=auto: copy engines below 4 ranks and below 16 SMs, SMs from 4 ranks on (a cached
-    dispatch at any SM count); engine and sm as named."""
+    dispatch at any SM count); engine and sm as named; sends: SMs send the rows and copy engines copy them out,
+    the handle's operations then going the copy engines' way."""
     ext = _extension_with_normal()
     assert (ext.NORMAL_SM_ROWS_FROM_RANKS, ext.NORMAL_SM_ROWS_FROM_SMS) == (4, 16)
     path = ext.NormalRowPath.__members__[mode]
     assert ext.normal_dispatch_by_copy_engine(path, num_ranks, num_sms) is fresh
     assert ext.normal_cached_dispatch_by_copy_engine(path, num_ranks) is cached
+    assert ext.normal_rows_by_sends(path) is (mode == "sends")
 
 
 

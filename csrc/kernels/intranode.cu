@@ -68,7 +68,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
   const int64_t slot_ints = normal_notify_slot_ints(num_ranks, num_channels, local);
   for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x) {
     reinterpret_cast<int32_t*>(data_area(r, dst))[r.rank] =
-        normal_notify_settings_word(num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows);
+        normal_notify_settings_word(num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows, a.sends);
   }
   for (int dst = 0; dst < num_ranks; ++dst) {
     int32_t* slot =
@@ -96,7 +96,7 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
 // another way after the notify. Every rank compares every pair, so all of them record the difference.
 __device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows);
+  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows, a.sends);
   const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
   for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
     const int32_t theirs = load_l2(words + src);

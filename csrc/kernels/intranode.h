@@ -213,26 +213,26 @@ UCCL_EP_HOST_DEVICE inline int64_t normal_notify_area_bytes(int64_t num_ranks, i
 }
 // What the ranks of a dispatch must agree on, in one word: its channels (the slot layout, and the
 // handle's channel tables), the pieces the copy engines' gather after the notify announces (0: no
-// gather, the rows go by SMs), whether senders push rows where they can (normal_pushes_rows), and the
-// share of its combine's rows that SMs push.
-constexpr int32_t kNormalMaxNotifyChannels = (1 << 17) - 1;
+// gather), whether senders push rows where they can (normal_pushes_rows), whether every rank's SMs
+// send its rows (normal_rows_by_sends), and the share of its combine's rows that SMs push.
+constexpr int32_t kNormalMaxNotifyChannels = (1 << 16) - 1;
 constexpr int32_t kNormalPercentValues = 128;
 UCCL_EP_HOST_DEVICE inline int32_t normal_notify_settings_word(int32_t num_channels, int32_t pull_chunks,
-                                                               int32_t sm_push_percent, bool push_rows) {
-  return ((num_channels * 2 + (push_rows ? 1 : 0)) * kNormalPercentValues + sm_push_percent) *
+                                                               int32_t sm_push_percent, bool push_rows, bool sends) {
+  return ((num_channels * 4 + (push_rows ? 1 : 0) + (sends ? 2 : 0)) * kNormalPercentValues + sm_push_percent) *
              static_cast<int32_t>(kNormalChunkCounts) +
          pull_chunks;
 }
 // The settings back from a word (for the error that names them).
 struct NormalNotifySettings {
   int32_t num_channels, pull_chunks, sm_push_percent;
-  bool push_rows;
+  bool push_rows, sends;
 };
 inline NormalNotifySettings normal_notify_settings(int32_t word) {
   const int32_t rest = word / static_cast<int32_t>(kNormalChunkCounts);
-  const int32_t channels_and_push = rest / kNormalPercentValues;
-  return NormalNotifySettings{channels_and_push / 2, word % static_cast<int32_t>(kNormalChunkCounts),
-                              rest % kNormalPercentValues, channels_and_push % 2 == 1};
+  const int32_t channels_and_rows = rest / kNormalPercentValues;
+  return NormalNotifySettings{channels_and_rows / 4, word % static_cast<int32_t>(kNormalChunkCounts),
+                              rest % kNormalPercentValues, channels_and_rows % 2 == 1, channels_and_rows / 2 % 2 == 1};
 }
 
 // dispatch: a receiver's data area holds one contiguous array per field, `rows` rows each (rows
@@ -345,6 +345,7 @@ struct NormalNotifyArgs {
   const int32_t* send_pos;
   int64_t num_tokens;                    // this rank's tokens (each slot carries its source's)
   bool push_rows;                        // the copy-engine dispatch after it pushes rows where it can
+  bool sends;                            // every rank's SMs send its rows after it (normal_rows_by_sends)
 };
 
 constexpr uint64_t kNormalNotifyFailed = ~uint64_t{0};
@@ -386,18 +387,25 @@ struct NormalTokenRun {
 // kNormalSmRowsFromSms SMs; else SMs (a GPU's copy engines carry one peer copy at a time: about 190 GB/s each
 // way when every rank copies to every peer). A cached dispatch from kNormalSmRowsFromRanks ranks on goes by
 // SMs at any SM count (as fast as the copy engines at 8 SMs).
-enum class NormalRowPath : int32_t { kAuto = 0, kEngine = 1, kSm = 2 };
+// kSends: where the counts are on the host, every SM of the dispatch sends (no SMs set aside to receive):
+// each row is stored straight into its receiver's data area, then the receiver's copy engine copies its rows
+// out (NormalCopyEngine; for few SMs at 4 ranks and more, where the copy engines' pulls share a GPU's copy
+// bandwidth among the peers and half the SM path's SMs only receive). Its handle's combine and cached
+// dispatches go the copy engines' way too.
+enum class NormalRowPath : int32_t { kAuto = 0, kEngine = 1, kSm = 2, kSends = 3 };
 constexpr int kNormalSmRowsFromRanks = 4;
 constexpr int kNormalSmRowsFromSms = 16;
 // Every rank must decide alike: a fresh dispatch's notify checks it (its settings word).
 inline bool normal_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, int num_sms) {
-  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine;
+  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine || path == NormalRowPath::kSends;
   return num_ranks < kNormalSmRowsFromRanks || num_sms < kNormalSmRowsFromSms;
 }
 inline bool normal_cached_dispatch_by_copy_engine(NormalRowPath path, int num_ranks) {
-  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine;
+  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine || path == NormalRowPath::kSends;
   return num_ranks < kNormalSmRowsFromRanks;
 }
+// Of the dispatches normal_dispatch_by_copy_engine gives the copy engines, those whose rows SMs send.
+inline bool normal_rows_by_sends(NormalRowPath path) { return path == NormalRowPath::kSends; }
 
 // What copies a rank's dispatch rows to itself in the copy-engine dispatch. kAuto: a copy engine
 // when the rows' data is at least kNormalOwnRowsEngineBytesPerSm per SM of the dispatch, else the SMs.
@@ -444,6 +452,22 @@ UCCL_EP_HOST_DEVICE inline bool normal_landing_fits(const int32_t* rank_prefix_m
                                                     int64_t landing_offset, int64_t x_row_bytes, int64_t data_bytes) {
   for (int rank = 0; rank < num_ranks; ++rank) {
     if (landing_offset + rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank] * x_row_bytes > data_bytes) {
+      return false;
+    }
+  }
+  return true;
+}
+// Rows sent by SMs (normal_rows_by_sends): a receiver's data area holds every row it receives as one
+// NormalDispatchArea past the notify's slots (which it may still be reading when the rows arrive).
+UCCL_EP_HOST_DEVICE inline int64_t normal_sends_offset(int num_ranks, int num_channels, int num_local_experts) {
+  return normal_align16(normal_notify_area_bytes(num_ranks, num_channels, num_local_experts));
+}
+// Whether every rank's data area holds its rows at `offset`: the same answer on every rank.
+UCCL_EP_HOST_DEVICE inline bool normal_sends_fit(const int32_t* rank_prefix_matrix, int num_ranks, int64_t offset,
+                                                 NormalRowBytes b, int64_t data_bytes) {
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    const int64_t rows = rank_prefix_matrix[(num_ranks - 1) * num_ranks + rank];
+    if (offset + normal_dispatch_area(rows, b.x_row_bytes, b.scale_row_bytes, b.num_topk).total > data_bytes) {
       return false;
     }
   }

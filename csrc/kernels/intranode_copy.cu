@@ -76,6 +76,39 @@ __device__ inline void announce_gathered(const NormalRegion& r, const bool* push
   }
 }
 
+// A warp per token of `tokens` over the grid: the token's row loaded once and stored for every rank
+// `position(token, group)` names (lane t: the position among this rank's rows for rank group * warp + t,
+// -1 for none), where `row_at(dst, pos)` says, its data only where `with_x(dst)`; then its small fields,
+// loaded with the data and stored after it. The next (token, group)'s positions load during this row, so
+// no load waits alone.
+template <typename Position, typename RowAt, typename WithX>
+__device__ __forceinline__ void store_token_rows(const NormalDispatchArgs& a, NormalTokenRange tokens,
+                                                 const WarpPosition& w, Position position, RowAt row_at,
+                                                 WithX with_x) {
+  const int groups = (a.region.num_ranks + kWarpSize - 1) / kWarpSize;
+  int token = static_cast<int>(tokens.first) + w.first, group = 0;
+  int32_t pos = token < tokens.end ? position(token, group) : -1;
+  while (token < tokens.end) {
+    int next_token = token, next_group = group + 1;
+    if (next_group == groups) next_token += w.stride, next_group = 0;
+    const int32_t next_pos = next_token < tokens.end ? position(next_token, next_group) : -1;
+    const LaneMask sent = warp_ballot(pos >= 0);
+    if (sent != 0) {
+      const DispatchRowFields fields = load_dispatch_fields(a, token, w.lane);
+      const int mine = group * kWarpSize + w.lane;
+      const bool my_x = pos >= 0 && with_x(mine);
+      uint8_t* to = my_x ? row_at(mine, pos).x : nullptr;
+      const uint8_t* row = static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes;
+      warp_copy_to_each<kGatherUnroll, true>(warp_ballot(my_x), to, row, a.x_row_bytes, w.lane);
+      for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
+        const int dst = group * kWarpSize + lowest_lane(rest);
+        store_dispatch_fields(a, fields, token, dst, row_at(dst, warp_shuffle(pos, lowest_lane(rest))), w.lane);
+      }
+    }
+    token = next_token, group = next_group, pos = next_pos;
+  }
+}
+
 // Dispatch, a block's part: the rows for every other rank into this rank's staging, one pull chunk
 // after another, each announced to the peers once every warp has gathered its part. With push_rows,
 // the rows for peers it pushes to (normal_pushes_rows) without their data, which the copy engines
@@ -113,39 +146,14 @@ __device__ void gather_block_for_peers(const NormalDispatchArgs& a, NormalPullCh
   __syncthreads();
   const uint64_t epoch = exchanges_done(r) + 1;  // the arrival after this kernel counts the exchange
   const WarpPosition w = warp_position();
-  // The token's destinations a warp's width at a time: lane t reads the send position toward destination
-  // group * warp + t (-1: not sent, or the rank itself).
-  const int groups = (r.num_ranks + kWarpSize - 1) / kWarpSize;
-  const auto position = [&](int token, int group) -> int32_t {
+  const auto position = [&](int token, int group) -> int32_t {  // -1 also for the rank itself
     const int mine = group * kWarpSize + w.lane;
     return mine < r.num_ranks && mine != r.rank ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
   };
+  const auto row_at = [&](int dst, int32_t pos) { return dispatch_row_in_area(block[dst], area[dst], pos, a); };
+  const auto with_x = [&](int dst) { return !pushed[dst]; };
   for (int chunk = 0; chunk < chunks.count; ++chunk) {
-    const NormalTokenRange tokens = normal_pull_chunk_tokens(chunks, chunk, a.num_tokens);
-    // A (token, group) pair at a time; the next pair's positions load while this pair's row copies, and a
-    // row's small fields load with its data and are stored after it, so no load waits alone.
-    int token = static_cast<int>(tokens.first) + w.first, group = 0;
-    int32_t pos = token < tokens.end ? position(token, group) : -1;
-    while (token < tokens.end) {
-      int next_token = token, next_group = group + 1;
-      if (next_group == groups) next_token += w.stride, next_group = 0;
-      const int32_t next_pos = next_token < tokens.end ? position(next_token, next_group) : -1;
-      const LaneMask sent = warp_ballot(pos >= 0);
-      if (sent != 0) {
-        const DispatchRowFields fields = load_dispatch_fields(a, token, w.lane);
-        const int mine = group * kWarpSize + w.lane;
-        const bool with_x = pos >= 0 && !pushed[mine];
-        uint8_t* my_x = with_x ? dispatch_row_in_area(block[mine], area[mine], pos, a).x : nullptr;
-        const uint8_t* row = static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(token) * a.x_row_bytes;
-        warp_copy_to_each<kGatherUnroll, true>(warp_ballot(with_x), my_x, row, a.x_row_bytes, w.lane);
-        for (LaneMask rest = sent; rest != 0; rest &= rest - 1) {
-          const int dst = group * kWarpSize + lowest_lane(rest);
-          const int32_t dst_pos = warp_shuffle(pos, lowest_lane(rest));
-          store_dispatch_fields(a, fields, token, dst, dispatch_row_in_area(block[dst], area[dst], dst_pos, a), w.lane);
-        }
-      }
-      token = next_token, group = next_group, pos = next_pos;
-    }
+    store_token_rows(a, normal_pull_chunk_tokens(chunks, chunk, a.num_tokens), w, position, row_at, with_x);
     announce_gathered(r, pushed, gathered_warps + chunk, normal_chunk_word(epoch, chunk + 1, chunks.count),
                       w.lane);
   }
@@ -192,6 +200,72 @@ __global__ void end_exchange_after_copies(NormalRegion r, NormalCopiesDone copie
 
 // Without stream writes on the device: a copy stream's done word, after its copies.
 __global__ void mark_copies_done(uint64_t* word) { store_release_system(word, 1); }
+
+// Dispatch by sends (normal_rows_by_sends), a block's part: every row into the data area of each rank it
+// goes to, this one's included, at `offset` (normal_sends_offset), as that rank receives it. A rank whose
+// rows would not fit sends nothing (every rank decides alike; the host then ends the exchange unread).
+__device__ void send_block_to_receivers(const NormalDispatchArgs& a, int64_t offset) {
+  const NormalRegion& r = a.region;
+  if (!wait_destinations_free(r, kNormalDispatchSend)) return;
+  if (!normal_sends_fit(a.rank_prefix_matrix, r.num_ranks, offset, dispatch_row_bytes(a), r.data_bytes)) return;
+  __shared__ uint8_t* base[kNormalMaxRanks];
+  __shared__ NormalDispatchArea area[kNormalMaxRanks];
+  __shared__ int64_t first[kNormalMaxRanks];  // this rank's first row among each receiver's
+  for (int dst = threadIdx.x; dst < r.num_ranks; dst += blockDim.x) {
+    base[dst] = data_area(r, dst) + offset;
+    area[dst] = normal_dispatch_area(received_rows(a.rank_prefix_matrix, r.num_ranks, dst), a.x_row_bytes,
+                                     a.scale_row_bytes, a.num_topk);
+    first[dst] = normal_rows_before(a.rank_prefix_matrix, r.num_ranks, r.rank, dst);
+  }
+  __syncthreads();
+  const WarpPosition w = warp_position();
+  const auto position = [&](int token, int group) -> int32_t {
+    const int mine = group * kWarpSize + w.lane;
+    return mine < r.num_ranks ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
+  };
+  const auto row_at = [&](int dst, int32_t pos) { return dispatch_row_in_area(base[dst], area[dst], first[dst] + pos, a); };
+  store_token_rows(a, NormalTokenRange{0, a.num_tokens}, w, position, row_at, [](int) { return true; });
+}
+
+// Dispatch by sends: the sends, then, by the last block to finish, the arrival and the wait for every
+// source's (their rows are in this rank's data area when the kernel ends). The system fence puts every
+// block's rows before the arrival.
+__global__ void __launch_bounds__(kGatherThreads, 1) send_to_receivers(NormalDispatchArgs a, int64_t offset) {
+  send_block_to_receivers(a, offset);
+  __threadfence_system();
+  if (last_block_to_finish(a.region.control + kNormalBlocksDoneWord)) {
+    block_announce_arrival(a.region);
+    wait_sources_arrived(a.region, kNormalDispatchRecv);
+  }
+}
+
+// Dispatch by sends, after send_to_receivers: the received rows' small fields (fp8 scales, top-k, source
+// index: each a contiguous array at `offset` in this rank's data area and in its output) by the SMs, beside
+// the copy engine's copy of their data; then the exchange's end once `copies` are done.
+__global__ void __launch_bounds__(kWideThreads, 1)
+    receive_sent_fields(NormalDispatchArgs a, int64_t offset, NormalCopiesDone copies) {
+  const uint8_t* rows = data_area(a.region, a.region.rank) + offset;
+  const int64_t n = a.num_rows_out, k = a.num_topk;
+  const NormalDispatchArea area = normal_dispatch_area(n, a.x_row_bytes, a.scale_row_bytes, k);
+  const WarpPosition w = warp_position();
+  // Each field in one slice per warp, 16-byte aligned where it starts (every size is a multiple of 4 bytes).
+  const auto copy_field = [&](void* to, int64_t from, int64_t bytes) {
+    if (to == nullptr) return;
+    const int64_t slice = ((bytes + w.stride - 1) / w.stride + 15) & ~int64_t{15};
+    const int64_t begin = w.first * slice < bytes ? w.first * slice : bytes;
+    const int64_t end = begin + slice < bytes ? begin + slice : bytes;
+    warp_copy<kWideCopyUnroll>(static_cast<uint8_t*>(to) + begin, rows + from + begin, end - begin, w.lane);
+  };
+  if (!aborted(a.region)) {
+    copy_field(a.recv_x_scales, area.scales, n * a.scale_row_bytes);
+    copy_field(a.recv_topk_idx, area.topk_idx, n * k * 8);
+    copy_field(a.recv_topk_weights, area.topk_weights, n * k * 4);
+    copy_field(a.recv_src_idx, area.src_idx, n * 4);
+  }
+  if (last_block_to_finish(a.region.control + kNormalBlocksDoneWord)) {
+    end_after_copies(a.region, copies, kNormalDispatchRecv);
+  }
+}
 
 // A peer's block for this rank in its staging.
 struct PeerBlock {
@@ -389,7 +463,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 void load_normal_copy_kernels() {
   using namespace normal_kernels;
   gpu_load_kernels(wait_destinations_freed_then_arrive, wait_source_arrived, wait_source_gathered, gather_for_peers,
-                   receive_own_rows, reduce_from_staging, end_exchange_after_copies, mark_copies_done);
+                   receive_own_rows, send_to_receivers, receive_sent_fields, reduce_from_staging,
+                   end_exchange_after_copies, mark_copies_done);
 }
 
 namespace {
@@ -552,7 +627,7 @@ NormalCopiesDone NormalCopyEngine::mark_copies(int me, bool peers, bool own) {
     copies.add(index);
   };
   for (int peer = 0; peer < num_ranks; ++peer) {
-    if (peers && (peer != me || own)) mark(peer, peer_streams_[peer]);
+    if (peer != me ? peers : own) mark(peer, peer_streams_[peer]);
     if (normal_rank_in_mask(pushed_to_, peer)) mark(num_ranks + peer, push_streams_[peer]);
   }
   pushed_to_ = 0;
@@ -781,6 +856,47 @@ void NormalCopyEngine::dispatch(const NormalDispatchArgs& a, const std::vector<i
   receive_rest(a, stream);
 }
 
+int64_t NormalCopyEngine::sends_offset(const NormalDispatchArgs& a) {
+  return normal_sends_offset(a.region.num_ranks, a.num_channels, a.num_local_experts);
+}
+
+bool NormalCopyEngine::sends_fit(const NormalDispatchArgs& a, const std::vector<int32_t>& prefix) {
+  return normal_sends_fit(prefix.data(), a.region.num_ranks, sends_offset(a),
+                          NormalRowBytes{a.x_row_bytes, a.scale_row_bytes, a.num_topk}, a.region.data_bytes);
+}
+
+void NormalCopyEngine::send_rows(const NormalDispatchArgs& a, gpuStream_t stream) {
+  check_normal_dispatch_args(a);
+  require_unreleased();
+  normal_kernels::send_to_receivers<<<a.num_sms, normal_kernels::kGatherThreads, 0, stream>>>(a, sends_offset(a));
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void NormalCopyEngine::receive_sends(const NormalDispatchArgs& a, gpuStream_t stream) {
+  require_unreleased();
+  try {
+    check_normal_dispatch_args(a);
+  } catch (...) {
+    end_exchange(a.region, mark_copies(a.region.rank, false, false), stream);
+    throw;
+  }
+  const int me = a.region.rank;
+  const int64_t offset = sends_offset(a);
+  const NormalDispatchArea area = normal_dispatch_area(a.num_rows_out, a.x_row_bytes, a.scale_row_bytes, a.num_topk);
+  // The data by this rank's copy engine, on its own stream after the sends; the small fields by SMs beside it.
+  UCCL_EP_GPU_CHECK(gpu_event_record(fork_, stream));
+  UCCL_EP_GPU_CHECK(gpu_stream_wait_event(peer_streams_[me], fork_));
+  copy_async(a.recv_x, staging(me) + offset + area.x, a.num_rows_out * a.x_row_bytes, peer_streams_[me]);
+  const NormalCopiesDone copies = mark_copies(me, false, true);
+  normal_kernels::receive_sent_fields<<<a.num_sms, normal_kernels::kWideThreads, 0, stream>>>(a, offset, copies);
+  UCCL_EP_GPU_CHECK(gpu_last_error());
+}
+
+void NormalCopyEngine::dispatch_by_sends(const NormalDispatchArgs& a, gpuStream_t stream) {
+  send_rows(a, stream);
+  receive_sends(a, stream);
+}
+
 uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t epoch_index) const {
   const double wait_s = region.timeout_ns * 1e-9 + 5.0;
   const auto deadline = deadline_after(wait_s);
@@ -798,8 +914,8 @@ uint64_t NormalCopyEngine::wait_for_notify(const NormalRegion& region, int64_t e
 }
 
 NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
-                                                     const NormalDispatchArgs* gather, int64_t combine_row_bytes,
-                                                     gpuStream_t stream) {
+                                                     const NormalDispatchArgs* gather, bool sends,
+                                                     int64_t combine_row_bytes, gpuStream_t stream) {
   const NormalRegion& region = notify.region;
   const int num_ranks = region.num_ranks;
   const int64_t prefix_size = static_cast<int64_t>(num_ranks) * num_ranks;
@@ -832,20 +948,24 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   host_store_release(reinterpret_cast<uint64_t*>(host_counts_ + epoch_index), 0);  // the last notify's is read
   NormalNotifyArgs to_host = notify;
   to_host.host_counts = host_counts_device_;
-  const bool push = gather != nullptr && pushes_rows();
+  sends = sends && gather != nullptr;
+  const bool push = gather != nullptr && !sends && pushes_rows();
   to_host.push_rows = push;
+  to_host.sends = sends;
   // The notify lists the tokens not sent to a rank (a pass over send_pos each) only where they are used:
   // the pushes' runs, and this rank's own runs where a copy engine may copy its own rows (not where even
   // every token kept would leave them to the SMs, as with 24 SMs at 4096 x 7168).
   const bool own_runs_wanted =
-      gather != nullptr &&
+      gather != nullptr && !sends &&
       normal_own_rows_by_engine(own_rows_, notify.num_tokens * gather->x_row_bytes, gather->num_sms);
   if (!own_runs_wanted && !push) to_host.send_pos = nullptr;
   const NormalPullChunks chunks{notify.num_channels, pull_chunks(notify.num_channels)};
-  to_host.pull_chunks = gather != nullptr ? chunks.count : 0;
+  to_host.pull_chunks = gather != nullptr && !sends ? chunks.count : 0;
   to_host.sm_push_percent = sm_push_percent_;
   launch_normal_layout_and_notify(layout, to_host, stream);
-  if (gather != nullptr) {  // runs while the host waits; the copy engines' later work starts after the notify
+  if (sends) {  // run while the host waits
+    send_rows(*gather, stream);
+  } else if (gather != nullptr) {  // the copy engines' later work starts after the notify
     UCCL_EP_GPU_CHECK(gpu_event_record(before_gather_, stream));
     dispatch_send(*gather, chunks, push, stream);
   }
@@ -867,12 +987,16 @@ NormalDispatchStart NormalCopyEngine::start_dispatch(const NormalSendLayoutArgs&
   const NormalRowBytes dispatch_rows{gather->x_row_bytes, gather->scale_row_bytes, gather->num_topk};
   const NormalRowBytes combine_rows{combine_row_bytes, 0, gather->num_topk};
   start.by_copy_engine =
-      normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, dispatch_rows) <= region.data_bytes &&
+      (sends ? sends_fit(*gather, prefix)
+             : normal_staging_most_bytes(NormalStaging::kDispatch, prefix, num_ranks, dispatch_rows) <=
+                   region.data_bytes) &&
       normal_staging_most_bytes(NormalStaging::kCombine, prefix, num_ranks, combine_rows) <= region.data_bytes;
+  start.by_sends = sends && start.by_copy_engine;
   if (!start.by_copy_engine) {
     abandon_receive(region, stream);
     return start;
   }
+  if (sends) return start;
   const int32_t* gaps = host_counts_ + normal_host_gaps_index(epoch_index, region.rank);
   if (to_host.send_pos != nullptr && gaps[0] <= kNormalMaxGaps) {  // it keeps every token but its gaps
     start.own_runs = normal_token_runs(gaps + 1, gaps[0], notify.num_tokens);

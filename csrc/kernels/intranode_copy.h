@@ -58,6 +58,7 @@ struct NormalDispatchStart {
   std::vector<int32_t> counts;
   std::vector<int32_t> recv_channel_prefix;  // [R, C] as the notify wrote it (with a gather)
   bool by_copy_engine = false;
+  bool by_sends = false;  // of the copy engines' dispatches, one whose rows the SMs sent (normal_rows_by_sends)
   // The runs of the tokens this rank keeps for itself, where the notify listed the others (few enough):
   // its cached dispatches may copy their own rows by copy engine as well.
   std::optional<std::vector<NormalTokenRun>> own_runs;
@@ -96,10 +97,12 @@ class NormalCopyEngine {
   // dispatch's arguments, outputs not set yet; or null) runs behind the notify, while the host waits.
   // by_copy_engine: `gather` was given and every owner's staging fits its rows and a combine of bf16
   // rows of `combine_row_bytes`; otherwise the gather's exchange is ended unread (every rank decides
-  // alike, from shared counts) and the rows go by SMs. Throws if the counts are not on the host 5 s
-  // after the region's timeout (by then the device's record names the peer).
+  // alike, from shared counts) and the rows go by SMs. With `sends`, the SMs send the gather's rows
+  // into their receivers' data areas instead (send_rows; by_sends when they fit, and receive_sends
+  // follows). Throws if the counts are not on the host 5 s after the region's timeout (by then the
+  // device's record names the peer).
   NormalDispatchStart start_dispatch(const NormalSendLayoutArgs& layout, const NormalNotifyArgs& notify,
-                                     const NormalDispatchArgs* gather, int64_t combine_row_bytes,
+                                     const NormalDispatchArgs* gather, bool sends, int64_t combine_row_bytes,
                                      gpuStream_t stream);
   // The second half after start_dispatch chose the copy engines, in two calls so that the pulls are
   // queued as soon as recv_x exists. pull_rows: every peer's rows for this rank into args.recv_x
@@ -110,6 +113,14 @@ class NormalCopyEngine {
   void pull_rows(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host,
                  gpuStream_t stream);
   void receive_rest(const NormalDispatchArgs& args, gpuStream_t stream);
+  // After a start_dispatch that chose sends (or send_rows): the rows every source sent into this rank's
+  // data area into `args`'s outputs (args.num_rows_out of them), the data by this rank's copy engine and
+  // the small fields by SMs, then the exchange's end.
+  void receive_sends(const NormalDispatchArgs& args, gpuStream_t stream);
+  // A whole dispatch by sends (a cached one), where sends_fit.
+  void dispatch_by_sends(const NormalDispatchArgs& args, gpuStream_t stream);
+  // Whether every rank's data area holds the rows it receives by sends (rank_prefix_matrix_host's counts).
+  static bool sends_fit(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host);
   // Ends the exchange of a start_dispatch that chose the copy engines when the caller fails before
   // receive_rest (after pull_rows or not; the outputs stay unwritten): the peers wait for its end.
   void abandon_receive(const NormalRegion& region, gpuStream_t stream);
@@ -140,6 +151,11 @@ class NormalCopyEngine {
   // The gather and the arrival, from args.rank_prefix_matrix on the device (the output pointers are
   // not used yet). A rank whose staging would not fit gathers nothing.
   void dispatch_send(const NormalDispatchArgs& args, NormalPullChunks chunks, bool push_rows, gpuStream_t stream);
+  // Where sent rows lie in every data area (normal_sends_offset).
+  static int64_t sends_offset(const NormalDispatchArgs& args);
+  // The sends (send_to_receivers): every row into its receivers' data areas, then the arrival and the
+  // wait for every source's.
+  void send_rows(const NormalDispatchArgs& args, gpuStream_t stream);
   // This rank's rows for `peer` from x into the peer's landing, on the peer's push stream after the
   // notify, as the runs between `gaps` (the notify's list for the peer), in the pieces of pulls_.
   void queue_pushes(const NormalDispatchArgs& args, const std::vector<int32_t>& rank_prefix_matrix_host, int peer,

@@ -108,17 +108,19 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
                                 nullptr,
                                 send_pos,
                                 q.num_tokens,
-                                false};  // push_rows: start_dispatch sets it
+                                false,   // push_rows: start_dispatch sets it
+                                false};  // sends: start_dispatch sets it
   const CurrentDevice on_device(device_);
   if (q.num_worst_tokens > 0) {
     launch_normal_layout_and_notify(layout, notify, stream);
     args.num_rows_out = q.num_worst_tokens;
-    receive(args, allocate, false, {}, stream);
+    receive(args, allocate, NormalRowsFrom::kSms, {}, stream);
     return result;
   }
   // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
-  const NormalDispatchStart start = copy_engine_->start_dispatch(
-      layout, notify, rows_by_copy_engine ? &args : nullptr, q.combine_row_bytes, stream);
+  const NormalDispatchStart start =
+      copy_engine_->start_dispatch(layout, notify, rows_by_copy_engine ? &args : nullptr, normal_rows_by_sends(rows_),
+                                   q.combine_row_bytes, stream);
   if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
     result.status = NormalCallStatus::kFailed;
     return result;
@@ -144,7 +146,9 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
       return result;
     }
   }
-  receive(args, allocate, start.by_copy_engine, prefix, stream);
+  receive(args, allocate,
+          start.by_sends ? NormalRowsFrom::kSends : start.by_copy_engine ? NormalRowsFrom::kPulls : NormalRowsFrom::kSms,
+          prefix, stream);
   if (start.by_copy_engine) {
     result.host_counts =
         std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix), start.recv_channel_prefix,
@@ -153,10 +157,11 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   return result;
 }
 
-void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, bool by_copy_engine,
+void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, NormalRowsFrom from,
                              const std::vector<int32_t>& rank_prefix_matrix, gpuStream_t stream) {
+  const bool by_copy_engine = from != NormalRowsFrom::kSms;
   // Queued by this thread, the pulls start before the other outputs are allocated: the GPU idles until the first.
-  const bool pulls_first = by_copy_engine && !launch_thread_.usable();
+  const bool pulls_first = from == NormalRowsFrom::kPulls && !launch_thread_.usable();
   try {
     NormalDispatchOutputs outputs{};
     outputs.recv_x = allocate.recv_x(args.num_rows_out);
@@ -174,6 +179,10 @@ void NormalLauncher::receive(NormalDispatchArgs args, const NormalOutputsAllocat
   }
   if (!by_copy_engine) {
     launch_normal_dispatch(args, stream);
+    return;
+  }
+  if (from == NormalRowsFrom::kSends) {  // a few calls: not worth the launch thread's handover
+    copy_engine_->receive_sends(args, stream);  // ends the exchange whatever happens
     return;
   }
   if (pulls_first) {
@@ -196,12 +205,19 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
   launch_thread_.join();
   if (failed()) return NormalCallStatus::kFailed;
   const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
+  const NormalRowBytes combine_rows{combine_row_bytes, 0, args.num_topk};
+  const bool sends = normal_rows_by_sends(rows_);
   const bool by_copy_engine =
       normal_cached_dispatch_by_copy_engine(rows_, region_.num_ranks) &&
-      copy_engine_fits(host_counts, NormalRowBytes{combine_row_bytes, 0, args.num_topk}, &dispatch_rows);
+      copy_engine_fits(host_counts, combine_rows, sends ? nullptr : &dispatch_rows) &&
+      (!sends || NormalCopyEngine::sends_fit(args, host_counts->rank_prefix_matrix));
   const CurrentDevice on_device(device_);
   if (!by_copy_engine) {
     launch_normal_dispatch(args, stream);
+    return NormalCallStatus::kDone;
+  }
+  if (sends) {
+    copy_engine_->dispatch_by_sends(args, stream);
     return NormalCallStatus::kDone;
   }
   // The counts by value: the handle that holds them may go before the thread uses them.

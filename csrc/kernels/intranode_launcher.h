@@ -121,9 +121,12 @@ class NormalLauncher {
   // cached dispatch's too (the same answer on every rank: the counts are shared).
   bool copy_engine_fits(const NormalHostCounts* host_counts, NormalRowBytes combine,
                         const NormalRowBytes* dispatch) const;
-  // The dispatch's rows (args without outputs yet) into outputs from `allocate`: by the copy engines
-  // after start_dispatch chose them (rank_prefix_matrix: its counts), else by SMs.
-  void receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, bool by_copy_engine,
+  // Where a fresh dispatch's rows come from once its outputs exist: the SM path, the copy engines' pulls,
+  // or this rank's data area, where the sources' SMs sent them.
+  enum class NormalRowsFrom { kSms, kPulls, kSends };
+  // The dispatch's rows (args without outputs yet) into outputs from `allocate`, after start_dispatch chose
+  // how (rank_prefix_matrix: its counts).
+  void receive(NormalDispatchArgs args, const NormalOutputsAllocator& allocate, NormalRowsFrom from,
                const std::vector<int32_t>& rank_prefix_matrix, gpuStream_t stream);
 
   NormalRegion region_;

@@ -70,7 +70,8 @@ LayoutNotifyArgs layout_notify_args(const uccl_ep::NormalRegion& region, std::ui
                                                     nullptr,
                                                     ptr<const int32_t>(send_pos),
                                                     num_tokens,
-                                                    false}};  // push_rows: start_dispatch sets it
+                                                    false,   // push_rows: start_dispatch sets it
+                                                    false}};  // sends: start_dispatch sets it
 }
 
 // NormalLauncher as Python sees it: each operation one call (positional arguments; tensors as a tuple in
@@ -330,15 +331,16 @@ void bind_normal(py::module_& m) {
   m.def("normal_notify_area_bytes", &uccl_ep::normal_notify_area_bytes, py::arg("num_ranks"), py::arg("num_channels"),
         py::arg("num_local_experts"), "Bytes of the data area a dispatch's notify needs.");
   m.def("normal_notify_settings_word", &uccl_ep::normal_notify_settings_word, py::arg("num_channels"),
-        py::arg("pull_chunks"), py::arg("sm_push_percent"), py::arg("push_rows"),
+        py::arg("pull_chunks"), py::arg("sm_push_percent"), py::arg("push_rows"), py::arg("sends"),
         "The word in which a dispatch's notify checks that every rank uses the same settings.");
   m.def(
       "normal_notify_settings",
       [](int32_t word) {
         const uccl_ep::NormalNotifySettings s = uccl_ep::normal_notify_settings(word);
-        return std::make_tuple(s.num_channels, s.pull_chunks, s.sm_push_percent, s.push_rows);
+        return std::make_tuple(s.num_channels, s.pull_chunks, s.sm_push_percent, s.push_rows, s.sends);
       },
-      py::arg("word"), "(num_channels, pull_chunks, sm_push_percent, push_rows) of a normal_notify_settings_word.");
+      py::arg("word"),
+      "(num_channels, pull_chunks, sm_push_percent, push_rows, sends) of a normal_notify_settings_word.");
   m.attr("NORMAL_MAX_GAPS") = uccl_ep::kNormalMaxGaps;
   py::enum_<uccl_ep::NormalOwnRows>(m, "NormalOwnRows", "What copies a rank's dispatch rows to itself.")
       .value("auto", uccl_ep::NormalOwnRows::kAuto)
@@ -349,7 +351,8 @@ void bind_normal(py::module_& m) {
                                     "What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY).")
       .value("auto", uccl_ep::NormalRowPath::kAuto)
       .value("engine", uccl_ep::NormalRowPath::kEngine)
-      .value("sm", uccl_ep::NormalRowPath::kSm);
+      .value("sm", uccl_ep::NormalRowPath::kSm)
+      .value("sends", uccl_ep::NormalRowPath::kSends);
   m.attr("NORMAL_SM_ROWS_FROM_RANKS") = uccl_ep::kNormalSmRowsFromRanks;
   m.attr("NORMAL_SM_ROWS_FROM_SMS") = uccl_ep::kNormalSmRowsFromSms;
   m.def("normal_dispatch_by_copy_engine", &uccl_ep::normal_dispatch_by_copy_engine, py::arg("path"),
@@ -357,6 +360,8 @@ void bind_normal(py::module_& m) {
   m.def("normal_cached_dispatch_by_copy_engine", &uccl_ep::normal_cached_dispatch_by_copy_engine, py::arg("path"),
         py::arg("num_ranks"),
         "Whether the copy engines move a cached dispatch's rows (where its handle's counts allow).");
+  m.def("normal_rows_by_sends", &uccl_ep::normal_rows_by_sends, py::arg("path"),
+        "Whether SMs send the rows of the dispatches the copy engines serve (their copy engines copy them out).");
   m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
         py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");
   m.def(

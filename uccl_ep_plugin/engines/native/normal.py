@@ -42,7 +42,7 @@ OWN_ROWS_ENV = "UCCL_EP_NORMAL_OWN_ROWS"   # the copy-engine dispatch: what copi
 DISPATCH_ROWS_ENV = "UCCL_EP_NORMAL_DISPATCH_ROWS"   # the copy-engine dispatch: peers' rows pulled, or pushed
 LAUNCH_THREAD_ENV = "UCCL_EP_NORMAL_LAUNCH_THREAD"   # the copy engines' calls made by a thread of the launcher's
 # Each mode setting's values, its default first.
-_MODES = {COPY_ENV: ("auto", "engine", "sm"), OWN_ROWS_ENV: ("auto", "engine", "sm"),
+_MODES = {COPY_ENV: ("auto", "engine", "sm", "sends"), OWN_ROWS_ENV: ("auto", "engine", "sm"),
           DISPATCH_ROWS_ENV: ("pull", "push"), LAUNCH_THREAD_ENV: ("off", "on")}
 COMBINE_CHUNKS_ENV = "UCCL_EP_NORMAL_COMBINE_CHUNKS"   # the copy engines' combine: pieces per peer block
 PULL_CHUNKS_ENV = "UCCL_EP_NORMAL_PULL_CHUNKS"   # the copy engines' dispatch: most pieces per peer block
@@ -62,8 +62,9 @@ FAILED, TOO_LARGE = 1, 2
 
 def copy_mode(env: str = COPY_ENV) -> str:
     """What copies the rows, from ``env``: COPY_ENV "auto" (the default: copy engines at 2 and 3 ranks and with
-    few SMs, else SMs; the extension's NormalRowPath), "engine" (copy engines wherever the counts are on the host)
-    or "sm"; OWN_ROWS_ENV "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV
+    few SMs, else SMs; the extension's NormalRowPath), "engine" (copy engines wherever the counts are on the host),
+    "sm", or "sends" (where the counts are on the host every SM sends rows into the receivers' buffers and their copy
+    engines copy them out; every rank must use the same); OWN_ROWS_ENV "auto" (the default: by the bytes each SM would copy), "engine" or "sm"; DISPATCH_ROWS_ENV
     "pull" (the default: receivers pull gathered rows) or "push" (senders push rows straight from x where they are a
     few runs of it, normal_pushes_rows; every rank must use the same); LAUNCH_THREAD_ENV "off" (the default: the
     caller's thread makes the copy engines' calls) or "on" (the calls after a call's outputs exist are made by the
@@ -168,9 +169,10 @@ class NativeNormal:
         if code == _SETTINGS_DIFFER:
             num_channels, num_worst_tokens, sm_push_percent = self._last_notify
             gathers = num_worst_tokens == 0 and self.dispatch_by_copy_engine(2 * num_channels)
+            sends = gathers and self._C.normal_rows_by_sends(self.row_path)
             mine = self._C.normal_notify_settings_word(
-                num_channels, self.copy_engine.pull_chunks(num_channels) if gathers else 0, sm_push_percent,
-                gathers and self.copy_engine.pushes_rows())
+                num_channels, self.copy_engine.pull_chunks(num_channels) if gathers and not sends else 0,
+                sm_push_percent, gathers and not sends and self.copy_engine.pushes_rows(), sends)
             raise ValueError(f"rank {self.rank}: {where}: rank {peer} dispatches with "
                              f"{self._describe_settings(detail)}, this rank with {self._describe_settings(mine)}; "
                              f"every rank must pass the same config (num_sms) and num_worst_tokens (0 or not), "
@@ -190,9 +192,11 @@ class NativeNormal:
 
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
-        num_channels, pull_chunks, sm_push_percent, push_rows = self._C.normal_notify_settings(word)
+        num_channels, pull_chunks, sm_push_percent, push_rows, sends = self._C.normal_notify_settings(word)
         how = "pushed where they can be, else pulled" if push_rows else "pulled"
         rows = f"rows {how} by copy engines in {pull_chunks} pieces" if pull_chunks else "rows moved by SMs"
+        if sends:
+            rows = "rows sent by every SM and copied out by copy engines"
         return (f"{num_channels} channels (config.num_sms {2 * num_channels}), {rows}, "
                 f"{sm_push_percent}% of the combine's rows stored by SMs")
 
