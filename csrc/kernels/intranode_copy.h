@@ -16,6 +16,10 @@
 //     rows for a peer are a few runs of x (normal_pushes_rows) pushes them instead, piece by piece,
 //     into the peer's landing (each piece followed by an 8-byte copy that raises the peer's chunk
 //     word), and the peer copies each piece from its landing into recv_x once its word says so.
+//   dispatch by sends (NormalRowPath::kSends): every SM sends, storing each row straight into the data
+//     area of each rank it goes to (past that rank's notify slots, as one NormalDispatchArea of all it
+//     receives); the kernel's last block announces the arrival and waits for every source's; then this
+//     rank's copy engine copies the rows' data out while SMs copy their small fields, then freed.
 //   combine: wait until every rank freed the previous exchange, announce arrival, then on each
 //     peer's stream push the top-k weights and the rows received from that peer (a contiguous block
 //     of x) back into its staging, the rows in combine_chunks chunks, each followed by an 8-byte
