@@ -422,7 +422,7 @@ def _back_to_back_body(rank: int, num_ranks: int, group, launch_thread: str) -> 
     torch.cuda.synchronize(device)
 
 
-def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
+def _failed_allocation_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
     """Rank 0 runs out of device memory for its outputs once its dispatch read the counts (torch's allocator is
     capped just above what it holds: the handle's small block still fits, the rows' do not): its dispatch raises,
     but it still ends the exchange, so the other ranks' dispatch completes and is right; then a fresh dispatch and
@@ -432,7 +432,7 @@ def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
     # Rows of tens of MB: no block the allocator keeps cached can hold them under the cap.
     case = Case("failed_allocation_bf16_h7168_k4_e16", 7168, 4, 16, (3000, 2500))
     with environment(TIMEOUT_ENV, "20"):   # a broken exchange fails fast instead of hanging the peers
-        native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
+        native = _make_buffer(group, "native", NATIVE_NVL_BYTES, copy_mode)
     reference = _make_buffer(group, "reference", 0)
     try:
         x, topk_idx, topk_weights, _ = _inputs(case, rank, 23, device)
@@ -453,7 +453,7 @@ def _failed_allocation_body(rank: int, num_ranks: int, group) -> None:
             for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
                 _assert_equal(got[index], want[index], f"peer of the failed allocation: {what}")
         torch.cuda.synchronize(device)
-        _run_case(native, reference, case, rank, 29, device)
+        _run_case(native, reference, case, rank, 29, device, copy_mode=copy_mode)
     finally:
         torch.cuda.synchronize(device)
         native.destroy()
@@ -499,12 +499,12 @@ def _missing_peer_body(rank: int, num_ranks: int, group) -> None:
     assert failure is None, failure
 
 
-def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
-    """Rank 1 takes part in the notify only, so rank 0's pulls wait on chunk words that never rise: rank 0's
-    streams still drain within the timeout, and its next call raises CommTimeoutError naming the receive and
-    rank 1."""
+def _missing_gather_body(rank: int, num_ranks: int, group, copy_mode: str) -> None:
+    """Rank 1 takes part in the notify only, so rank 0's pulls wait on chunk words that never rise (with sends:
+    rank 0's send kernel waits for rank 1's rows): rank 0's work still ends within the timeout, and its next call
+    raises CommTimeoutError naming the receive and rank 1."""
     from uccl_ep_plugin import CommTimeoutError
-    device, side, native = _short_timeout_setup(rank, group)
+    device, side, native = _short_timeout_setup(rank, group, copy_mode)
     case = Case("gather_bf16_h2048_k2_e8", 2048, 2, 8, (64, 64))
     failure = None
     x, topk_idx, topk_weights, _ = _inputs(case, rank, 5, device)
@@ -541,7 +541,10 @@ def _missing_gather_body(rank: int, num_ranks: int, group) -> None:
             num_tokens_per_expert.data_ptr(), num_channels, local_experts, case.expert_alignment, 0,
             send_pos.data_ptr(), channel_prefix_matrix.data_ptr(), send_head.data_ptr(), counts.data_ptr(),
             recv_channel_prefix_matrix.data_ptr(), counts.data_ptr() + 4 * num_ranks * num_ranks)
-        args.pull_chunks = engine.copy_engine.pull_chunks(case.num_sms // 2)   # as if a gather followed
+        if copy_mode == "sends":   # as if sends followed
+            args.sends = True
+        else:   # as if a gather followed
+            args.pull_chunks = engine.copy_engine.pull_chunks(case.num_sms // 2)
         engine._C.normal_layout_and_notify(args, torch.cuda.current_stream(device).cuda_stream)
         torch.cuda.synchronize(device)
     dist.barrier(group=side)
@@ -663,8 +666,9 @@ def test_native_normal_back_to_back_without_sync(launch_thread):
     run_ranks(RANKS, _back_to_back_body, backend="nccl", launch_thread=launch_thread)
 
 
-def test_native_normal_failed_allocation_ends_the_exchange():
-    run_ranks(RANKS, _failed_allocation_body, backend="nccl")
+@pytest.mark.parametrize("copy_mode", ["engine", "sends"])
+def test_native_normal_failed_allocation_ends_the_exchange(copy_mode):
+    run_ranks(RANKS, _failed_allocation_body, backend="nccl", copy_mode=copy_mode)
 
 
 def test_native_normal_missing_peer_raises():
@@ -676,5 +680,6 @@ def test_native_normal_different_dispatch_settings_raise(setting):
     run_ranks(RANKS, _settings_differ_body, backend="nccl", setting=setting)
 
 
-def test_native_normal_missing_gather_drains():
-    run_ranks(RANKS, _missing_gather_body, backend="nccl")
+@pytest.mark.parametrize("copy_mode", ["engine", "sends"])
+def test_native_normal_missing_gather_drains(copy_mode):
+    run_ranks(RANKS, _missing_gather_body, backend="nccl", copy_mode=copy_mode)

@@ -403,7 +403,11 @@ void bind_normal(py::module_& m) {
       .def_property(
           "pull_chunks", [](const LayoutNotifyArgs& self) { return self.notify.pull_chunks; },
           [](LayoutNotifyArgs& self, int32_t chunks) { self.notify.pull_chunks = chunks; },
-          "The pieces of the copy engines' gather the notify announces (0: none); start_dispatch sets them.");
+          "The pieces of the copy engines' gather the notify announces (0: none); start_dispatch sets them.")
+      .def_property(
+          "sends", [](const LayoutNotifyArgs& self) { return self.notify.sends; },
+          [](LayoutNotifyArgs& self, bool sends) { self.notify.sends = sends; },
+          "Whether the notify announces a dispatch by sends (normal_rows_by_sends); start_dispatch sets it.");
   m.def(
       "normal_layout_and_notify",
       [](const LayoutNotifyArgs& args, std::uintptr_t stream) {
