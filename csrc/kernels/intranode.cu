@@ -96,7 +96,8 @@ __device__ bool notify_send_slots(const NormalNotifyArgs& a) {
 // another way after the notify. Every rank compares every pair, so all of them record the difference.
 __device__ bool notify_settings_agree(const NormalNotifyArgs& a) {
   const NormalRegion& r = a.region;
-  const int32_t mine = normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows, a.sends);
+  const int32_t mine =
+      normal_notify_settings_word(a.num_channels, a.pull_chunks, a.sm_push_percent, a.push_rows, a.sends);
   const int32_t* words = reinterpret_cast<const int32_t*>(data_area(r, r.rank));
   for (int src = threadIdx.x; src < r.num_ranks; src += blockDim.x) {
     const int32_t theirs = load_l2(words + src);

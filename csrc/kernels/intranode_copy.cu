@@ -223,7 +223,9 @@ __device__ void send_block_to_receivers(const NormalDispatchArgs& a, int64_t off
     const int mine = group * kWarpSize + w.lane;
     return mine < r.num_ranks ? a.send_pos[static_cast<int64_t>(token) * r.num_ranks + mine] : -1;
   };
-  const auto row_at = [&](int dst, int32_t pos) { return dispatch_row_in_area(base[dst], area[dst], first[dst] + pos, a); };
+  const auto row_at = [&](int dst, int32_t pos) {
+    return dispatch_row_in_area(base[dst], area[dst], first[dst] + pos, a);
+  };
   store_token_rows(a, NormalTokenRange{0, a.num_tokens}, w, position, row_at, [](int) { return true; });
 }
 

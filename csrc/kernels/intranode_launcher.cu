@@ -146,9 +146,9 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
       return result;
     }
   }
-  receive(args, allocate,
-          start.by_sends ? NormalRowsFrom::kSends : start.by_copy_engine ? NormalRowsFrom::kPulls : NormalRowsFrom::kSms,
-          prefix, stream);
+  const NormalRowsFrom from =
+      start.by_sends ? NormalRowsFrom::kSends : start.by_copy_engine ? NormalRowsFrom::kPulls : NormalRowsFrom::kSms;
+  receive(args, allocate, from, prefix, stream);
   if (start.by_copy_engine) {
     result.host_counts =
         std::make_shared<const NormalHostCounts>(NormalHostCounts{std::move(prefix), start.recv_channel_prefix,
