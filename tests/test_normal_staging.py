@@ -1,6 +1,6 @@
 """The copy-engine path's staging size, which decides on the host whether that path serves a dispatch and its
 combine: ``normal_staging_most_bytes`` equals the fullest rank's staging worked out here from the per-block
-area sizes, on random counts. Host arithmetic only, but it needs an extension built with the native normal
+area sizes, on random counts; likewise where pushed and sent rows lie and whether sent rows fit. Host arithmetic only, but it needs an extension built with the native normal
 mode (a CUDA build; no GPU is used)."""
 
 import random
@@ -70,3 +70,24 @@ def test_push_decision():
     assert not _C.normal_pushes_rows(True, True, 0, 0)
     assert not _C.normal_pushes_rows(False, True, 4096, 4096)
     assert not _C.normal_pushes_rows(True, False, 4096, 4096)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_sent_rows_lie_past_the_notify_and_fit_exactly(num_ranks):
+    """Rows sent by SMs (UCCL_EP_NORMAL_COPY=sends) lie past the notify's slots, 16-byte aligned, as one dispatch
+    area of all a rank receives: they fit exactly when the fullest receiver's area ends within the data area."""
+    rng = random.Random(100 + num_ranks)
+    for _ in range(20):
+        num_channels, num_local_experts = rng.randrange(1, 70), rng.randrange(1, 40)
+        offset = _C.normal_sends_offset(num_ranks, num_channels, num_local_experts)
+        notify_bytes = 4 * ((num_ranks * 4 + 15) // 16 * 4 + num_ranks * (num_ranks + num_channels +
+                                                                          num_local_experts + 1))
+        assert offset % 16 == 0 and notify_bytes <= offset < notify_bytes + 16
+        sent = [[rng.choice([0, 1, rng.randrange(5000)]) for _ in range(num_ranks)] for _ in range(num_ranks)]
+        x_row_bytes, scale_row_bytes, num_topk = rng.choice([(14336, 0, 8), (7168, 224, 9), (4096, 0, 1)])
+        fullest = max(_C.normal_dispatch_area_bytes(sum(sent[src][dst] for src in range(num_ranks)), x_row_bytes,
+                                                    scale_row_bytes, num_topk) for dst in range(num_ranks))
+        prefix = _prefix(sent)
+        fits = [_C.normal_sends_fit(prefix, num_ranks, offset, x_row_bytes, scale_row_bytes, num_topk, data_bytes)
+                for data_bytes in (offset + fullest, offset + fullest - 1)]
+        assert fits == [True, False]

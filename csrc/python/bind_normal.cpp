@@ -390,6 +390,20 @@ void bind_normal(py::module_& m) {
       py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("x_row_bytes"), py::arg("scale_row_bytes"),
       py::arg("num_topk"), py::arg("notify_bytes"),
       "Where pushed dispatch rows land in every rank's data area (past the staging and the notify's slots).");
+  m.def("normal_sends_offset", &uccl_ep::normal_sends_offset, py::arg("num_ranks"), py::arg("num_channels"),
+        py::arg("num_local_experts"), "Where rows sent by SMs lie in every rank's data area (past the notify's slots).");
+  m.def(
+      "normal_sends_fit",
+      [](const std::vector<int32_t>& rank_prefix_matrix, int num_ranks, int64_t offset, int64_t x_row_bytes,
+         int64_t scale_row_bytes, int64_t num_topk, int64_t data_bytes) {
+        uccl_ep::require(static_cast<int64_t>(rank_prefix_matrix.size()) == static_cast<int64_t>(num_ranks) * num_ranks,
+                         "rank_prefix_matrix must have num_ranks * num_ranks entries");
+        return uccl_ep::normal_sends_fit(rank_prefix_matrix.data(), num_ranks, offset,
+                                         uccl_ep::NormalRowBytes{x_row_bytes, scale_row_bytes, num_topk}, data_bytes);
+      },
+      py::arg("rank_prefix_matrix"), py::arg("num_ranks"), py::arg("offset"), py::arg("x_row_bytes"),
+      py::arg("scale_row_bytes"), py::arg("num_topk"), py::arg("data_bytes"),
+      "Whether every rank's data area of data_bytes holds, at offset, all the rows it receives by sends.");
   m.def("normal_pushes_rows", &uccl_ep::normal_pushes_rows, py::arg("push_rows"), py::arg("landing_fits"),
         py::arg("source_tokens"), py::arg("sent"),
         "Whether a source of source_tokens tokens pushes the `sent` it sends a peer (with push_rows).");
