@@ -188,6 +188,11 @@ template <typename Kernel>
 gpuError_t gpu_set_max_dynamic_shared(Kernel kernel, int bytes) {
   return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
+// How many blocks of `kernel` (of `threads` threads, `shared` bytes of dynamic shared memory) one SM holds at once.
+template <typename Kernel>
+gpuError_t gpu_resident_blocks_per_sm(int* blocks, Kernel kernel, int threads, size_t shared) {
+  return hipOccupancyMaxActiveBlocksPerMultiprocessor(blocks, reinterpret_cast<const void*>(kernel), threads, shared);
+}
 inline bool gpu_stream_waits_supported(int /*device*/) { return true; }
 // `stream` stops until the device word reaches `value` (>=, for words that never wrap), with no
 // kernel and no timeout: whoever gives up on the writer must raise the word itself.
@@ -302,6 +307,10 @@ inline gpuError_t gpu_ipc_close_handle(void* pointer) { return cudaIpcCloseMemHa
 template <typename Kernel>
 gpuError_t gpu_set_max_dynamic_shared(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+template <typename Kernel>
+gpuError_t gpu_resident_blocks_per_sm(int* blocks, Kernel kernel, int threads, size_t shared) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, shared);
 }
 // Stream memory operations come from the driver API, looked up at run time: the extension links
 // only the static runtime.

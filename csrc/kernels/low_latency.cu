@@ -36,6 +36,7 @@
 
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -156,9 +157,10 @@ template <typename Ready>
 __device__ bool wait_for(const LowLatencyRegion& r, const uint64_t* addr, Ready ready, int peer, int32_t phase,
                          int32_t detail, int64_t* wait_cost_stats, uint64_t& value) {
   if (is_masked(r, peer)) return false;
-  const uint64_t start = device_time_ns();
+  uint64_t start = wait_cost_stats != nullptr ? device_time_ns() : 0;  // else the clock only once the flag is late
   value = poll_flag(addr, r.aggressive_atomics);
   while (!ready(value)) {
+    if (start == 0) start = device_time_ns();
     if (is_masked(r, peer) || aborted(r)) return false;
     if (device_time_ns() - start > static_cast<uint64_t>(r.timeout_ns)) {
       if (r.masked != nullptr) {
@@ -1034,16 +1036,18 @@ __device__ void send_partial(const LowLatencyCombineArgs& a, GroupShared& sh, co
 
 // Sums one token's rows; with several slices per token, this group does every slices-th chunk
 // of 8 channels starting at `slice` (the first slice alone counts the wait in the stats).
-// kLogfmt: the rows came as LogFMT (a compile-time choice: the bf16 path then fits the receive
-// kernel's 64 registers without spilling).
+// kLogfmt: the rows came as LogFMT (a compile-time choice: the bf16 path carries none of the decoding).
 template <bool kLogfmt>
 __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& sh, const GroupPosition& g, int token,
                                    int slice, int slices, uint64_t epoch) {
   const LowLatencyRegion& r = a.region;
   const int local_experts = a.num_experts / r.num_ranks;
   if (g.thread < a.num_topk) {
+    // The entry's fields are loaded together, before the wait (whose acquire would hold later loads back).
     const int64_t entry = static_cast<int64_t>(token) * a.num_topk + g.thread;
     const int64_t chosen = a.topk_idx[entry];
+    const int position = a.positions[entry];
+    sh.weights[g.thread] = a.topk_weights[entry];
     int expert = chosen >= 0 && chosen < a.num_experts ? static_cast<int>(chosen) : -1;  // others: no expert
     if (expert >= 0) {
       const int owner = expert / local_experts;
@@ -1053,12 +1057,10 @@ __device__ void combine_recv_token(const LowLatencyCombineArgs& a, GroupShared& 
         expert = -1;
       }
       // An entry the dispatch did not send (its rank was masked then) has no row.
-      const int position = a.positions[entry];
       if (position < 0) expert = -1;
       sh.messages[g.thread] = combine_message_at(a, r.rank, owner, max(position, 0)) - rank_base(r, r.rank);
     }
     sh.experts[g.thread] = expert;
-    sh.weights[g.thread] = a.topk_weights[entry];
   }
   group_sync(g);
   const uint8_t* area = rank_base(r, r.rank);
@@ -1190,8 +1192,9 @@ __device__ __forceinline__ void low_latency_combine_body(const LowLatencyCombine
   }
 }
 
-// The receive alone waits only on other launches, so its grid may exceed what is resident at once.
-constexpr int kCombineRecvBlocksPerSm = 2;
+// The receive alone waits only on other launches, so its grid may hold several blocks per SM: as many as are
+// resident at once (a second wave would wait for the first), at most this many.
+constexpr int kCombineRecvMaxBlocksPerSm = 4;
 
 namespace low_latency {
 template <bool kLogfmt>
@@ -1231,14 +1234,30 @@ void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens,
   require(num_experts > 0 && num_experts % r.num_ranks == 0, "num_experts must be a positive multiple of num_ranks");
   require(phases >= 1 && phases <= (kLowLatencySend | kLowLatencyRecv), "phases must be send, recv or both");
   // A receiving launch splits a use into kUseShares shares, at least one per block.
-  if (num_sms < 1 || static_cast<uint64_t>(num_sms) * kCombineRecvBlocksPerSm > kUseShares) {
-    require(false, "num_sms must be in [1, " + std::to_string(kUseShares / kCombineRecvBlocksPerSm) + "], got " +
+  if (num_sms < 1 || static_cast<uint64_t>(num_sms) * kCombineRecvMaxBlocksPerSm > kUseShares) {
+    require(false, "num_sms must be in [1, " + std::to_string(kUseShares / kCombineRecvMaxBlocksPerSm) + "], got " +
                        std::to_string(num_sms));
   }
 }
 
 // One block per unit up to the SM count: units spread over every SM before any SM takes two.
 int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_sms); }
+
+// Blocks of the combine kernel (LogFMT or not) one SM of the current device holds at once, in
+// [1, kCombineRecvMaxBlocksPerSm]: its registers decide (asked once per device and kernel).
+int combine_resident_blocks_per_sm(bool logfmt) {
+  static thread_local std::vector<std::array<int, 2>> known;  // per device; 0: not asked yet
+  int device = 0;
+  UCCL_EP_GPU_CHECK(gpu_get_device(&device));
+  if (static_cast<int>(known.size()) <= device) known.resize(device + 1, {0, 0});
+  int& blocks = known[device][logfmt ? 1 : 0];
+  if (blocks == 0) {
+    UCCL_EP_GPU_CHECK(gpu_resident_blocks_per_sm(
+        &blocks, logfmt ? low_latency::combine<true> : low_latency::combine<false>, kBlockThreads, 0));
+    blocks = std::min(std::max(blocks, 1), kCombineRecvMaxBlocksPerSm);
+  }
+  return blocks;
+}
 
 }  // namespace kernels
 
@@ -1297,14 +1316,15 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& a, gpuStream_t stre
   if (a.phases & kLowLatencyRecv) require(a.num_tokens == 0 || a.out != nullptr, "out must be set");
   const int send_units = prereduced ? a.region.num_ranks * a.num_max_tokens : local_experts;
   int units = std::max((a.phases & kLowLatencySend) ? send_units : 0, (a.phases & kLowLatencyRecv) ? a.num_tokens : 0);
+  const auto kernel = a.use_logfmt ? low_latency::combine<true> : low_latency::combine<false>;
   int max_blocks = a.num_sms;
   if (a.phases == kLowLatencyRecv) {
     // A block per kGroupsPerBlock slices of a token's channels (one round of chunks per group).
     const int chunk_rounds = (a.hidden / 8 + kGroupThreads - 1) / kGroupThreads;
     units = (a.num_tokens * chunk_rounds + kGroupsPerBlock - 1) / kGroupsPerBlock;
-    max_blocks = a.num_sms * kCombineRecvBlocksPerSm;
+    max_blocks = a.num_sms * combine_resident_blocks_per_sm(a.use_logfmt);
   }
-  (a.use_logfmt ? low_latency::combine<true> : low_latency::combine<false>)<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
+  kernel<<<grid_size(units, max_blocks), kBlockThreads, 0, stream>>>(a);
   UCCL_EP_GPU_CHECK(gpu_last_error());
 }
 

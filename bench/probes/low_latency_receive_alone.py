@@ -1,0 +1,123 @@
+"""Probe: the kernel time of the low-latency receives (the hooks' kernels) with every rank on ONE GPU.
+
+A receive launched by a hook (``return_recv_hook=True``) reads only its own rank's buffer, where the send already
+put the rows. With every rank on one GPU the ranks send together, then take turns: each runs its hooks while the
+others wait at a barrier, so the receive kernel has the GPU to itself and its time is the one it takes on that GPU
+(DeepEP's ``tests/test_low_latency.py`` prints the same kernels as "recv" beside its hook figures). The sends wait
+for their peers, whose kernels run in the other processes' time slices: their figures are not printed. Rank 0's
+kernels under ``torch.profiler``, min and median over the calls. Results: docs/PERFORMANCE.md (session 39).
+
+    python bench/probes/low_latency_receive_alone.py --ranks 2
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/probes/ -> root
+
+from uccl_ep_plugin.buffer import DEVICE_ENV  # noqa: E402
+from uccl_ep_plugin.local_port import free_local_port  # noqa: E402
+
+OPERATIONS = ("dispatch", "combine")   # each launches one kernel of that name to send and one to receive
+
+
+def _in_turn(hook, group, rank: int, num_ranks: int) -> None:
+    """Each rank runs ``hook`` alone on the GPU, rank 0 first."""
+    for turn in range(num_ranks):
+        if turn == rank:
+            hook()
+            torch.cuda.synchronize()
+        dist.barrier(group)
+
+
+def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace, results) -> None:
+    os.environ[DEVICE_ENV] = "cuda"     # a gloo group alone would put the Buffer on the CPU
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    import uccl_ep_plugin as ep
+    from torch.profiler import ProfilerActivity, profile
+    group = dist.group.WORLD
+    rdma_bytes = ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
+    buffer = ep.Buffer(group, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
+                       num_qps_per_rank=args.experts // num_ranks, explicitly_destroy=True)
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(100 + rank)
+        x = torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
+        scores = torch.rand(args.tokens, args.experts, device="cuda", generator=generator)
+        topk_idx = torch.topk(scores, args.topk, dim=-1).indices
+        topk_weights = torch.rand(args.tokens, args.topk, device="cuda", generator=generator)
+        expert_rows = torch.randn(args.experts // num_ranks, num_ranks * args.tokens, args.hidden,
+                                  dtype=torch.bfloat16, device="cuda", generator=generator)
+
+        def call() -> None:
+            recv = buffer.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True,
+                                               return_recv_hook=True)
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            _in_turn(recv[4], group, rank, num_ranks)
+            combined = buffer.low_latency_combine(expert_rows, topk_idx, topk_weights, recv[2],
+                                                  return_recv_hook=True)
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            _in_turn(combined[2], group, rank, num_ranks)
+
+        for _ in range(5):   # warm up
+            call()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                call()
+        if rank == 0:
+            kernels = sorted((event for event in prof.events()
+                              if event.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda event: event.time_range.start)
+            for operation in OPERATIONS:
+                launches = [event.device_time_total for event in kernels if operation in event.name]
+                if len(launches) != 2 * args.calls:
+                    raise RuntimeError(f"expected {2 * args.calls} {operation} kernels (send, receive), "
+                                       f"got {len(launches)}")
+                receives = launches[1::2]
+                results.put((operation, min(receives), statistics.median(receives)))
+    finally:
+        buffer.destroy()
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=288)
+    parser.add_argument("--calls", type=int, default=40, help="profiled calls")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this probe needs a CUDA GPU")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_local_port()
+    ranks = [context.Process(target=_rank, args=(rank, args.ranks, port, args, results)) for rank in range(args.ranks)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+    if any(process.exitcode != 0 for process in ranks):
+        raise SystemExit("a rank failed (its error is above)")
+    print(f"\n{args.ranks} ranks on one GPU ({torch.cuda.get_device_name(0)}), {args.tokens} tokens, H {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, fp8 dispatch, bf16 combine; rank 0's receive kernels, us over "
+          f"{args.calls} calls\n")
+    print("| operation | receive: min | median |")
+    print("|---|---|---|")
+    while not results.empty():
+        operation, fastest, median = results.get()
+        print(f"| {operation} | {fastest:.2f} | {median:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
