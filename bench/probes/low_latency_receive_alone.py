@@ -17,12 +17,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/probes/ -> root
 
-from uccl_ep_plugin.buffer import DEVICE_ENV  # noqa: E402
-from uccl_ep_plugin.local_port import free_local_port  # noqa: E402
+from ranks_on_one_gpu import run_ranks_on_one_gpu  # noqa: E402
 
 OPERATIONS = ("dispatch", "combine")   # each launches one kernel of that name to send and one to receive
 
@@ -36,13 +34,9 @@ def _in_turn(hook, group, rank: int, num_ranks: int) -> None:
         dist.barrier(group)
 
 
-def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ[DEVICE_ENV] = "cuda"     # a gloo group alone would put the Buffer on the CPU
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+def _rank(rank: int, num_ranks: int, group, args: argparse.Namespace, results) -> None:
     import uccl_ep_plugin as ep
     from torch.profiler import ProfilerActivity, profile
-    group = dist.group.WORLD
     rdma_bytes = ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
     buffer = ep.Buffer(group, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
                        num_qps_per_rank=args.experts // num_ranks, explicitly_destroy=True)
@@ -85,7 +79,6 @@ def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace, result
                 results.put((operation, min(receives), statistics.median(receives)))
     finally:
         buffer.destroy()
-        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -97,25 +90,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=288)
     parser.add_argument("--calls", type=int, default=40, help="profiled calls")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this probe needs a CUDA GPU")
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    port = free_local_port()
-    ranks = [context.Process(target=_rank, args=(rank, args.ranks, port, args, results)) for rank in range(args.ranks)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
-    if any(process.exitcode != 0 for process in ranks):
-        raise SystemExit("a rank failed (its error is above)")
+    results = run_ranks_on_one_gpu(_rank, args.ranks, args)
     print(f"\n{args.ranks} ranks on one GPU ({torch.cuda.get_device_name(0)}), {args.tokens} tokens, H {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, fp8 dispatch, bf16 combine; rank 0's receive kernels, us over "
           f"{args.calls} calls\n")
     print("| operation | receive: min | median |")
     print("|---|---|---|")
-    while not results.empty():
-        operation, fastest, median = results.get()
+    for operation, fastest, median in results:
         print(f"| {operation} | {fastest:.2f} | {median:.2f} |")
 
 

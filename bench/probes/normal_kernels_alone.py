@@ -20,13 +20,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/probes/ -> root
 
+from ranks_on_one_gpu import run_ranks_on_one_gpu  # noqa: E402
 from uccl_ep_plugin.benchmark.workloads import Workload, per_token_fp8, routing  # noqa: E402
-from uccl_ep_plugin.buffer import DEVICE_ENV  # noqa: E402
-from uccl_ep_plugin.local_port import free_local_port  # noqa: E402
 
 KERNELS = ("gather_for_peers", "receive_own_rows")   # the local ones: their minimum is their time
 
@@ -49,13 +47,10 @@ def _kernel_times(call, group, calls: int):
     return times
 
 
-def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ[DEVICE_ENV] = "cuda"     # a gloo group alone would put the Buffer on the CPU
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+def _rank(rank: int, num_ranks: int, group, args: argparse.Namespace, results) -> None:
     import uccl_ep_plugin as ep
     workload = Workload("normal", args.tokens, args.hidden, args.topk, args.experts)
-    buffer = ep.Buffer(dist.group.WORLD, num_nvl_bytes=args.nvl_bytes, explicitly_destroy=True)
+    buffer = ep.Buffer(group, num_nvl_bytes=args.nvl_bytes, explicitly_destroy=True)
     try:
         x, topk_idx, topk_weights = (t.cuda() for t in routing(workload, rank, seed=1))
         x_fp8 = per_token_fp8(x)
@@ -71,14 +66,13 @@ def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace, result
             for name, call in operations.items():
                 for _ in range(3):   # warm up
                     call()
-                times = _kernel_times(call, dist.group.WORLD, args.calls)
+                times = _kernel_times(call, group, args.calls)
                 if rank == 0:
                     results.put((num_sms, name, {kernel: (min(t), statistics.median(t), len(t))
                                                  for kernel, t in times.items()}))
                     print(f"[probe] {num_sms} SMs, {name}: done", flush=True)
     finally:
         buffer.destroy()
-        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -92,24 +86,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="profiled calls per operation")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this probe needs a CUDA GPU")
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    port = free_local_port()
-    ranks = [context.Process(target=_rank, args=(rank, args.ranks, port, args, results)) for rank in range(args.ranks)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
-    if any(process.exitcode != 0 for process in ranks):
-        raise SystemExit("a rank failed (its error is above)")
+    results = run_ranks_on_one_gpu(_rank, args.ranks, args)
     print(f"\n{args.ranks} ranks on one GPU ({torch.cuda.get_device_name(0)}), {args.tokens} tokens, H {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts; rank 0's kernels, us over {args.calls} calls\n")
     print("| SMs | operation | kernel | min (its time) | median (with other ranks' slices) |")
     print("|---|---|---|---|---|")
-    while not results.empty():
-        num_sms, name, kernels = results.get()
+    for num_sms, name, kernels in results:
         for kernel, (fastest, median, count) in sorted(kernels.items()):
             print(f"| {num_sms} | {name} | `{kernel}` | {fastest:.1f} | {median:.1f} (n {count}) |")
 
