@@ -37,6 +37,7 @@
 
 #include <algorithm>
 #include <array>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -1244,11 +1245,14 @@ void check_common(const LowLatencyRegion& r, int num_tokens, int num_max_tokens,
 int grid_size(int units, int num_sms) { return std::min(std::max(units, 1), num_sms); }
 
 // Blocks of the combine kernel (LogFMT or not) one SM of the current device holds at once, in
-// [1, kCombineRecvMaxBlocksPerSm]: its registers decide (asked once per device and kernel).
+// [1, kCombineRecvMaxBlocksPerSm]: its registers decide. Asked once per device and kernel, when the
+// kernels load (before any launch a CUDA graph might capture), for every thread.
 int combine_resident_blocks_per_sm(bool logfmt) {
-  static thread_local std::vector<std::array<int, 2>> known;  // per device; 0: not asked yet
+  static std::mutex mutex;
+  static std::vector<std::array<int, 2>> known;  // per device; 0: not asked yet
   int device = 0;
   UCCL_EP_GPU_CHECK(gpu_get_device(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
   if (static_cast<int>(known.size()) <= device) known.resize(device + 1, {0, 0});
   int& blocks = known[device][logfmt ? 1 : 0];
   if (blocks == 0) {
@@ -1264,6 +1268,8 @@ int combine_resident_blocks_per_sm(bool logfmt) {
 void load_low_latency_kernels() {
   using namespace kernels;
   gpu_load_kernels(low_latency::dispatch, low_latency::combine<false>, low_latency::combine<true>);
+  combine_resident_blocks_per_sm(false);
+  combine_resident_blocks_per_sm(true);
 }
 
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& a, gpuStream_t stream) {
