@@ -1,13 +1,14 @@
-"""Probe: the kernel time of the low-latency receives (the hooks' kernels) with every rank on ONE GPU.
+"""Probe: the kernel time of each low-latency launch (send and receive halves) with every rank on ONE GPU.
 
-A receive launched by a hook (``return_recv_hook=True``) reads only its own rank's buffer, where the send already
-put the rows. With every rank on one GPU the ranks send together, then take turns: each runs its hooks while the
-others wait at a barrier, so the receive kernel has the GPU to itself and its time is the one it takes on that GPU
-(DeepEP's ``tests/test_low_latency.py`` prints the same kernels as "recv" beside its hook figures). The sends wait
-for their peers, whose kernels run in the other processes' time slices: their figures are not printed. Rank 0's
-kernels under ``torch.profiler``, min and median over the calls. Results: docs/PERFORMANCE.md (session 39).
+With ``return_recv_hook=True`` a dispatch or combine launches its send, and the hook its receive. Neither waits for
+a peer's kernel of the same call: a send stores into the peers' buffers, whose previous use of that half each peer
+released at its previous send, and a receive reads only its own rank's buffer, where the sends already put the rows.
+So with every rank on one GPU the ranks can take turns at each half: one rank launches while the others wait at a
+barrier, and the kernel has the GPU to itself (DeepEP's ``tests/test_low_latency.py`` prints the same kernels as
+"send" and "recv" beside its hook figures). Rank 0's kernels under ``torch.profiler``, min and median over the calls.
+Results: docs/PERFORMANCE.md.
 
-    python bench/probes/low_latency_receive_alone.py --ranks 2
+    python bench/probes/low_latency_kernels_alone.py --ranks 2
 """
 
 import argparse
@@ -25,13 +26,15 @@ from ranks_on_one_gpu import run_ranks_on_one_gpu  # noqa: E402
 OPERATIONS = ("dispatch", "combine")   # each launches one kernel of that name to send and one to receive
 
 
-def _in_turn(hook, group, rank: int, num_ranks: int) -> None:
-    """Each rank runs ``hook`` alone on the GPU, rank 0 first."""
+def _in_turn(launch, group, rank: int, num_ranks: int):
+    """Each rank runs ``launch`` alone on the GPU, rank 0 first; returns what it returned."""
+    returned = None
     for turn in range(num_ranks):
         if turn == rank:
-            hook()
+            returned = launch()
             torch.cuda.synchronize()
         dist.barrier(group)
+    return returned
 
 
 def _rank(rank: int, num_ranks: int, group, args: argparse.Namespace, results) -> None:
@@ -50,15 +53,13 @@ def _rank(rank: int, num_ranks: int, group, args: argparse.Namespace, results) -
                                   dtype=torch.bfloat16, device="cuda", generator=generator)
 
         def call() -> None:
-            recv = buffer.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True,
-                                               return_recv_hook=True)
-            torch.cuda.synchronize()
-            dist.barrier(group)
+            recv = _in_turn(lambda: buffer.low_latency_dispatch(x, topk_idx, args.tokens, args.experts,
+                                                                use_fp8=True, return_recv_hook=True),
+                            group, rank, num_ranks)
             _in_turn(recv[4], group, rank, num_ranks)
-            combined = buffer.low_latency_combine(expert_rows, topk_idx, topk_weights, recv[2],
-                                                  return_recv_hook=True)
-            torch.cuda.synchronize()
-            dist.barrier(group)
+            combined = _in_turn(lambda: buffer.low_latency_combine(expert_rows, topk_idx, topk_weights, recv[2],
+                                                                   return_recv_hook=True),
+                                group, rank, num_ranks)
             _in_turn(combined[2], group, rank, num_ranks)
 
         for _ in range(5):   # warm up
@@ -75,8 +76,8 @@ def _rank(rank: int, num_ranks: int, group, args: argparse.Namespace, results) -
                 if len(launches) != 2 * args.calls:
                     raise RuntimeError(f"expected {2 * args.calls} {operation} kernels (send, receive), "
                                        f"got {len(launches)}")
-                receives = launches[1::2]
-                results.put((operation, min(receives), statistics.median(receives)))
+                for half, times in (("send", launches[0::2]), ("receive", launches[1::2])):
+                    results.put((operation, half, min(times), statistics.median(times)))
     finally:
         buffer.destroy()
 
@@ -92,12 +93,12 @@ def main() -> None:
     args = parser.parse_args()
     results = run_ranks_on_one_gpu(_rank, args.ranks, args)
     print(f"\n{args.ranks} ranks on one GPU ({torch.cuda.get_device_name(0)}), {args.tokens} tokens, H {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts, fp8 dispatch, bf16 combine; rank 0's receive kernels, us over "
+          f"top-{args.topk} of {args.experts} experts, fp8 dispatch, bf16 combine; rank 0's kernels, us over "
           f"{args.calls} calls\n")
-    print("| operation | receive: min | median |")
-    print("|---|---|---|")
-    for operation, fastest, median in results:
-        print(f"| {operation} | {fastest:.2f} | {median:.2f} |")
+    print("| operation | half | min | median |")
+    print("|---|---|---|---|")
+    for operation, half, fastest, median in results:
+        print(f"| {operation} | {half} | {fastest:.2f} | {median:.2f} |")
 
 
 if __name__ == "__main__":
