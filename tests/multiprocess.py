@@ -7,9 +7,10 @@ a GPU, so this checks correctness (CUDA IPC, copy engines and flags between proc
 """
 
 import os
+import signal
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import pytest
 import torch
@@ -101,6 +102,18 @@ def _worker(rank: int, num_ranks: int, port: int, backend: str, body: Callable, 
         dist.destroy_process_group()
 
 
+def _exit_text(exitcode: Optional[int]) -> str:
+    """How a rank's process ended, for a failure message (a negative code is the signal that killed it)."""
+    if exitcode is None:
+        return "was still running after the join's timeout (killed)"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
 def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -> None:
     """Run ``body(rank, num_ranks, group, **kwargs)`` on ``num_ranks`` processes; re-raise the first failure (in
     the order they happened: a rank's own error comes before the timeouts it causes in its peers), with the end of
@@ -126,6 +139,7 @@ def run_ranks(num_ranks: int, body: Callable, backend: str = "gloo", **kwargs) -
         later = "".join(f"\n\nrank {r} failed after it:\n" + "\n".join(t.strip().splitlines()[-3:])
                         for r, t in failures[1:])
         raise AssertionError(f"rank {rank} failed:\n{text}{later}")
-    bad = [p.exitcode for p in processes if p.exitcode != 0]
+    bad = [f"rank {rank} {_exit_text(process.exitcode)}" for rank, process in enumerate(processes)
+           if process.exitcode != 0]
     if bad:
-        raise AssertionError(f"ranks exited with codes {bad}")
+        raise AssertionError("; ".join(bad))

@@ -4,8 +4,10 @@ Spawning a process group costs seconds, so each test module runs one group per r
 and performs all of its checks inside it. The checks are *soft*: a failed comparison is
 recorded under the current section and the body carries on, so every rank keeps issuing
 the same collectives in the same order (a rank that stopped early would leave its peers
-waiting). Each rank writes its record to a file; the parent merges them and every section
-becomes its own pytest item through :func:`assert_section`.
+waiting). Each rank writes its record to a file, again at every section's start and end and at
+every failure, so a rank killed mid-body (a C++ thread's abort) still leaves what it saw and the
+section it died in; the parent merges the records and every section becomes its own pytest item
+through :func:`assert_section`.
 
 Inputs are generated from ``(seed, rank)``, so any rank can regenerate any other rank's
 tokens and compute the expected result of a collective on its own.
@@ -26,6 +28,8 @@ import torch
 from tests.multiprocess import run_ranks
 
 MAX_MESSAGES_PER_SECTION = 12
+# What a rank's record says of the section it was in when the record was last written; replaced when the section ends.
+ENDED_INSIDE = "the rank ended inside this section (killed, or exited before the section finished)"
 # A legitimate collective takes well under a second here; a desynchronised one fails fast instead of hanging.
 TEST_TIMEOUT_SECONDS = "30"
 # A whole body takes well under a minute; past this a rank gives up instead of waiting for run_ranks' 10 minutes.
@@ -42,24 +46,36 @@ def quiet_rank(timeout_seconds: str = TEST_TIMEOUT_SECONDS) -> None:
 
 # ---------------------------------------------------------------------------------------- soft checks
 class Recorder:
-    """Collects failures per section without stopping the body."""
+    """Collects failures per section without stopping the body; ``write``, if given, is handed a snapshot of the
+    record (section -> messages, the current section marked :data:`ENDED_INSIDE`) whenever it changes."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, write: Optional[Callable[[Dict[str, List[str]]], None]] = None) -> None:
         self.rank = rank
         self.sections: Dict[str, List[str]] = {}
         self._current: Optional[str] = None
+        self._write = write
 
     @contextmanager
     def section(self, name: str):
         """Checks inside belong to ``name``; an unexpected exception is recorded, not raised."""
         self.sections.setdefault(name, [])
         previous, self._current = self._current, name
+        self._persist()
         try:
             yield
         except Exception:  # noqa: BLE001 - recorded and reported by the section's pytest item
             self.fail("unexpected exception:\n" + traceback.format_exc())
         finally:
             self._current = previous
+            self._persist()
+
+    def _persist(self) -> None:
+        if self._write is None:
+            return
+        snapshot = {name: list(messages) for name, messages in self.sections.items()}
+        if self._current is not None:
+            snapshot[self._current].append(ENDED_INSIDE)
+        self._write(snapshot)
 
     def fail(self, message: str) -> None:
         if self._current is None:
@@ -69,6 +85,7 @@ class Recorder:
             messages.append(message)
         elif len(messages) == MAX_MESSAGES_PER_SECTION:
             messages.append("... more failures in this section omitted")
+        self._persist()
 
     def expect(self, condition: bool, message: str) -> bool:
         if not condition:
@@ -132,17 +149,18 @@ def _int_of(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------- running a group
-def _write_record(recorder: Recorder, out_dir: str) -> None:
-    path = os.path.join(out_dir, f"rank{recorder.rank}.json")
-    with open(path + ".tmp", "w") as file:
-        json.dump(recorder.sections, file)
-    os.replace(path + ".tmp", path)
+def _write_record(sections: Dict[str, List[str]], rank: int, out_dir: str) -> None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    partial = f"{path}.{threading.get_ident()}.tmp"   # the watchdog's thread may write while the body's does
+    with open(partial, "w") as file:
+        json.dump(sections, file)
+    os.replace(partial, path)
 
 
 def _section_worker(rank: int, num_ranks: int, group, test_body: Callable, out_dir: str, body_kwargs: dict,
                     deadline_s: float) -> None:
     quiet_rank()
-    recorder = Recorder(rank)
+    recorder = Recorder(rank, write=lambda sections: _write_record(sections, rank, out_dir))
 
     def watchdog() -> None:
         # Ranks out of step can wait on each other for a long time: record it and end this process.
@@ -150,7 +168,7 @@ def _section_worker(rank: int, num_ranks: int, group, test_body: Callable, out_d
         recorder.sections.setdefault(section, []).append(
             f"the body did not finish within {deadline_s:g}s (ranks out of step?); it was in this section")
         try:
-            _write_record(recorder, out_dir)
+            _write_record(recorder.sections, rank, out_dir)
         finally:
             os._exit(3)
 
@@ -161,7 +179,7 @@ def _section_worker(rank: int, num_ranks: int, group, test_body: Callable, out_d
         test_body(rank, num_ranks, group, recorder, **body_kwargs)
     finally:
         timer.cancel()
-        _write_record(recorder, out_dir)
+        _write_record(recorder.sections, rank, out_dir)
         # Leaving the group waits for operations still pending after a failure; do not wait forever.
         exit_timer = threading.Timer(SHUTDOWN_SECONDS, os._exit, (4,))
         exit_timer.daemon = True
