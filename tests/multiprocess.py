@@ -60,13 +60,6 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", rank % gpu_count())
 
 
-def rank_tensor_device(rank: int, group) -> torch.device:
-    """Where a rank body's tensors go: where its Buffer works (the rank's GPU in an NCCL group, or in the gloo group
-    of ranks sharing GPUs, which _worker marks with DEVICE_ENV), else the CPU."""
-    on_gpu = dist.get_backend(group) == "nccl" or os.environ.get(DEVICE_ENV, "").strip().lower() == "cuda"
-    return rank_device(rank) if on_gpu and torch.cuda.is_available() else torch.device("cpu")
-
-
 @contextmanager
 def environment(name: str, value: str):
     """``os.environ[name] = value`` inside the block, restored after (rank bodies have no monkeypatch)."""

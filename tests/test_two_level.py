@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import has_feature, needs_feature, rank_tensor_device, run_ranks
+from tests.multiprocess import has_feature, needs_feature, run_ranks
 from tests.reference_checks import random_bf16, random_topk_idx, random_weights
 from uccl_ep_plugin import Buffer
+from uccl_ep_plugin.buffer import group_device
 from uccl_ep_plugin.engines.reference import ReferenceEngine
 from uccl_ep_plugin.engines.reference.collectives import GroupComm
 from uccl_ep_plugin.engines.two_level import TwoLevel, even_hosts
@@ -53,7 +54,7 @@ def two_hops_body(rank, num_ranks, group, per_host, use_fp8, num_worst_tokens, n
     """Also the GPU test's body (test_gpu_two_level.py): there the forward hop's Buffer is the native one. ``rail``:
     None (the collective rail) or a transport (cuda-copy, tcp, verbs), delivering out of order with ``reorder_seed``,
     in a region of ``rail_bytes``."""
-    device = rank_tensor_device(rank, group)
+    device = group_device(group)   # where the Buffers below work
     hosts = [f"host-{r // per_host}" for r in range(num_ranks)]
     reference = ReferenceEngine(group, rank, num_ranks, device, 60.0, None)
     if reorder_seed is not None:

@@ -82,8 +82,9 @@ def _resolve_group(group: Optional[dist.ProcessGroup], comm) -> dist.ProcessGrou
     return dist.group.WORLD
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """The device tensors live on: CUDA for NCCL groups, the CPU for gloo-only groups."""
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a Buffer on ``group`` works on: UCCL_EP_DEVICE if set, else CUDA (the current device) for NCCL
+    groups and the CPU for gloo-only groups."""
     override = os.environ.get(DEVICE_ENV, "").strip().lower()
     if override:
         if override not in ("cpu", "cuda"):
@@ -169,7 +170,7 @@ class Buffer:
         self.use_fabric = use_fabric
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.device = _group_device(self.group)
+        self.device = group_device(self.group)
         try:
             choice = engines.choose(engines.requested_mode(), self.device)
             engine_by_operation = choice.by_operation
