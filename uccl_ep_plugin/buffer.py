@@ -295,7 +295,7 @@ class Buffer:
                 self._two_level.destroy()   # its host's Buffer, destroyed together as this one is
             if self._native is not None and self._native.maps_peer_memory:
                 # Peers map this rank's buffers: all of them finish with them before anyone frees theirs.
-                self.synchronize()
+                self._finish_device_work()
                 self._reference.barrier("destroy")
         finally:
             self._release()   # also when a peer failed (its error still reaches the caller): nothing leaks
@@ -309,7 +309,16 @@ class Buffer:
         (``UCCL_EP_FORCE_PROXY=1`` with the cuda-copy or tcp transport): the proxy moves bytes with CUDA
         copies, and a copy issued while the collective's kernel waits for the peer does not run, while the
         peer cannot join before it has those bytes. Raises CommTimeoutError naming the rank if the proxy
-        does not finish within the configured timeout."""
+        does not finish within the configured timeout, and raises the failure a finished kernel or the proxy
+        recorded (a timeout waiting for a peer, too many rows), which otherwise surfaces at the next call: the
+        outputs of the call that failed are not valid."""
+        self._finish_device_work()
+        if self._native is not None:
+            self._native.check()
+
+    def _finish_device_work(self) -> None:
+        """The device and proxy half of :meth:`synchronize`, raising no recorded failure: destroy() and the cleaning
+        after a failure go on with their barriers, which every peer waits in."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self._native is not None:
@@ -671,7 +680,7 @@ class Buffer:
         native = self._native_low_latency()
         if native is not None:
             # No peer (nor its proxy) may still be storing into this rank's buffer while it is zeroed.
-            self.synchronize()
+            self._finish_device_work()
             self._reference.barrier("clean_low_latency_buffer: before cleaning")
             native.clean()
         else:

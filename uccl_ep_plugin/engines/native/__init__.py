@@ -153,6 +153,12 @@ class NativeEngine:
         if proxy_path is not None:
             proxy_path.threads.drain(timeout_s)
 
+    def check(self) -> None:
+        """Raise the first failure a kernel or the proxy recorded (else the next call of that mode raises it)."""
+        for mode in (self.low_latency, self.normal):
+            if mode is not None:
+                mode.check()
+
     def setup_low_latency(self, group, rank: int, num_bytes: int, timeout_s: float) -> Dict[str, str]:
         """Map the low-latency buffers of this host's ranks (collective); ranks on other hosts (logical hosts of this
         machine too), or every peer with UCCL_EP_FORCE_PROXY=1, are reached through the CPU proxies. Returns
