@@ -58,11 +58,12 @@ _PROXY = {
 
 
 # Ranks sharing one GPU (SHARE_GPU_ENV): a cuda-copy proxy's device-to-device copy into the other process's buffer
-# does not run while that process's kernel occupies the GPU, and that kernel waits for the copy; measured on an
-# H200, the copy ran only when the kernel gave up at its timeout. The tcp transport's copies through the host run.
+# can wait until that process's kernel, which waits for the copy, leaves the GPU; measured on an H200 with 128 tokens
+# of H 7168, it ran only when the kernel gave up at its timeout (16 tokens of H 1024 went through). The tcp
+# transport's copies through the host run.
 def _transports(names):
-    shared_skip = pytest.mark.skipif(ranks_share_gpus(), reason=f"a cuda-copy proxy cannot make progress with the "
-                                                                 f"ranks sharing one GPU ({SHARE_GPU_ENV}=1)")
+    shared_skip = pytest.mark.skipif(ranks_share_gpus(), reason=f"a cuda-copy proxy's copies wait for the other "
+                                                                 f"rank's kernel on a shared GPU ({SHARE_GPU_ENV}=1)")
     return [pytest.param(name, marks=shared_skip) if name.startswith("cuda-copy") else name for name in names]
 
 
