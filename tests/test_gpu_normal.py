@@ -167,7 +167,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         _poison_allocator(device)
         own_by_engine = copy_engine.own_rows_by_engine()
         results[name] = _dispatch(buffer, x, layout, topk_idx, topk_weights, case, num_worst_tokens)
-        torch.cuda.synchronize(device)
+        buffer.synchronize()   # also raises a failure the kernels recorded, which names the cause of wrong outputs
     fresh_own_by_engine = copy_engine.own_rows_by_engine() - own_by_engine
     got, want = results["native"], results["reference"]
     for index, what in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights")):
@@ -190,7 +190,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         _poison_allocator(device)
         own_by_engine = copy_engine.own_rows_by_engine()
         cached[name] = buffer.dispatch(x2, handle=handle, config=ep.Config(num_sms=case.num_sms))
-        torch.cuda.synchronize(device)
+        buffer.synchronize()
     _assert_equal(cached["native"][0], cached["reference"][0], f"{tag}: cached recv_x")
     cached_by_copy_engine = by_copy_engine and _C.normal_cached_dispatch_by_copy_engine(
         _C.NormalRowPath.__members__[copy_mode], dist.get_world_size())
@@ -210,7 +210,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
             _poison_allocator(device)
             combined[name] = _combine(buffer, expert_out, handle, weights if use_weights else None, biases, case,
                                       rank)
-            torch.cuda.synchronize(device)
+            buffer.synchronize()
         _assert_equal(combined["native"][:2], combined["reference"][:2],
                       f"{tag}: combine ({'with' if use_weights else 'without'} topk_weights)")
 
