@@ -26,7 +26,7 @@ from .event_overlap import EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .hosts import RdmaRanks, host_or_error, hosts_of
 from .notices import warn_once
-from .streams import CommStream, StreamScope, current_stream_handle
+from .streams import CommStream, StreamScope, current_stream_reader
 from .traffic import TrafficCounters, enabled_by_env as traffic_enabled_by_env
 from .validation import (FP8_DTYPE, check_flag_pair, check_hidden, check_int, check_num_experts,
                          check_same_device, check_stream_flags, check_tensor, check_topk_idx, check_topk_weights)
@@ -171,6 +171,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.device = group_device(self.group)
+        self._current_stream = current_stream_reader(self.device)
         try:
             choice = engines.choose(engines.requested_mode(), self.device)
             engine_by_operation = choice.by_operation
@@ -184,6 +185,8 @@ class Buffer:
         if isinstance(choice, Exception):
             raise choice
         self._owner_id = next(_owner_ids)
+        self._normal_handle = NormalHandle.owned_by(self._owner_id)
+        self._low_latency_handle = LowLatencyHandle.owned_by(self._owner_id)
 
         try:
             self._set_up_engines(choice, num_nvl_bytes, num_rdma_bytes, low_latency_mode, hosts)
@@ -490,7 +493,7 @@ class Buffer:
             check_same_device(self.device, topk_idx=topk_idx)
         checks = self._checked_by(engine, check)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
-            return engine.get_dispatch_layout(topk_idx, num_experts, current_stream_handle(self.device), **checks) + (
+            return engine.get_dispatch_layout(topk_idx, num_experts, self._current_stream(), **checks) + (
                 EventOverlap(),)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
@@ -542,7 +545,7 @@ class Buffer:
                                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                                          topk_weights=topk_weights, expert_alignment=expert_alignment,
                                          num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
-                                         cached_handle=cached, stream=current_stream_handle(self.device), **checks)
+                                         cached_handle=cached, stream=self._current_stream(), **checks)
                 event = EventOverlap()
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
@@ -558,7 +561,7 @@ class Buffer:
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
             return recv_x, None, None, None, None, event
-        new_handle = NormalHandle(result.handle, self._owner_id)
+        new_handle = self._normal_handle(result.handle)
         new_handle.served_by = engine.name
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, event)
@@ -641,7 +644,7 @@ class Buffer:
         config = self._check_config(config, self.get_combine_config)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
-                                                               current_stream_handle(self.device), **checks)
+                                                               self._current_stream(), **checks)
             return combined_x, combined_topk_weights, EventOverlap()
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
@@ -730,8 +733,8 @@ class Buffer:
                 hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts,
                                                                                  result.layout_range, mask))
         self._low_latency_buffer_idx ^= 1
-        handle = LowLatencyHandle((result.src_info, result.layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
-                                   num_experts), self._owner_id)
+        handle = self._low_latency_handle((result.src_info, result.layout_range, num_max_dispatch_tokens_per_rank,
+                                           x.shape[1], num_experts))
         handle.positions = result.positions
         event = EventOverlap()
         if async_finish:
@@ -929,12 +932,8 @@ class Buffer:
             check_tensor(f"bias[{i}]", b, (torch.bfloat16,), shape=(num_tokens, hidden))
             check_same_device(self.device, **{f"bias[{i}]": b})
 
-    def _made_here(self, handle, kind: type) -> bool:
-        """Whether ``handle`` is one this Buffer's dispatch returned, as built (its items were checked then)."""
-        return type(handle) is kind and handle.owner_id == self._owner_id
-
     def _check_normal_handle(self, handle) -> Tuple[torch.Tensor, ...]:
-        if self._made_here(handle, NormalHandle):
+        if type(handle) is self._normal_handle:   # this Buffer's dispatch made it: its items were checked then
             return tuple(handle)
         self._check_owner(handle)
         if not isinstance(handle, (tuple, list)) or len(handle) != 6:
@@ -954,7 +953,7 @@ class Buffer:
         return tuple(handle)
 
     def _check_low_latency_handle(self, handle) -> Tuple:
-        if self._made_here(handle, LowLatencyHandle):
+        if type(handle) is self._low_latency_handle:   # as for the normal handle
             return tuple(handle)
         self._check_owner(handle)
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:

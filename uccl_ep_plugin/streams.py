@@ -12,8 +12,9 @@ caller's work: then nothing needs recording. Otherwise (``async_finish``, ``prev
 and torch ops go there, and its outputs are recorded for the caller's stream.
 """
 
+import functools
 from contextlib import nullcontext
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -33,9 +34,16 @@ def _raw_stream_accessor():
 _current_raw_stream = _raw_stream_accessor()
 
 
-def current_stream_handle(device: torch.device) -> int:
-    """The handle (an integer) of the current CUDA stream of ``device``, which kernels launch on (0 off CUDA)."""
-    return _current_raw_stream(device.index) if device.type == "cuda" else 0
+def current_stream_reader(device: torch.device) -> Callable[[], int]:
+    """A function that returns the handle (an integer) of ``device``'s current CUDA stream, which kernels launch
+    on (0 off CUDA); made once per Buffer or engine, so that a call pays no lookup beyond torch's own."""
+    if device.type != "cuda":
+        return _no_stream
+    return functools.partial(_current_raw_stream, device.index)
+
+
+def _no_stream() -> int:
+    return 0
 
 
 class CommStream:

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ...dispatch_config import LowLatencyLayout, low_latency_layout
-from ...streams import current_stream_handle
+from ...streams import current_stream_reader
 from ..reference.collectives import CommTimeoutError
 from ..reference.low_latency import LowLatencyDispatchResult
 from .settings import mode_setting
@@ -79,6 +79,7 @@ class NativeLowLatency:
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = device
+        self._current_stream = current_stream_reader(device)
         self.timeout_s = timeout_s
         self.aggressive_atomics = aggressive_atomics
         self.prereduce = prereduce
@@ -208,12 +209,12 @@ class NativeLowLatency:
             self.proxy_path.check()
         if not (isinstance(x, torch.Tensor) and x.dim() == 2):   # the launcher is picked by x's hidden size
             check()
-        launcher = self._launcher(num_max_tokens, x.size(1), num_experts, buffer_idx, masked_ranks, check)
+        launcher = self._launcher(num_max_tokens, x.shape[1], num_experts, buffer_idx, masked_ranks, check)
         code, outputs, send = launcher.dispatch(
             self._send if return_recv_hook else self._send | self._recv,
             (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats),
             (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
-            self.num_sms, current_stream_handle(self.device), check)
+            self.num_sms, self._current_stream(), check)
         if code:
             self._raise_failure(code)
         recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
@@ -239,7 +240,7 @@ class NativeLowLatency:
             self._send if return_recv_hook else self._send | self._recv,
             (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats, x_given),
             (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook),
-            self.num_sms, current_stream_handle(self.device), check)
+            self.num_sms, self._current_stream(), check)
         if code:
             self._raise_failure(code)
         hook = self._hook(launcher, send) if return_recv_hook else None
