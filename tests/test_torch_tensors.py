@@ -52,6 +52,23 @@ def test_strides_views_and_none():
     assert empty.shape == (0, 9) and empty.numel() == 0
 
 
+def test_a_storage_block_returns_only_its_views():
+    """Outputs of one dtype made as views of one block: the block itself is not returned, and its memory lives as
+    long as a view does."""
+    made = _C.torch_shim_tensors([((6,), DTYPES[torch.int64], None), (40, DTYPES[torch.int32]),
+                                  (1, (4,), (1,), 0), None, (1, (3, 8), (8, 1), 8)], CPU, 0)
+    alone, first, nothing, second = made
+    assert alone.shape == (6,) and nothing is None
+    assert first.shape == (4,) and second.shape == (3, 8) and second.stride() == (8, 1)
+    assert second.data_ptr() == first.data_ptr() + 8 * 4
+    second.copy_(torch.arange(24, dtype=torch.int32).view(3, 8))
+    first.fill_(-1)
+    assert second.flatten().tolist() == list(range(24))   # the views do not overlap
+    assert _holders(first) == 1   # the other view, nothing else (the block's own handle is gone)
+    del made, second
+    assert _holders(first) == 0 and first.tolist() == [-1] * 4
+
+
 def test_freed_when_dropped():
     """Only Python holds a returned tensor: dropping it frees it (its refcount is the usual one)."""
     (tensor,) = _C.torch_shim_tensors([((1 << 20,), DTYPES[torch.uint8], None)], CPU, 0)

@@ -448,16 +448,16 @@ class Buffer:
         return StreamScope(self._comm if use_comm_stream else None, self.device, previous_event, async_finish,
                            allocate_on_comm_stream or self._traffic is not None)
 
-    def _checked_by(self, engine, check: Callable[[], None]) -> Dict[str, Callable[[], None]]:
+    def _checked_by(self, engine, check: Callable[[], None]) -> Optional[Callable[[], None]]:
         """Where an operation's argument checks (``check``: they raise, naming a bad argument) run: the native
         engine's extension runs them only for a kind of call it has not seen pass (its signature: the tensors'
         dtypes, devices, sizes and strides, and the other values they read); for the other engines they run here,
-        on every call (the reference engine's also read topk_idx's values). The keyword arguments that pass
-        them on to the engine."""
+        on every call (the reference engine's also read topk_idx's values). Returns what the engine's ``check``
+        parameter gets: the checks, or None once they ran here."""
         if engine is self._native:
-            return {"check": check}
+            return check
         check()
-        return {}
+        return None
 
     def _check_owner(self, handle, name: str = "handle") -> None:
         owner = owner_of(handle)
@@ -491,13 +491,13 @@ class Buffer:
             check_num_experts(num_experts, self.group_size)
             self._check_topk_idx(engine, topk_idx, num_experts)
             check_same_device(self.device, topk_idx=topk_idx)
-        checks = self._checked_by(engine, check)
+        check = self._checked_by(engine, check)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
-            return engine.get_dispatch_layout(topk_idx, num_experts, self._current_stream(), **checks) + (
+            return engine.get_dispatch_layout(topk_idx, num_experts, self._current_stream(), check) + (
                 EventOverlap(),)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
-                                                                                      scope.launch_stream, **checks)
+                                                                                      scope.launch_stream, check)
         event = scope.finish((per_rank, per_rdma_rank, per_expert, in_rank), inputs=(topk_idx,))
         return per_rank, per_rdma_rank, per_expert, in_rank, event
 
@@ -532,7 +532,7 @@ class Buffer:
         def check() -> None:
             self._check_dispatch(engine, x, cached, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                  topk_idx, topk_weights, expert_alignment, num_worst_tokens)
-        checks = self._checked_by(engine, check)
+        check = self._checked_by(engine, check)
         x_data, x_scales = x if type(x) is tuple and len(x) == 2 else (x, None)
         if isinstance(x_scales, torch.Tensor) and not x_scales.is_contiguous():   # e.g. column-major (DeepGEMM's)
             x_scales = x_scales.contiguous()
@@ -545,18 +545,18 @@ class Buffer:
                                          num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
                                          topk_weights=topk_weights, expert_alignment=expert_alignment,
                                          num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
-                                         cached_handle=cached, stream=self._current_stream(), **checks)
+                                         cached_handle=cached, stream=self._current_stream(), check=check)
                 event = EventOverlap()
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
-                engine, checks = self._reference, {}
+                engine, check = self._reference, None
         if result is None:
             arguments = dict(is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
                              num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                              expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                              num_channels=config.num_channels, cached_handle=cached)
-            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, checks,
+            result, engine, event = self._dispatch_in_scope(engine, x_data, x_scales, arguments, check,
                                                             previous_event, async_finish, allocate_on_comm_stream)
         recv_x = (result.recv_x, result.recv_x_scales) if x_scales is not None else result.recv_x
         if cached is not None:
@@ -566,14 +566,14 @@ class Buffer:
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, event)
 
-    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, checks, previous_event, async_finish,
+    def _dispatch_in_scope(self, engine, x_data, x_scales, arguments, check, previous_event, async_finish,
                            allocate_on_comm_stream):
         """A dispatch on the communication stream (DeepEP's stream discipline): ``(result, engine, event)``;
-        ``checks`` as from :meth:`_checked_by`."""
+        ``check`` as from :meth:`_checked_by`."""
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             arguments["stream"] = scope.launch_stream
             try:
-                result = engine.dispatch(x_data, x_scales, **arguments, **checks)
+                result = engine.dispatch(x_data, x_scales, **arguments, check=check)
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
@@ -639,17 +639,17 @@ class Buffer:
                 check_tensor("topk_weights", topk_weights, (torch.float32,), shape=(parts[3].size(0), None))
             self._check_bias(bias, parts[4].size(0), x.size(1))
             check_same_device(self.device, x=x, topk_weights=topk_weights)
-        checks = self._checked_by(engine, check)
+        check = self._checked_by(engine, check)
         biases = [] if bias is None else list(bias) if type(bias) is tuple else [bias]
         config = self._check_config(config, self.get_combine_config)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
-                                                               self._current_stream(), **checks)
+                                                               self._current_stream(), check)
             return combined_x, combined_topk_weights, EventOverlap()
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels,
-                                                               stream=scope.launch_stream, **checks)
+                                                               stream=scope.launch_stream, check=check)
         event = scope.finish((combined_x, combined_topk_weights), inputs=(x, topk_weights) + tuple(biases))
         return combined_x, combined_topk_weights, event
 
@@ -709,40 +709,32 @@ class Buffer:
         """
         engine = self._engine_for("low_latency_dispatch")
         self._require_low_latency_mode("low_latency_dispatch")
-
-        def check() -> None:
-            self._check_low_latency_dispatch(engine, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                             use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        checks = self._checked_by(engine, check)
+        # The engines take the call's arguments as one tuple in this order (no keywords: a call with a dozen
+        # keywords costs more than the rest of this method's Python).
+        call = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        check = self._checked_by(engine, functools.partial(self._check_low_latency_dispatch, engine, *call))
         # On the caller's stream unless async_finish asks for an event to overlap with: the same order for the
         # caller as DeepEP's comm stream plus two stream waits, without those waits (fewer launches and graph
         # nodes, and no stream of this process waiting on a kernel that waits for a proxy's copies).
         scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
-        with scope:
-            result = engine.low_latency_dispatch(
-                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
-                round_scale=round_scale, use_ue8m0=use_ue8m0, masked_ranks=self._mask,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, async_finish=async_finish,
-                return_recv_hook=return_recv_hook, buffer_idx=self._low_latency_buffer_idx, **checks)
-            hook = result.hook
+        with scope:   # the engine's LowLatencyDispatchResult, unpacked
+            recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions = engine.low_latency_dispatch(
+                call, self._mask, self._low_latency_buffer_idx, check)
             if self._traffic is not None:
                 # layout_range is complete once the data has been received: after the hook, if there is one.
                 traffic, mask = self._traffic, self._mask
-                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts,
-                                                                                 result.layout_range, mask))
+                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts, layout_range,
+                                                                                 mask))
         self._low_latency_buffer_idx ^= 1
-        handle = self._low_latency_handle((result.src_info, result.layout_range, num_max_dispatch_tokens_per_rank,
-                                           x.shape[1], num_experts))
-        handle.positions = result.positions
+        handle = self._low_latency_handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.shape[1],
+                                           num_experts))
+        handle.positions = positions
         event = EventOverlap()
         if async_finish:
-            outputs = (result.recv_x, result.recv_x_scales, result.recv_count, result.src_info, result.layout_range,
-                       result.positions)
+            outputs = (recv_x, recv_x_scales, recv_count, src_info, layout_range, positions)
             event = scope.finish(outputs, (x, topk_idx) + outputs)
-        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv_x, result.recv_count, handle, event, hook
+        return (recv_x, recv_x_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
     def _check_low_latency_dispatch(self, engine, x, topk_idx, num_tokens_limit, num_experts,
                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
@@ -786,25 +778,20 @@ class Buffer:
         engine = self._engine_for("low_latency_combine")
         self._require_low_latency_mode("low_latency_combine")
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
+        check = self._checked_by(engine, functools.partial(
+            self._check_low_latency_combine, engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
+            num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats))
         x_given = x
-
-        def check() -> None:
-            self._check_low_latency_combine(engine, x_given, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
-                                            num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-                                            combine_wait_recv_cost_stats)
-        checks = self._checked_by(engine, check)
         if zero_copy:
             x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
         positions = getattr(handle, "positions", None)
+        # As in dispatch, one tuple: this call's arguments (x: what the kernel reads, with zero_copy the buffer's
+        # own view), the handle's items, and the dispatch's record of positions.
+        call = (x, topk_idx, topk_weights, src_info, layout_range, num_tokens_limit, hidden, num_experts, positions,
+                use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats, x_given)
         scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
         with scope:   # as in dispatch
-            combined, hook = engine.low_latency_combine(
-                x, topk_idx, topk_weights, layout_range, src_info=src_info, num_max_tokens=num_tokens_limit,
-                hidden=hidden, num_experts=num_experts, positions=positions, use_logfmt=use_logfmt,
-                zero_copy=zero_copy, masked_ranks=self._mask, out=out,
-                combine_wait_recv_cost_stats=combine_wait_recv_cost_stats, async_finish=async_finish,
-                return_recv_hook=return_recv_hook, buffer_idx=self._low_latency_buffer_idx, x_given=x_given,
-                **checks)
+            combined, hook = engine.low_latency_combine(call, self._mask, self._low_latency_buffer_idx, check)
         self._low_latency_buffer_idx ^= 1
         event = EventOverlap()
         if async_finish:

@@ -105,10 +105,15 @@ struct LowLatencyLauncher {
     } else {
       outputs.add_none();
     }
-    void* recv_count = outputs.add({local_experts}, TensorDtype::kInt32);
-    void* src_info = outputs.add({local_experts, slots}, TensorDtype::kInt32);
+    // The three int32 outputs are views of one block, each from a 128-byte boundary.
+    const auto aligned = [](int64_t elements) { return (elements + 31) / 32 * 32; };
+    const int64_t src_info_at = aligned(local_experts), positions_at = src_info_at + aligned(local_experts * slots);
+    const int ints = outputs.add_storage(positions_at + 2 * num_tokens * num_topk, TensorDtype::kInt32);
+    void* recv_count = outputs.add_view(ints, {local_experts}, {1}, 0);
+    void* src_info = outputs.add_view(ints, {local_experts, slots}, {slots, 1}, src_info_at);
     void* layout_range = outputs.add({local_experts, region.num_ranks}, TensorDtype::kInt64);
-    void* positions = outputs.add({2, num_tokens, num_topk}, TensorDtype::kInt32);
+    void* positions =
+        outputs.add_view(ints, {2, num_tokens, num_topk}, {num_tokens * num_topk, num_topk, 1}, positions_at);
     const uccl_ep::LowLatencyDispatchArgs args{
         region,          x.data,                    static_cast<const int64_t*>(topk_idx.data), num_tokens,
         num_max_tokens,  hidden,                    num_topk,                     num_experts,

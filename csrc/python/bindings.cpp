@@ -159,7 +159,8 @@ void load_engine_kernels() {
 #endif
 
 // Tensors made by the mechanism the operations use (torch_tensors.h), from Python's description: each
-// entry None, (sizes, dtype, strides or None) or, a view of an earlier entry, (entry, sizes, strides, offset).
+// entry None, (sizes, dtype, strides or None), a storage block that only its views return, (elements, dtype),
+// or a view of an earlier entry, (entry, sizes, strides, offset).
 py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int device_index) {
   using uccl_ep::bindings::NewTensors;
   NewTensors tensors(static_cast<uccl_ep::bindings::TensorDevice>(device_type), device_index);
@@ -172,7 +173,9 @@ py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int de
       continue;
     }
     const py::tuple spec = entry.cast<py::tuple>();
-    if (py::isinstance<py::int_>(spec[0])) {
+    if (spec.size() == 2) {
+      tensors.add_storage(spec[0].cast<int64_t>(), static_cast<uccl_ep::bindings::TensorDtype>(spec[1].cast<int>()));
+    } else if (py::isinstance<py::int_>(spec[0])) {
       tensors.add_view(spec[0].cast<int>(), spec[1].cast<std::vector<int64_t>>(),
                        spec[2].cast<std::vector<int64_t>>(), spec[3].cast<int64_t>());
     } else {

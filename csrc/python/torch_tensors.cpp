@@ -132,6 +132,7 @@ NewTensors::~NewTensors() {
 }
 
 void* NewTensors::push(void* handle) {
+  returned_[count_] = true;
   handles_[count_++] = handle;
   void* data = nullptr;
   check_torch(shim.data_ptr(handle, &data), "read a new tensor's address");
@@ -156,7 +157,14 @@ void* NewTensors::add(const std::vector<int64_t>& sizes, TensorDtype dtype,
 
 void NewTensors::add_none() {
   if (count_ == kMaxTensors) throw std::logic_error("NewTensors::add_none: too many tensors");
+  returned_[count_] = true;
   handles_[count_++] = nullptr;
+}
+
+int NewTensors::add_storage(int64_t elements, TensorDtype dtype) {
+  add({elements}, dtype);
+  returned_[count_ - 1] = false;
+  return count_ - 1;
 }
 
 void* NewTensors::add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
@@ -176,9 +184,15 @@ py::list NewTensors::release() {
   py::list handles;
   bool present[kMaxTensors];
   const int count = count_;
+  bool returned[kMaxTensors];
   for (int i = 0; i < count; ++i) {
+    returned[i] = returned_[i];
     present[i] = handles_[i] != nullptr;
-    if (present[i]) handles.append(py::capsule(handles_[i]));
+    if (!returned[i]) {
+      shim.delete_tensor(handles_[i]);  // its views hold the memory
+    } else if (present[i]) {
+      handles.append(py::capsule(handles_[i]));
+    }
     handles_[i] = nullptr;
   }
   count_ = 0;
@@ -187,7 +201,9 @@ py::list NewTensors::release() {
   const py::list tensors = (*shim.to_tensors)(handles);
   py::list out;
   int next = 0;
-  for (int i = 0; i < count; ++i) out.append(present[i] ? py::object(tensors[next++]) : py::object(py::none()));
+  for (int i = 0; i < count; ++i) {
+    if (returned[i]) out.append(present[i] ? py::object(tensors[next++]) : py::object(py::none()));
+  }
   return out;
 }
 

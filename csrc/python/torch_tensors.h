@@ -48,8 +48,11 @@ class NewTensors {
   // `entry` viewed as `sizes` / `strides` from `offset` elements on (as Tensor.as_strided); returns its address.
   void* add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                  int64_t offset);
+  // A 1-D block of `elements` that only the views of it made with add_view return: several outputs of one
+  // dtype then cost one allocation (a view costs a fraction of one). Returns its entry.
+  int add_storage(int64_t elements, TensorDtype dtype);
   int size() const { return count_; }
-  // The tensors (None where add_none), in order; this object then holds none.
+  // The tensors (None where add_none), in order, without the storage blocks; this object then holds none.
   pybind11::list release();
 
  private:
@@ -58,6 +61,7 @@ class NewTensors {
   TensorDevice device_;
   int device_index_;
   void* handles_[kMaxTensors] = {};  // null: None
+  bool returned_[kMaxTensors] = {};  // false: a storage block
   int count_ = 0;
 };
 

@@ -156,7 +156,7 @@ class TwoLevel:
                  num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
                  num_worst_tokens: int, num_channels: int, cached_handle: Optional[Sequence[torch.Tensor]],
-                 stream: int = 0) -> DispatchResult:
+                 stream: int = 0, check=None) -> DispatchResult:
         self.hops.reset()
         if cached_handle is not None:
             route = getattr(cached_handle[0], ROUTE_ATTRIBUTE)
@@ -272,7 +272,7 @@ class TwoLevel:
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: Sequence[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                biases: Sequence[torch.Tensor], num_channels: int = 0, stream: int = 0
+                biases: Sequence[torch.Tensor], num_channels: int = 0, stream: int = 0, check=None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum every token's copies inside each host, then across hosts on its source rank; add the biases."""
         self.hops.reset()

@@ -14,7 +14,6 @@ import torch
 from ...dispatch_config import LowLatencyLayout, low_latency_layout
 from ...streams import current_stream_reader
 from ..reference.collectives import CommTimeoutError
-from ..reference.low_latency import LowLatencyDispatchResult
 from .settings import mode_setting
 
 _PHASE_NAMES = {1: "low_latency_dispatch (receive)", 2: "low_latency_combine (receive)",
@@ -198,13 +197,12 @@ class NativeLowLatency:
     # Each is one launcher call: it reads the tensors, runs the caller's checks (``check``) only for a kind of call
     # it has not seen pass, allocates the outputs (on the current stream, as torch.empty would) and launches on the
     # caller's current stream (the Buffer makes its communication stream current for async_finish); a hook launches
-    # on the stream its operation used, as DeepEP's do.
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int, num_experts: int, *,
-                             use_fp8: bool, round_scale: bool, use_ue8m0: bool, masked_ranks: Optional[torch.Tensor],
-                             cumulative_local_expert_recv_stats: Optional[torch.Tensor],
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor], async_finish: bool,
-                             return_recv_hook: bool, buffer_idx: int,
-                             check: Callable[[], None]) -> LowLatencyDispatchResult:
+    # on the stream its operation used, as DeepEP's do. ``call``: the Buffer operation's arguments, in the order of
+    # buffer.py's tuple.
+    def low_latency_dispatch(self, call: tuple, masked_ranks: Optional[torch.Tensor], buffer_idx: int,
+                             check: Callable[[], None]) -> tuple:
+        (x, topk_idx, num_max_tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = call
         if self.proxy_path is not None:
             self.proxy_path.check()
         if not (isinstance(x, torch.Tensor) and x.dim() == 2):   # the launcher is picked by x's hidden size
@@ -219,17 +217,16 @@ class NativeLowLatency:
             self._raise_failure(code)
         recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
         hook = self._hook(launcher, send) if return_recv_hook else None
-        return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions)
+        # The reference engine's LowLatencyDispatchResult items as a plain tuple (the named one costs more to build
+        # than this method).
+        return recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            layout_range: torch.Tensor, *, src_info: torch.Tensor, num_max_tokens: int, hidden: int,
-                            num_experts: int, positions: Optional[torch.Tensor], use_logfmt: bool, zero_copy: bool,
-                            masked_ranks: Optional[torch.Tensor], out: Optional[torch.Tensor],
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor], async_finish: bool,
-                            return_recv_hook: bool, buffer_idx: int, x_given: torch.Tensor,
+    def low_latency_combine(self, call: tuple, masked_ranks: Optional[torch.Tensor], buffer_idx: int,
                             check: Callable[[], None]):
-        """``x``: what the kernel reads (with zero_copy the buffer's own view), ``x_given``: what the caller passed
-        (both in the call's signature); ``hidden`` and the sizes: the dispatch handle's."""
+        """``call``'s x: what the kernel reads (with zero_copy the buffer's own view), its x_given: what the caller
+        passed (both in the call's signature); hidden and the sizes: the dispatch handle's."""
+        (x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, hidden, num_experts, positions,
+         use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats, x_given) = call
         if self.proxy_path is not None:
             self.proxy_path.check()
         if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
