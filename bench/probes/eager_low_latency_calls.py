@@ -1,0 +1,131 @@
+"""Probe: one eager low-latency call at a time, as a serving engine's decode step makes them without CUDA graphs.
+
+Each call follows a device sync and a barrier; CUDA events around it give the time a caller's stream spends on it
+(the host's time until the kernel is launched, then the kernel), and the host clock the time until the call
+returned. Also the dispatch with its receive hook, and a dispatch + combine pair issued back to back (the kernels'
+time once the host runs ahead). ``--package`` names the module whose ``Buffer`` is timed: this package, or any with
+DeepEP's API installed beside it (e.g. ``deep_ep``), so both can be measured on the same machine in one session.
+One process per GPU over NCCL; ``--ranks 1`` times the host path alone, with no peer to wait for.
+Results: docs/PERFORMANCE.md.
+
+    python bench/probes/eager_low_latency_calls.py --ranks 1 [--package deep_ep]
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # bench/probes/ -> root
+
+from uccl_ep_plugin.local_port import free_local_port  # noqa: E402
+
+
+def _timed_alone(call, group, iterations: int, warmup: int = 10):
+    """Median (events us, host us) of ``call`` run alone: a sync and a barrier before each."""
+    events, host = [], []
+    for i in range(warmup + iterations):
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        call()
+        returned = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            events.append(start.elapsed_time(end) * 1e3)
+            host.append((returned - began) * 1e6)
+    return statistics.median(events), statistics.median(host)
+
+
+def _back_to_back(call, group, iterations: int, warmup: int = 10) -> float:
+    """Events us per call over ``iterations`` calls issued with no wait between them."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iterations):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iterations
+
+
+def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=torch.device("cuda", rank))
+    group = dist.new_group(list(range(num_ranks)))
+    Buffer = importlib.import_module(args.package).Buffer
+    tokens, hidden, experts = args.tokens, args.hidden, args.experts
+    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts),
+                    low_latency_mode=True, num_qps_per_rank=experts // num_ranks, explicitly_destroy=True)
+    try:
+        generator = torch.Generator(device="cuda").manual_seed(100 + rank)
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
+        topk_idx = torch.topk(torch.rand(tokens, experts, device="cuda", generator=generator), args.topk,
+                              dim=-1).indices
+        topk_weights = torch.rand(tokens, args.topk, device="cuda", generator=generator)
+        expert_out = torch.randn(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device="cuda",
+                                 generator=generator)
+        last = {}
+
+        def dispatch():
+            last["handle"] = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True)[2]
+
+        def dispatch_and_hook():
+            returned = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True, return_recv_hook=True)
+            returned[4]()
+            last["handle"] = returned[2]
+
+        def combine():
+            buffer.low_latency_combine(expert_out, topk_idx, topk_weights, last["handle"])
+
+        def both():
+            dispatch()
+            combine()
+
+        rows = [("dispatch", _timed_alone(dispatch, group, args.iters)),
+                ("dispatch send + hook", _timed_alone(dispatch_and_hook, group, args.iters))]
+        dispatch()
+        rows.append(("combine", _timed_alone(combine, group, args.iters)))
+        rows.append(("dispatch + combine, back to back", (_back_to_back(both, group, args.iters), None)))
+        if rank == 0:
+            print(f"{args.package}, {num_ranks} rank(s), {tokens} tokens, H {hidden}, {experts} experts, "
+                  f"top-{args.topk}, fp8 dispatch (median us)")
+            print("| call | events | host |\n|---|---|---|")
+            for name, (events, host) in rows:
+                print(f"| {name} | {events:.1f} | {'' if host is None else f'{host:.1f}'} |")
+    finally:
+        buffer.destroy()
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=None, help="processes, one per GPU (default: every GPU)")
+    parser.add_argument("--package", default="uccl_ep_plugin", help="the module whose Buffer is timed")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=288)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this probe needs a CUDA GPU")
+    num_ranks = args.ranks or torch.cuda.device_count()
+    mp.spawn(_rank, args=(num_ranks, free_local_port(), args), nprocs=num_ranks)
+
+
+if __name__ == "__main__":
+    main()
