@@ -103,7 +103,8 @@ class RailRoute(NamedTuple):
 class TwoLevel:
     """The two hops for one rank of ``everyone`` (the group's timed collectives, the reference engine's). ``hosts``:
     every rank's host (even: :func:`even_hosts`); ``make_inner(group)`` makes the Buffer over one host's ranks.
-    Collective: every rank of the group makes one, in the same order."""
+    Collective: every rank of the group makes one, in the same order. An operation's ``check`` is None: the Buffer
+    ran the checks (``Buffer._checked_by``)."""
 
     name = "two_level"
 
