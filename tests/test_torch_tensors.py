@@ -69,6 +69,37 @@ def test_a_storage_block_returns_only_its_views():
     assert _holders(first) == 0 and first.tolist() == [-1] * 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_views_of_another_dtype_share_one_block(device):
+    """Outputs of several dtypes from one allocation: each view has its own dtype, offset (counted in its dtype's
+    elements) and strides, and the views of one dtype in a row reuse one typed base (no handle leaks either way).
+    On CUDA too: the low-latency dispatch makes its outputs so."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    u8, f32, i32, i64 = (DTYPES[t] for t in (torch.uint8, torch.float32, torch.int32, torch.int64))
+    made = _C.torch_shim_tensors([(72, u8), (0, (2, 4), (4, 1), 0), (0, (2, 3), (1, 2), 4, f32),
+                                  (0, (2,), (1,), 5, i64), (0, (2,), (1,), 14, i32), (0, (4,), (1,), 64)],
+                                 DEVICES[device], 0)
+    head, column_major, wide, narrow, tail = made   # the block itself is not returned
+    assert (head.dtype, column_major.dtype, wide.dtype, narrow.dtype, tail.dtype) == \
+        (torch.uint8, torch.float32, torch.int64, torch.int32, torch.uint8)
+    base = head.data_ptr()
+    assert column_major.data_ptr() == base + 16 and column_major.stride() == (1, 2)
+    assert wide.data_ptr() == base + 40 and narrow.data_ptr() == base + 56 and tail.data_ptr() == base + 64
+    values = torch.arange(6, dtype=torch.float32)
+    column_major.copy_(values.view(3, 2).t())
+    wide.copy_(torch.tensor([-1, 2 ** 40]))
+    narrow.fill_(-5)
+    assert column_major.t().flatten().tolist() == values.tolist()   # column-major, as the fp8 scales are
+    assert wide.tolist() == [-1, 2 ** 40] and narrow.tolist() == [-5, -5]
+    head.fill_(1)
+    tail.fill_(9)
+    assert column_major.t().flatten().tolist() == values.tolist() and narrow.tolist() == [-5, -5]  # no overlaps
+    assert _holders(head) == 4   # the other four views, and no typed base left behind
+    del made, column_major, wide, narrow, tail
+    assert _holders(head) == 0 and head.flatten().tolist() == [1] * 8
+
+
 def test_freed_when_dropped():
     """Only Python holds a returned tensor: dropping it frees it (its refcount is the usual one)."""
     (tensor,) = _C.torch_shim_tensors([((1 << 20,), DTYPES[torch.uint8], None)], CPU, 0)

@@ -96,24 +96,34 @@ struct LowLatencyLauncher {
     const int64_t slots = static_cast<int64_t>(region.num_ranks) * num_max_tokens;
     using uccl_ep::bindings::TensorDtype;
     NewTensors outputs(TensorDevice::kCuda, device);
-    void* recv_x = outputs.add({local_experts, slots, hidden}, use_fp8 ? TensorDtype::kFloat8E4M3 : TensorDtype::kBfloat16);
+    // Two allocations: the received rows with their fp8 scales (what the experts read), and one int32 block for
+    // the rest (what the handle keeps), each output from a 128-byte boundary. An allocation costs several views.
+    const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
+    const int64_t recv_x_bytes = local_experts * slots * hidden * (use_fp8 ? 1 : 2);
+    void* recv_x = nullptr;
     void* recv_scales = nullptr;
-    if (use_fp8) {  // column-major in the last two dimensions, as DeepEP's
+    if (use_fp8) {  // the scales column-major in the last two dimensions, as DeepEP's
       const int64_t scales = hidden / (use_ue8m0 ? 512 : 128);
-      recv_scales = outputs.add({local_experts, slots, scales}, use_ue8m0 ? TensorDtype::kInt32 : TensorDtype::kFloat32,
-                                {scales * slots, 1, slots});
+      const int rows = outputs.add_storage(aligned(recv_x_bytes) + local_experts * slots * scales * 4,
+                                           TensorDtype::kFloat8E4M3);
+      recv_x = outputs.add_view(rows, {local_experts, slots, hidden}, {slots * hidden, hidden, 1}, 0);
+      const TensorDtype scales_dtype = use_ue8m0 ? TensorDtype::kInt32 : TensorDtype::kFloat32;
+      recv_scales = outputs.add_view(rows, {local_experts, slots, scales}, {scales * slots, 1, slots},
+                                     aligned(recv_x_bytes) / 4, scales_dtype);
     } else {
+      recv_x = outputs.add({local_experts, slots, hidden}, TensorDtype::kBfloat16);
       outputs.add_none();
     }
-    // The three int32 outputs are views of one block, each from a 128-byte boundary.
-    const auto aligned = [](int64_t elements) { return (elements + 31) / 32 * 32; };
-    const int64_t src_info_at = aligned(local_experts), positions_at = src_info_at + aligned(local_experts * slots);
-    const int ints = outputs.add_storage(positions_at + 2 * num_tokens * num_topk, TensorDtype::kInt32);
+    const int64_t src_info_at = aligned(local_experts * 4);
+    const int64_t layout_at = src_info_at + aligned(local_experts * slots * 4);
+    const int64_t positions_at = layout_at + aligned(local_experts * region.num_ranks * 8);
+    const int ints = outputs.add_storage(positions_at / 4 + 2 * num_tokens * num_topk, TensorDtype::kInt32);
     void* recv_count = outputs.add_view(ints, {local_experts}, {1}, 0);
-    void* src_info = outputs.add_view(ints, {local_experts, slots}, {slots, 1}, src_info_at);
-    void* layout_range = outputs.add({local_experts, region.num_ranks}, TensorDtype::kInt64);
+    void* src_info = outputs.add_view(ints, {local_experts, slots}, {slots, 1}, src_info_at / 4);
+    void* layout_range = outputs.add_view(ints, {local_experts, region.num_ranks}, {region.num_ranks, 1},
+                                          layout_at / 8, TensorDtype::kInt64);
     void* positions =
-        outputs.add_view(ints, {2, num_tokens, num_topk}, {num_tokens * num_topk, num_topk, 1}, positions_at);
+        outputs.add_view(ints, {2, num_tokens, num_topk}, {num_tokens * num_topk, num_topk, 1}, positions_at / 4);
     const uccl_ep::LowLatencyDispatchArgs args{
         region,          x.data,                    static_cast<const int64_t*>(topk_idx.data), num_tokens,
         num_max_tokens,  hidden,                    num_topk,                     num_experts,
@@ -126,8 +136,9 @@ struct LowLatencyLauncher {
   }
 
   // tensors: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info,
-  // layout_range, positions, out or None, combine_wait_recv_cost_stats, x as the caller passed it); values:
-  // (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook).
+  // layout_range, positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed
+  // it, else None); values: (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish,
+  // return_recv_hook).
   // -> (code, the combined rows (allocated; None when out is given), LowLatencyReceive or None), as dispatch.
   py::tuple combine(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
                     std::uintptr_t stream, const py::object& check) {
@@ -253,9 +264,9 @@ void bind_low_latency(py::module_& m) {
            "LowLatencyReceive for the hook when phases has no receive.")
       .def("combine", &LowLatencyLauncher::combine,
            "combine(phases, (x, topk_idx, topk_weights, src_info, layout_range, positions, out, "
-           "combine_wait_recv_cost_stats, x as given), (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, "
-           "async_finish, return_recv_hook), num_sms, stream, check) -> (code, combined, receive) as dispatch; "
-           "combined is None when out is given.")
+           "combine_wait_recv_cost_stats, x as given with zero_copy else None), (num_max_tokens, hidden, "
+           "num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook), num_sms, stream, check) -> (code, "
+           "combined, receive) as dispatch; combined is None when out is given.")
       .def("receive", &LowLatencyLauncher::receive, py::arg("send"),
            "A hook: the receive of `send` on its stream -> the failure code recorded before (nothing launched) or 0.");
 }

@@ -160,7 +160,7 @@ void load_engine_kernels() {
 
 // Tensors made by the mechanism the operations use (torch_tensors.h), from Python's description: each
 // entry None, (sizes, dtype, strides or None), a storage block that only its views return, (elements, dtype),
-// or a view of an earlier entry, (entry, sizes, strides, offset).
+// or a view of an earlier entry, (entry, sizes, strides, offset) or as another dtype (..., offset, dtype).
 py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int device_index) {
   using uccl_ep::bindings::NewTensors;
   NewTensors tensors(static_cast<uccl_ep::bindings::TensorDevice>(device_type), device_index);
@@ -175,6 +175,10 @@ py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int de
     const py::tuple spec = entry.cast<py::tuple>();
     if (spec.size() == 2) {
       tensors.add_storage(spec[0].cast<int64_t>(), static_cast<uccl_ep::bindings::TensorDtype>(spec[1].cast<int>()));
+    } else if (py::isinstance<py::int_>(spec[0]) && spec.size() == 5) {
+      tensors.add_view(spec[0].cast<int>(), spec[1].cast<std::vector<int64_t>>(),
+                       spec[2].cast<std::vector<int64_t>>(), spec[3].cast<int64_t>(),
+                       static_cast<uccl_ep::bindings::TensorDtype>(spec[4].cast<int>()));
     } else if (py::isinstance<py::int_>(spec[0])) {
       tensors.add_view(spec[0].cast<int>(), spec[1].cast<std::vector<int64_t>>(),
                        spec[2].cast<std::vector<int64_t>>(), spec[3].cast<int64_t>());
@@ -240,8 +244,9 @@ PYBIND11_MODULE(_C, m) {
         "device_index, sizes, strides); check() runs when a tensor is not a tensor or None or a value not an int, or "
         "when the call's signature (the tensors' and the values) is not in checked yet.");
   m.def("torch_shim_tensors", &torch_shim_tensors, py::arg("entries"), py::arg("device_type"), py::arg("device_index"),
-        "Tensors made the way the operations make their outputs: each entry None, (sizes, dtype, strides or None) "
-        "or a view of an earlier entry, (entry, sizes, strides, offset); dtype and device_type are the codes of "
+        "Tensors made the way the operations make their outputs: each entry None, (sizes, dtype, strides or None), "
+        "a storage block only its views return, (elements, dtype), or a view of an earlier entry, (entry, sizes, "
+        "strides, offset[, dtype]); dtype and device_type are the codes of "
         "uccl_ep_plugin.engines.native.torch_tensors.");
 
   m.def("channel_stress_host", &channel_stress_host, py::arg("num_producers"), py::arg("commands_per_producer"),

@@ -21,6 +21,7 @@ using EmptyStrided = TorchError (*)(int64_t ndim, const int64_t* sizes, const in
                                     int32_t device_type, int32_t device_index, void** new_tensor);
 using Reinterpret = TorchError (*)(void* self, int64_t ndim, const int64_t* sizes, const int64_t* strides,
                                    int64_t storage_offset, void** new_tensor);
+using ViewDtype = TorchError (*)(void* self, int32_t dtype, void** new_tensor);
 using DeleteTensor = TorchError (*)(void* tensor);
 using GetDataPtr = TorchError (*)(void* tensor, void** data);
 using GetInt64 = TorchError (*)(void* tensor, int64_t* value);
@@ -31,6 +32,7 @@ using Code = int32_t (*)();
 struct TorchShim {
   EmptyStrided empty_strided = nullptr;
   Reinterpret reinterpret = nullptr;
+  ViewDtype view_dtype = nullptr;
   DeleteTensor delete_tensor = nullptr;
   GetDataPtr data_ptr = nullptr;
   GetInt64 dim = nullptr;
@@ -97,6 +99,11 @@ void use_torch_shim(const std::string& libtorch_path, const py::object& to_tenso
   TorchShim found;
   found.empty_strided = lookup<EmptyStrided>(library, "aoti_torch_empty_strided", libtorch_path);
   found.reinterpret = lookup<Reinterpret>(library, "aoti_torch__reinterpret_tensor", libtorch_path);
+  // The per-device name is current; the plain one (deprecated since) is what older torch has. view.dtype is
+  // one composite kernel for every device, so the CPU entry serves CUDA tensors too.
+  found.view_dtype = dlsym(library, "aoti_torch_cpu_view_dtype") != nullptr
+                         ? lookup<ViewDtype>(library, "aoti_torch_cpu_view_dtype", libtorch_path)
+                         : lookup<ViewDtype>(library, "aoti_torch_view_dtype", libtorch_path);
   found.delete_tensor = lookup<DeleteTensor>(library, "aoti_torch_delete_tensor_object", libtorch_path);
   found.data_ptr = lookup<GetDataPtr>(library, "aoti_torch_get_data_ptr", libtorch_path);
   found.dim = lookup<GetInt64>(library, "aoti_torch_get_dim", libtorch_path);
@@ -129,10 +136,18 @@ NewTensors::~NewTensors() {
   for (int i = 0; i < count_; ++i) {
     if (handles_[i] != nullptr) shim.delete_tensor(handles_[i]);
   }
+  drop_typed_base();
 }
 
-void* NewTensors::push(void* handle) {
+void NewTensors::drop_typed_base() {
+  if (typed_base_ != nullptr) shim.delete_tensor(typed_base_);
+  typed_base_ = nullptr;
+  typed_base_entry_ = -1;
+}
+
+void* NewTensors::push(void* handle, TensorDtype dtype) {
   returned_[count_] = true;
+  dtypes_[count_] = dtype;
   handles_[count_++] = handle;
   void* data = nullptr;
   check_torch(shim.data_ptr(handle, &data), "read a new tensor's address");
@@ -152,7 +167,7 @@ void* NewTensors::add(const std::vector<int64_t>& sizes, TensorDtype dtype,
                                  shim.dtypes[static_cast<int>(dtype)], shim.devices[static_cast<int>(device_)],
                                  device_index_, &handle),
               "allocate an output tensor");
-  return push(handle);
+  return push(handle, dtype);
 }
 
 void NewTensors::add_none() {
@@ -169,18 +184,37 @@ int NewTensors::add_storage(int64_t elements, TensorDtype dtype) {
 
 void* NewTensors::add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                            int64_t offset) {
+  if (entry < 0 || entry >= count_) throw std::logic_error("NewTensors::add_view: no such tensor");
+  return add_view(entry, sizes, strides, offset, dtypes_[entry]);
+}
+
+void* NewTensors::add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                           int64_t offset, TensorDtype dtype) {
   if (count_ == kMaxTensors || entry < 0 || entry >= count_ || handles_[entry] == nullptr ||
       sizes.size() != strides.size()) {
     throw std::logic_error("NewTensors::add_view: no such tensor, too many tensors, or strides that do not match");
   }
+  void* base = handles_[entry];
+  if (dtype != dtypes_[entry]) {
+    // The entry as `dtype` (torch's view.dtype: its last dimension's bytes must divide), kept for the next
+    // view of the same kind.
+    if (typed_base_entry_ != entry || typed_base_dtype_ != dtype) {
+      drop_typed_base();
+      check_torch(shim.view_dtype(base, shim.dtypes[static_cast<int>(dtype)], &typed_base_),
+                  "view an output block as another dtype");
+      typed_base_entry_ = entry;
+      typed_base_dtype_ = dtype;
+    }
+    base = typed_base_;
+  }
   void* handle = nullptr;
-  check_torch(shim.reinterpret(handles_[entry], static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
-                               offset, &handle),
+  check_torch(shim.reinterpret(base, static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), offset, &handle),
               "view an output tensor");
-  return push(handle);
+  return push(handle, dtype);
 }
 
 py::list NewTensors::release() {
+  drop_typed_base();
   py::list handles;
   bool present[kMaxTensors];
   const int count = count_;

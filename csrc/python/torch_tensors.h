@@ -48,6 +48,10 @@ class NewTensors {
   // `entry` viewed as `sizes` / `strides` from `offset` elements on (as Tensor.as_strided); returns its address.
   void* add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                  int64_t offset);
+  // The same as `dtype` (as Tensor.view(dtype).as_strided): `offset` counts `dtype` elements, and a 1-D
+  // entry's bytes must be a multiple of its size. Outputs of several dtypes then share one allocation.
+  void* add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+                 int64_t offset, TensorDtype dtype);
   // A 1-D block of `elements` that only the views of it made with add_view return: several outputs of one
   // dtype then cost one allocation (a view costs a fraction of one). Returns its entry.
   int add_storage(int64_t elements, TensorDtype dtype);
@@ -56,13 +60,19 @@ class NewTensors {
   pybind11::list release();
 
  private:
-  void* push(void* handle);
+  void* push(void* handle, TensorDtype dtype);
+  void drop_typed_base();
 
   TensorDevice device_;
   int device_index_;
   void* handles_[kMaxTensors] = {};  // null: None
   bool returned_[kMaxTensors] = {};  // false: a storage block
+  TensorDtype dtypes_[kMaxTensors] = {};
   int count_ = 0;
+  // The last entry viewed as another dtype, as that dtype (a handle this object owns), or none.
+  void* typed_base_ = nullptr;
+  int typed_base_entry_ = -1;
+  TensorDtype typed_base_dtype_ = TensorDtype::kBool;
 };
 
 // A tensor argument as torch's shim describes it.

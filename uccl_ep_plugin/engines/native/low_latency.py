@@ -235,7 +235,9 @@ class NativeLowLatency:
         launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
         code, combined, send = launcher.combine(
             self._send if return_recv_hook else self._send | self._recv,
-            (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats, x_given),
+            # x as given only where it is not x (with zero_copy): a tensor argument costs a read.
+            (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats,
+             x_given if zero_copy else None),
             (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook),
             self.num_sms, self._current_stream(), check)
         if code:
