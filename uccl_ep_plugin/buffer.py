@@ -22,7 +22,7 @@ from .engines.reference import ReferenceEngine
 from .engines.native.peers import first_reason
 from .engines.rail import rail_setup_reason, rail_transport
 from .engines.two_level import TwoLevel, even_hosts
-from .event_overlap import EventHandle, EventOverlap
+from .event_overlap import NO_EVENT, EventHandle, EventOverlap
 from .handles import LowLatencyHandle, NormalHandle, owner_of
 from .hosts import RdmaRanks, host_or_error, hosts_of
 from .notices import warn_once
@@ -36,8 +36,13 @@ DEVICE_ENV = "UCCL_EP_DEVICE"
 DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
 _NO_SCOPE = nullcontext()   # a call on the caller's stream: no stream scope
+_DESTROYED = "this Buffer was destroyed"
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _low_latency_mode_needed(operation: str) -> RuntimeError:
+    return RuntimeError(f"{operation} needs Buffer(low_latency_mode=True)")
 
 
 def _without_torch_function(operation):
@@ -356,7 +361,7 @@ class Buffer:
 
     def _check_alive(self) -> None:
         if self._destroyed:
-            raise RuntimeError("this Buffer was destroyed")
+            raise RuntimeError(_DESTROYED)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -423,8 +428,13 @@ class Buffer:
         return None if self._traffic is None else self._traffic.snapshot()
 
     # ------------------------------------------------------------------ engine routing
-    def _engine_for(self, operation: str):
-        self._check_alive()
+    def _engine_for(self, operation: str, low_latency: bool = False):
+        """The engine serving ``operation`` on this live Buffer; ``low_latency``: the operation needs low-latency mode
+        (one call for both checks: a low-latency call's Python is mostly such calls, several times slower when cold)."""
+        if self._destroyed:
+            raise RuntimeError(_DESTROYED)
+        if low_latency and not self.low_latency_mode:
+            raise _low_latency_mode_needed(operation)
         served_by = self.engine_by_operation[operation]
         if served_by == TwoLevel.name:
             if self._two_level is None:   # uneven hosts
@@ -500,8 +510,7 @@ class Buffer:
             check_same_device(self.device, topk_idx=topk_idx)
         check = self._checked_by(engine, check)
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
-            return engine.get_dispatch_layout(topk_idx, num_experts, self._current_stream(), check) + (
-                EventOverlap(),)
+            return engine.get_dispatch_layout(topk_idx, num_experts, self._current_stream(), check) + (NO_EVENT,)
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             per_rank, per_rdma_rank, per_expert, in_rank = engine.get_dispatch_layout(topk_idx, num_experts,
                                                                                       scope.launch_stream, check)
@@ -553,7 +562,7 @@ class Buffer:
                                          topk_weights=topk_weights, expert_alignment=expert_alignment,
                                          num_worst_tokens=num_worst_tokens, num_channels=config.num_channels,
                                          cached_handle=cached, stream=self._current_stream(), check=check)
-                event = EventOverlap()
+                event = NO_EVENT
             except ExchangeTooLarge as error:
                 # Every rank raises alike, before any row moved: the reference engine serves this call.
                 self._warn_normal_fallback(error)
@@ -652,7 +661,7 @@ class Buffer:
         if self._plain_call(engine, previous_event, async_finish, allocate_on_comm_stream):
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases, config.num_channels,
                                                                self._current_stream(), check)
-            return combined_x, combined_topk_weights, EventOverlap()
+            return combined_x, combined_topk_weights, NO_EVENT
         with self._scope(previous_event, async_finish, allocate_on_comm_stream) as scope:
             combined_x, combined_topk_weights = engine.combine(x, parts, topk_weights, biases,
                                                                num_channels=config.num_channels,
@@ -714,8 +723,7 @@ class Buffer:
         column-major in the last two dimensions). Only the first ``recv_count[e]`` rows of expert ``e`` are valid.
         With ``return_recv_hook`` the call only sends; ``hook()`` receives.
         """
-        engine = self._engine_for("low_latency_dispatch")
-        self._require_low_latency_mode("low_latency_dispatch")
+        engine = self._engine_for("low_latency_dispatch", low_latency=True)
         # The engines take the call's arguments as one tuple in this order (a call with a dozen keywords cost a
         # sixth of this method's Python).
         call = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
@@ -737,7 +745,7 @@ class Buffer:
         handle = self._low_latency_handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.shape[1],
                                            num_experts))
         handle.positions = positions
-        event = EventOverlap()
+        event = NO_EVENT
         if async_finish:
             outputs = (recv_x, recv_x_scales, recv_count, src_info, layout_range, positions)
             event = scope.finish(outputs, (x, topk_idx) + outputs)
@@ -782,8 +790,7 @@ class Buffer:
         :meth:`get_next_low_latency_combine_buffer`); ``topk_idx``/``topk_weights`` are the dispatch's.
         Returns ``(combined_x [N, H] bf16 (``out`` if given), event, hook)``.
         """
-        engine = self._engine_for("low_latency_combine")
-        self._require_low_latency_mode("low_latency_combine")
+        engine = self._engine_for("low_latency_combine", low_latency=True)
         src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
         check = self._checked_by(engine, functools.partial(
             self._check_low_latency_combine, engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
@@ -800,7 +807,7 @@ class Buffer:
         with scope:   # as in dispatch
             combined, hook = engine.low_latency_combine(call, self._mask, self._low_latency_buffer_idx, check)
         self._low_latency_buffer_idx ^= 1
-        event = EventOverlap()
+        event = NO_EVENT
         if async_finish:
             event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined, positions))
         return combined, event, hook
@@ -865,7 +872,7 @@ class Buffer:
     def _require_low_latency_mode(self, operation: str) -> None:
         self._check_alive()
         if not self.low_latency_mode:
-            raise RuntimeError(f"{operation} needs Buffer(low_latency_mode=True)")
+            raise _low_latency_mode_needed(operation)
 
     def _require_shrink(self, operation: str) -> None:
         self._check_alive()

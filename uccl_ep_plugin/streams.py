@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .event_overlap import EventHandle, EventOverlap
+from .event_overlap import NO_EVENT, EventHandle, EventOverlap
 
 
 def _raw_stream_accessor():
@@ -108,7 +108,7 @@ class StreamScope:
         async_finish, the caller's ``inputs`` are kept from reuse until the communication stream's work ends
         (as DeepEP records them): the caller may free them before it waits for the event."""
         if self.comm is None:
-            return EventOverlap(EventHandle(device=self.device), extra_tensors) if self.async_finish else EventOverlap()
+            return EventOverlap(EventHandle(device=self.device), extra_tensors) if self.async_finish else NO_EVENT
         if self.on_comm_stream:
             _record(outputs, self._compute_stream)   # allocated on the communication stream, used on the caller's
         if self.async_finish:
@@ -116,7 +116,7 @@ class StreamScope:
             return EventOverlap(EventHandle(stream=self.comm.stream, device=self.device), extra_tensors)
         self.comm.comm_done.record(self.comm.stream)
         self._compute_stream.wait_event(self.comm.comm_done)
-        return EventOverlap()
+        return NO_EVENT
 
 
 def _record(tensors: Iterable[Optional[torch.Tensor]], stream) -> None:

@@ -205,9 +205,12 @@ class NativeLowLatency:
          use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = call
         if self.proxy_path is not None:
             self.proxy_path.check()
-        if not (isinstance(x, torch.Tensor) and x.dim() == 2):   # the launcher is picked by x's hidden size
+        try:   # the launcher is picked by x's hidden size; the checks name an x that has none
+            hidden = x.shape[1]
+        except (AttributeError, IndexError, TypeError):
             check()
-        launcher = self._launcher(num_max_tokens, x.shape[1], num_experts, buffer_idx, masked_ranks, check)
+            raise
+        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
         code, outputs, send = launcher.dispatch(
             self._send if return_recv_hook else self._send | self._recv,
             (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats),
