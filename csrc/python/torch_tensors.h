@@ -52,8 +52,8 @@ class NewTensors {
   // entry's bytes must be a multiple of its size. Outputs of several dtypes then share one allocation.
   void* add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                  int64_t offset, TensorDtype dtype);
-  // A 1-D block of `elements` that only the views of it made with add_view return: several outputs of one
-  // dtype then cost one allocation (a view costs a fraction of one). Returns its entry.
+  // A 1-D block of `elements` that only the views of it made with add_view return: several outputs then cost
+  // one allocation (a view costs a fraction of one, a view as another dtype half of one). Returns its entry.
   int add_storage(int64_t elements, TensorDtype dtype);
   int size() const { return count_; }
   // The tensors (None where add_none), in order, without the storage blocks; this object then holds none.
