@@ -598,11 +598,13 @@ def recv_hook_section(h: Harness, case: Case, inputs: Inputs, tag: str) -> None:
             if not h.rec.expect(callable(got_d[4]), f"{tag}: return_recv_hook=True must return a callable hook"):
                 continue
             got_d[4]()
+            got_d[4]()   # a second call receives nothing more (a second receive would wait for a send in vain)
             h.check_dispatch(got_d, want_d, f"{tag} dispatch through the hook (fp8={use_fp8})", use_fp8=use_fp8)
             expert_out = expert_outputs(want_d)
             got, _, hook = h.combine(h.candidate, got_d, inputs, expert_out, return_recv_hook=True)
             want = h.combine(h.oracle, want_d, inputs, expert_out)[0]
             if h.rec.expect(callable(hook), f"{tag}: combine with return_recv_hook=True must return a hook"):
+                hook()
                 hook()
                 h.check_combine(got, want, f"{tag} combine through the hook (fp8={use_fp8})")
 

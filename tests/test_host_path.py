@@ -67,7 +67,7 @@ class RecordingExtension:
                 extension.calls["LowLatencyState.release"] += 1
 
         class Launcher:
-            def __init__(self, region, device, state, prereduce):
+            def __init__(self, region, device, state, prereduce, before, on_failure):
                 extension.calls["LowLatencyLauncher"] += 1
                 self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}
 
@@ -82,7 +82,7 @@ class RecordingExtension:
                     ((num_experts, slots, scales), torch.float32, (scales * slots, 1, slots)) if use_fp8 else None,
                     ((num_experts,), torch.int32), ((num_experts, slots), torch.int32), ((num_experts, 1), torch.int64),
                     ((2, num_tokens, num_topk), torch.int32))
-                return 0, outputs, None if phases & extension.LOW_LATENCY_RECV else ("receive", phases)
+                return 0, outputs, None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
 
             def combine(self, phases, tensors, values, num_sms, stream, check):
                 extension.calls[f"LowLatencyLauncher.combine(phases={phases})"] += 1
@@ -90,11 +90,15 @@ class RecordingExtension:
                 num_tokens, hidden = arguments[1][4][0], values[1]
                 combined = (None if arguments[6] is not None
                             else _made_by_the_extension(((num_tokens, hidden), torch.bfloat16))[0])
-                return 0, combined, None if phases & extension.LOW_LATENCY_RECV else ("receive", phases)
+                return 0, combined, None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
 
-            def receive(self, send):
-                extension.calls[f"LowLatencyLauncher.receive(phases={send[1]})"] += 1
-                return 0
+        class Hook:   # the extension's LowLatencyHook
+            def __init__(self, phases):
+                self.phases = phases
+                extension.last_hook = self
+
+            def __call__(self):
+                extension.calls[f"LowLatencyHook(phases={self.phases})"] += 1
 
         self.LowLatencyLauncher = Launcher
         self.state = State()
@@ -265,11 +269,11 @@ def test_low_latency_hook_is_one_extension_call_each(native_buffer):
     _, _, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True))
     assert calls == {"LowLatencyLauncher.dispatch(phases=1)": 1}
     hook = buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)[4]
+    assert hook is extension.last_hook   # the extension's own object: no Python of ours around it
     extension.calls.clear()
     with AtenOps() as aten:
         hook()
-        hook()   # a second call receives nothing more
-    assert dict(extension.calls) == {"LowLatencyLauncher.receive(phases=1)": 1}
+    assert dict(extension.calls) == {"LowLatencyHook(phases=1)": 1}
     assert not aten.ops
 
 

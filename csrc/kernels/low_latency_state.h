@@ -24,6 +24,7 @@ class LowLatencyState {
   LowLatencyStatus status() const;           // read from the host, no sync
   void reset();                              // zero both halves and the status (synchronises)
   void release();
+  bool released() const { return control_ == nullptr; }
 
  private:
   int device_;

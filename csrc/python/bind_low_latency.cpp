@@ -58,30 +58,73 @@ uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_
                                    outbox_release_pos};
 }
 
-// A send launched without its receive (a hook's operation): what the receive launch needs, on the
-// stream the send used (as DeepEP's hooks).
-struct LowLatencyReceive {
+void launch(int device, const uccl_ep::LowLatencyDispatchArgs& args, uccl_ep::gpuStream_t stream) {
+  py::gil_scoped_release no_gil;
+  const uccl_ep::CurrentDevice on_device(device);
+  uccl_ep::launch_low_latency_dispatch(args, stream);
+}
+void launch(int device, const uccl_ep::LowLatencyCombineArgs& args, uccl_ep::gpuStream_t stream) {
+  py::gil_scoped_release no_gil;
+  const uccl_ep::CurrentDevice on_device(device);
+  uccl_ep::launch_low_latency_combine(args, stream);
+}
+
+// What the engine's Python adds to a hook: `before` (the proxy path's check, or None) runs before the receive,
+// and `on_failure` (a weak method of the engine: a hook must not keep a destroyed engine alive, and a strong one
+// would close a cycle through this extension's objects that the collector cannot see) raises the failure
+// recorded before it, given its code.
+struct HookCallbacks {
+  py::object state;  // the Python LowLatencyState: alive as long as a hook may read its status
+  py::object before, on_failure;
+};
+
+// The hook of a send launched without its receive (return_recv_hook): calling it launches the receive on the
+// send's stream, as DeepEP's hooks do; later calls do nothing, as the reference engine's. One extension object,
+// so a hook call is one call into the extension, with no Python of ours around it.
+struct LowLatencyHook {
   std::variant<uccl_ep::LowLatencyDispatchArgs, uccl_ep::LowLatencyCombineArgs> args;
   uccl_ep::gpuStream_t stream;
+  int device;
+  HookCallbacks callbacks;
+  bool received = false;
+
+  void operator()() {
+    if (received) return;
+    const auto& state = callbacks.state.cast<const uccl_ep::LowLatencyState&>();
+    if (state.released()) throw std::runtime_error("this Buffer was destroyed: its low-latency hooks cannot receive");
+    if (!callbacks.before.is_none()) callbacks.before();
+    const int32_t failure = state.status().code;
+    if (failure != uccl_ep::kLowLatencyOk) {
+      const py::object raise = callbacks.on_failure();
+      if (!raise.is_none()) raise(failure);
+      throw std::runtime_error("low-latency hook: a kernel recorded failure code " + std::to_string(failure));
+    }
+    std::visit([&](auto receive) {
+      receive.phases = uccl_ep::kLowLatencyRecv;
+      launch(device, receive, stream);
+    }, args);
+    received = true;
+  }
 };
 
 // One half of the low-latency region with what every launch on it needs besides the call's own
 // arguments: the device to make current, and the state whose recorded failure stops a launch.
 // A low-latency operation is one call of dispatch or combine, which reads its tensor arguments and
 // runs the caller's checks only for a new kind of call (TensorArguments, torch_tensors.h), allocates
-// its outputs with torch and launches; a hook is one call of receive. Each returns first the failure
-// code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
+// its outputs with torch and launches (and, for a send alone, returns its LowLatencyHook). Each returns
+// first the failure code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
 struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
-  const uccl_ep::LowLatencyState* state;
+  const uccl_ep::LowLatencyState* state;  // callbacks.state's
   bool prereduce;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
+  HookCallbacks callbacks;
   uccl_ep::bindings::CheckedCalls checked_dispatches, checked_combines;
 
   // tensors: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats); values:
   // (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
   // -> (code, [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions],
-  //     LowLatencyReceive when phases has no receive, else None)
+  //     the hook (a LowLatencyHook) when phases has no receive, else None)
   py::tuple dispatch(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
                      std::uintptr_t stream, const py::object& check) {
     const uccl_ep::bindings::TensorArguments in(tensors, values, checked_dispatches, check);
@@ -131,15 +174,15 @@ struct LowLatencyLauncher {
         recv_scales,     static_cast<int32_t*>(recv_count), static_cast<int32_t*>(src_info),
         static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), static_cast<int32_t*>(in[2].data),
         static_cast<int64_t*>(in[3].data), phases, num_sms};
-    launch(args, as_stream(stream));
-    return py::make_tuple(0, outputs.release(), pending(args, phases, stream));
+    launch(device, args, as_stream(stream));
+    return py::make_tuple(0, outputs.release(), hook(args, phases, stream));
   }
 
   // tensors: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info,
   // layout_range, positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed
   // it, else None); values: (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish,
   // return_recv_hook).
-  // -> (code, the combined rows (allocated; None when out is given), LowLatencyReceive or None), as dispatch.
+  // -> (code, the combined rows (allocated; None when out is given), the hook or None), as dispatch.
   py::tuple combine(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
                     std::uintptr_t stream, const py::object& check) {
     const uccl_ep::bindings::TensorArguments in(tensors, values, checked_combines, check);
@@ -161,37 +204,16 @@ struct LowLatencyLauncher {
         hidden,         num_topk,               num_experts,                  in.value(3) != 0,
         combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms,
         prereduce};
-    launch(args, as_stream(stream));
+    launch(device, args, as_stream(stream));
     return py::make_tuple(0, out.present ? py::object(py::none()) : py::object(outputs.release()[0]),
-                          pending(args, phases, stream));
-  }
-
-  // A hook's receive.
-  int32_t receive(const LowLatencyReceive& send) const {
-    const int32_t failure = state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) return failure;
-    std::visit([&](auto args) {
-      args.phases = uccl_ep::kLowLatencyRecv;
-      launch(args, send.stream);
-    }, send.args);
-    return uccl_ep::kLowLatencyOk;
+                          hook(args, phases, stream));
   }
 
  private:
-  void launch(const uccl_ep::LowLatencyDispatchArgs& args, uccl_ep::gpuStream_t stream) const {
-    py::gil_scoped_release no_gil;
-    const uccl_ep::CurrentDevice on_device(device);
-    uccl_ep::launch_low_latency_dispatch(args, stream);
-  }
-  void launch(const uccl_ep::LowLatencyCombineArgs& args, uccl_ep::gpuStream_t stream) const {
-    py::gil_scoped_release no_gil;
-    const uccl_ep::CurrentDevice on_device(device);
-    uccl_ep::launch_low_latency_combine(args, stream);
-  }
   template <typename Args>
-  static py::object pending(const Args& args, int32_t phases, std::uintptr_t stream) {
+  py::object hook(const Args& args, int32_t phases, std::uintptr_t stream) const {
     if (phases & uccl_ep::kLowLatencyRecv) return py::none();
-    return py::cast(LowLatencyReceive{args, as_stream(stream)});
+    return py::cast(LowLatencyHook{args, as_stream(stream), device, callbacks});
   }
 };
 
@@ -247,27 +269,34 @@ void bind_low_latency(py::module_& m) {
   m.def("low_latency_flags_per_source", &uccl_ep::low_latency_flags_per_source, py::arg("local_experts"));
   m.def("low_latency_index_per_source", &uccl_ep::low_latency_index_per_source, py::arg("local_experts"),
         py::arg("num_max_tokens"));
-  py::class_<LowLatencyReceive>(m, "LowLatencyReceive", "A low-latency send's receive, for its hook.");
+  py::class_<LowLatencyHook>(m, "LowLatencyHook",
+                             "A low-latency send's receive hook: calling it launches the receive on the send's stream "
+                             "(once; later calls do nothing).")
+      .def("__call__", &LowLatencyHook::operator());
   py::class_<LowLatencyLauncher>(m, "LowLatencyLauncher",
                                  "Launches the low-latency kernels on one half of the region (positional "
                                  "arguments only: each operation is one call).")
-      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const LowLatencyState& state,
-                       bool prereduce) { return LowLatencyLauncher{region, device, &state, prereduce, {}, {}}; }),
-           py::arg("region"), py::arg("device"), py::arg("state"), py::arg("prereduce"), py::keep_alive<1, 4>())
+      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const py::object& state, bool prereduce,
+                       const py::object& before, const py::object& on_failure) {
+             return LowLatencyLauncher{region, device, &state.cast<const LowLatencyState&>(), prereduce,
+                                       HookCallbacks{state, before, on_failure}, {}, {}};
+           }),
+           py::arg("region"), py::arg("device"), py::arg("state"), py::arg("prereduce"), py::arg("before"),
+           py::arg("on_failure"),
+           "`before` (None or a check) runs before a hook's receive; `on_failure` returns None or what raises a "
+           "failure recorded before a hook's receive, given its code.")
       .def("dispatch", &LowLatencyLauncher::dispatch,
            "dispatch(phases, (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), "
            "(num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook), num_sms, "
-           "stream, check) -> (code, outputs, receive): check (the caller's argument checks) runs only for a kind of "
+           "stream, check) -> (code, outputs, hook): check (the caller's argument checks) runs only for a kind of "
            "call not seen pass before; code is the failure recorded before (nothing allocated or launched), else 0 "
            "with the outputs [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions] "
-           "allocated on the current stream and the kernel (send, receive or both) queued on `stream`; receive: a "
-           "LowLatencyReceive for the hook when phases has no receive.")
+           "allocated on the current stream and the kernel (send, receive or both) queued on `stream`; hook: a "
+           "LowLatencyHook when phases has no receive, else None.")
       .def("combine", &LowLatencyLauncher::combine,
            "combine(phases, (x, topk_idx, topk_weights, src_info, layout_range, positions, out, "
            "combine_wait_recv_cost_stats, x as given with zero_copy else None), (num_max_tokens, hidden, "
            "num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook), num_sms, stream, check) -> (code, "
-           "combined, receive) as dispatch; combined is None when out is given.")
-      .def("receive", &LowLatencyLauncher::receive, py::arg("send"),
-           "A hook: the receive of `send` on its stream -> the failure code recorded before (nothing launched) or 0.");
+           "combined, hook) as dispatch; combined is None when out is given.");
 }
 #endif  // UCCL_EP_WITH_GPU

@@ -7,6 +7,7 @@ low-latency call (or hook) raises it as CommTimeoutError. With enable_shrink the
 is masked instead.
 """
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -145,8 +146,11 @@ class NativeLowLatency:
         if launcher is None:
             check()
             layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
+            # The launcher's hooks (extension objects) check the proxy path first and raise a recorded failure as
+            # check() does; weakly, so that no hook keeps a destroyed engine alive.
             launcher = self._launchers[key] = self._C.LowLatencyLauncher(
-                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state, self.prereduce)
+                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state, self.prereduce,
+                None if self.proxy_path is None else self.proxy_path.check, weakref.WeakMethod(self._raise_failure))
         return launcher
 
     def _new_region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
@@ -171,27 +175,9 @@ class NativeLowLatency:
             aggressive_atomics=self.aggressive_atomics, **proxy)
 
     def _raise_failure(self, code: int) -> None:
-        """A launcher call found a failure recorded before it (code != 0): raise it."""
+        """A launcher call or a hook found a failure recorded before it (code != 0): raise it."""
         self.check()
         raise RuntimeError(f"rank {self.rank}: low-latency call refused with code {code}, but no failure is recorded")
-
-    def _hook(self, launcher, send) -> Callable[[], None]:
-        """The hook that receives what ``send`` (a LowLatencyReceive) sent, on its stream; later calls do nothing,
-        as with the reference engine."""
-        received = []
-
-        def hook() -> None:
-            if received:
-                return
-            if self.state is None:
-                raise RuntimeError("this Buffer was destroyed: its low-latency hooks cannot receive")
-            if self.proxy_path is not None:
-                self.proxy_path.check()
-            code = launcher.receive(send)
-            if code:
-                self._raise_failure(code)
-            received.append(True)
-        return hook
 
     # ------------------------------------------------------------------ operations
     # Each is one launcher call: it reads the tensors, runs the caller's checks (``check``) only for a kind of call
@@ -211,7 +197,7 @@ class NativeLowLatency:
             check()
             raise
         launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
-        code, outputs, send = launcher.dispatch(
+        code, outputs, hook = launcher.dispatch(
             self._send if return_recv_hook else self._send | self._recv,
             (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats),
             (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
@@ -219,7 +205,6 @@ class NativeLowLatency:
         if code:
             self._raise_failure(code)
         recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
-        hook = self._hook(launcher, send) if return_recv_hook else None
         # The reference engine's LowLatencyDispatchResult items as a plain tuple (the named one costs more to build
         # than this method).
         return recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions
@@ -236,7 +221,7 @@ class NativeLowLatency:
             check()
             positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
         launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
-        code, combined, send = launcher.combine(
+        code, combined, hook = launcher.combine(
             self._send if return_recv_hook else self._send | self._recv,
             # x as given only where it is not x (with zero_copy): a tensor argument costs a read.
             (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats,
@@ -245,5 +230,4 @@ class NativeLowLatency:
             self.num_sms, self._current_stream(), check)
         if code:
             self._raise_failure(code)
-        hook = self._hook(launcher, send) if return_recv_hook else None
         return (out if combined is None else combined), hook
