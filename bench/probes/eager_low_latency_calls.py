@@ -46,6 +46,17 @@ def _timed_alone(call, group, iterations: int, warmup: int = 10):
     return statistics.median(events), statistics.median(host)
 
 
+def _host_speed(tokens: int, hidden: int, iterations: int = 200) -> float:
+    """Median host us of a torch.empty of the dispatch's input size (no kernel): how fast this process's host
+    path runs at all."""
+    times = []
+    for _ in range(iterations):
+        began = time.perf_counter()
+        torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        times.append((time.perf_counter() - began) * 1e6)
+    return statistics.median(times)
+
+
 def _back_to_back(call, group, iterations: int, warmup: int = 10) -> float:
     """Events us per call over ``iterations`` calls issued with no wait between them."""
     for _ in range(warmup):
@@ -102,7 +113,9 @@ def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> Non
         rows.append(("dispatch + combine, back to back", (_back_to_back(both, group, args.iters), None)))
         if rank == 0:
             print(f"{args.package}, {num_ranks} rank(s), {tokens} tokens, H {hidden}, {experts} experts, "
-                  f"top-{args.topk}, fp8 dispatch (median us)")
+                  f"top-{args.topk}, fp8 dispatch (median us); this process's host speed: torch.empty "
+                  f"{_host_speed(tokens, hidden):.1f} us (processes on one host can differ up to 2x: compare runs "
+                  "of like speed)")
             print("| call | events | host |\n|---|---|---|")
             for name, (events, host) in rows:
                 print(f"| {name} | {events:.1f} | {'' if host is None else f'{host:.1f}'} |")
