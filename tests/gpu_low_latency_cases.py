@@ -851,6 +851,30 @@ def missing_peer_body(rank: int, num_ranks: int, group, rec: Recorder, *, candid
     dist.barrier(group=side)
 
 
+def hook_after_destroy_body(rank: int, num_ranks: int, group, rec: Recorder, *, candidate: str) -> None:
+    """Every rank sends a dispatch and a combine with return_recv_hook, destroys its Buffer, then calls the
+    hooks: each raises a RuntimeError saying the Buffer was destroyed (a receive then would read freed memory)."""
+    case = TIMEOUT_CASE
+    with rec.section("hook_after_destroy"):
+        buffer = make_buffer(group, candidate, case.rdma_bytes(num_ranks), explicitly_destroy=True)
+        inputs = make_inputs(case, rank, case.seed, buffer.device)
+        dispatched = buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts,
+                                                 use_fp8=False, return_recv_hook=True)
+        dispatched[4]()
+        expert_out = torch.randn(dispatched[0].shape, dtype=torch.bfloat16, device=buffer.device)
+        combine_hook = buffer.low_latency_combine(expert_out, inputs.topk_idx, inputs.topk_weights, dispatched[2],
+                                                  return_recv_hook=True)[2]
+        dispatch_hook = buffer.low_latency_dispatch(inputs.x, inputs.topk_idx, case.max_tokens, case.num_experts,
+                                                    use_fp8=False, return_recv_hook=True)[4]
+        buffer.destroy()
+        for name, hook in (("dispatch", dispatch_hook), ("combine", combine_hook)):
+            try:
+                hook()
+                rec.expect(False, f"rank {rank}: the {name} hook of a destroyed Buffer received")
+            except RuntimeError as error:
+                rec.expect("destroyed" in str(error), f"rank {rank}: the {name} hook raised {error!r}")
+
+
 def _sync(buffer: Buffer) -> None:
     if buffer.device.type == "cuda":
         torch.cuda.synchronize(buffer.device)

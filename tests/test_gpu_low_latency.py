@@ -145,6 +145,16 @@ def test_missing_peer_in_combine(combine):
     assert_section(results, "missing_combine_peer_raises")
 
 
+@pytest.mark.gpu
+@needs_rank_gpus
+@needs_native
+def test_hook_of_a_destroyed_buffer_raises():
+    """A hook kept past Buffer.destroy() raises instead of receiving into released memory."""
+    results = SectionCache(ll.hook_after_destroy_body, backend="nccl", deadline_s=90.0,
+                           candidate=CANDIDATE).get(RANKS)
+    assert_section(results, "hook_after_destroy")
+
+
 # ---------------------------------------------------------------------------------------- the harness, on CPU
 _SELF_CHECK = SectionCache(ll.comparison_body, deadline_s=120.0, candidate="reference", cases=ll.SELF_CHECK_CASES,
                            mask_cases=ll.SELF_CHECK_MASK_CASES, graph_cases=(), tampers=tuple(ll.TAMPER_DETECTED_BY))
