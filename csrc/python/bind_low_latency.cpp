@@ -69,12 +69,13 @@ void launch(int device, const uccl_ep::LowLatencyCombineArgs& args, uccl_ep::gpu
   uccl_ep::launch_low_latency_combine(args, stream);
 }
 
-// What the engine's Python adds to a hook: `before` (the proxy path's check, or None) runs before the receive,
-// and `on_failure` (a weak method of the engine: a hook must not keep a destroyed engine alive, and a strong one
-// would close a cycle through this extension's objects that the collector cannot see) raises the failure
-// recorded before it, given its code.
-struct HookCallbacks {
-  py::object state;  // the Python LowLatencyState: alive as long as a hook may read its status
+// Where a launcher and its hooks find failures: the state's recorded status (a launch stops at one); for a hook
+// also `before` (the proxy path's check, or None), run before the receive, and `on_failure` (a weak method of
+// the engine: a hook must not keep a destroyed engine alive, and a strong one would close a cycle through this
+// extension's objects that the collector cannot see), which raises a recorded failure, given its code.
+struct FailureChecks {
+  py::object state_owner;  // the Python LowLatencyState: alive as long as a hook may read its status
+  const uccl_ep::LowLatencyState* state;  // state_owner's, read once
   py::object before, on_failure;
 };
 
@@ -85,17 +86,18 @@ struct LowLatencyHook {
   std::variant<uccl_ep::LowLatencyDispatchArgs, uccl_ep::LowLatencyCombineArgs> args;
   uccl_ep::gpuStream_t stream;
   int device;
-  HookCallbacks callbacks;
+  FailureChecks failures;
   bool received = false;
 
   void operator()() {
     if (received) return;
-    const auto& state = callbacks.state.cast<const uccl_ep::LowLatencyState&>();
-    if (state.released()) throw std::runtime_error("this Buffer was destroyed: its low-latency hooks cannot receive");
-    if (!callbacks.before.is_none()) callbacks.before();
-    const int32_t failure = state.status().code;
+    if (failures.state->released()) {
+      throw std::runtime_error("this Buffer was destroyed: its low-latency hooks cannot receive");
+    }
+    if (!failures.before.is_none()) failures.before();
+    const int32_t failure = failures.state->status().code;
     if (failure != uccl_ep::kLowLatencyOk) {
-      const py::object raise = callbacks.on_failure();
+      const py::object raise = failures.on_failure();
       if (!raise.is_none()) raise(failure);
       throw std::runtime_error("low-latency hook: a kernel recorded failure code " + std::to_string(failure));
     }
@@ -108,7 +110,7 @@ struct LowLatencyHook {
 };
 
 // One half of the low-latency region with what every launch on it needs besides the call's own
-// arguments: the device to make current, and the state whose recorded failure stops a launch.
+// arguments: the device to make current, and where a recorded failure stops a launch (FailureChecks).
 // A low-latency operation is one call of dispatch or combine, which reads its tensor arguments and
 // runs the caller's checks only for a new kind of call (TensorArguments, torch_tensors.h), allocates
 // its outputs with torch and launches (and, for a send alone, returns its LowLatencyHook). Each returns
@@ -116,9 +118,8 @@ struct LowLatencyHook {
 struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
-  const uccl_ep::LowLatencyState* state;  // callbacks.state's
   bool prereduce;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
-  HookCallbacks callbacks;
+  FailureChecks failures;
   uccl_ep::bindings::CheckedCalls checked_dispatches, checked_combines;
 
   // tensors: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats); values:
@@ -128,7 +129,7 @@ struct LowLatencyLauncher {
   py::tuple dispatch(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
                      std::uintptr_t stream, const py::object& check) {
     const uccl_ep::bindings::TensorArguments in(tensors, values, checked_dispatches, check);
-    const int32_t failure = state->status().code;
+    const int32_t failure = failures.state->status().code;
     if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
     const auto &x = in[0], &topk_idx = in[1];
     const int32_t num_tokens = static_cast<int32_t>(x.size(0)), hidden = static_cast<int32_t>(x.size(1));
@@ -186,7 +187,7 @@ struct LowLatencyLauncher {
   py::tuple combine(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
                     std::uintptr_t stream, const py::object& check) {
     const uccl_ep::bindings::TensorArguments in(tensors, values, checked_combines, check);
-    const int32_t failure = state->status().code;
+    const int32_t failure = failures.state->status().code;
     if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
     const auto &topk_idx = in[1], &out = in[6];
     const int32_t num_tokens = static_cast<int32_t>(topk_idx.size(0));
@@ -213,7 +214,7 @@ struct LowLatencyLauncher {
   template <typename Args>
   py::object hook(const Args& args, int32_t phases, std::uintptr_t stream) const {
     if (phases & uccl_ep::kLowLatencyRecv) return py::none();
-    return py::cast(LowLatencyHook{args, as_stream(stream), device, callbacks});
+    return py::cast(LowLatencyHook{args, as_stream(stream), device, failures});
   }
 };
 
@@ -278,8 +279,9 @@ void bind_low_latency(py::module_& m) {
                                  "arguments only: each operation is one call).")
       .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const py::object& state, bool prereduce,
                        const py::object& before, const py::object& on_failure) {
-             return LowLatencyLauncher{region, device, &state.cast<const LowLatencyState&>(), prereduce,
-                                       HookCallbacks{state, before, on_failure}, {}, {}};
+             return LowLatencyLauncher{region, device, prereduce,
+                                       FailureChecks{state, &state.cast<const LowLatencyState&>(), before, on_failure},
+                                       {}, {}};
            }),
            py::arg("region"), py::arg("device"), py::arg("state"), py::arg("prereduce"), py::arg("before"),
            py::arg("on_failure"),
