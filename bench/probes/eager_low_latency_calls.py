@@ -3,12 +3,13 @@
 Each call follows a device sync and a barrier; CUDA events around it give the time a caller's stream spends on it
 (the host's time until the kernel is launched, then the kernel), and the host clock the time until the call
 returned. Also the dispatch with its receive hook, and a dispatch + combine pair issued back to back (the kernels'
-time once the host runs ahead). ``--package`` names the module whose ``Buffer`` is timed: this package, or any with
-DeepEP's API installed beside it (e.g. ``deep_ep``), so both can be measured on the same machine in one session.
-One process per GPU over NCCL; ``--ranks 1`` times the host path alone, with no peer to wait for.
-Results: docs/PERFORMANCE.md.
+time once the host runs ahead). ``--packages`` names the modules whose ``Buffer``s are timed: this package, and any
+with DeepEP's API installed beside it (e.g. ``deep_ep``). Several packages run in the same processes, each with its
+own Buffer, their calls taking turns: the host of a process on the lent machines can run twice as fast as another's,
+so only figures taken in one process compare. One process per GPU over NCCL; ``--ranks 1`` times the host path
+alone, with no peer to wait for. Results: docs/PERFORMANCE.md.
 
-    python bench/probes/eager_low_latency_calls.py --ranks 1 [--package deep_ep]
+    python bench/probes/eager_low_latency_calls.py --ranks 2 --packages uccl_ep_plugin,deep_ep
 """
 
 import argparse
@@ -27,23 +28,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from uccl_ep_plugin.local_port import free_local_port  # noqa: E402
 
 
-def _timed_alone(call, group, iterations: int, warmup: int = 10):
-    """Median (events us, host us) of ``call`` run alone: a sync and a barrier before each."""
-    events, host = [], []
+def _timed_alone(calls, group, iterations: int, warmup: int = 10):
+    """Median (events us, host us) of each of ``calls`` run alone: a sync and a barrier before each, the calls
+    taking turns (in reverse order every other round, so that none always follows another)."""
+    samples = [([], []) for _ in calls]
     for i in range(warmup + iterations):
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        began = time.perf_counter()
-        call()
-        returned = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            events.append(start.elapsed_time(end) * 1e3)
-            host.append((returned - began) * 1e6)
-    return statistics.median(events), statistics.median(host)
+        turns = list(zip(calls, samples))
+        for call, (events, host) in (turns if i % 2 == 0 else reversed(turns)):
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            began = time.perf_counter()
+            call()
+            returned = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                events.append(start.elapsed_time(end) * 1e3)
+                host.append((returned - began) * 1e6)
+    return [(statistics.median(events), statistics.median(host)) for events, host in samples]
 
 
 def _host_speed(tokens: int, hidden: int, iterations: int = 200) -> float:
@@ -57,19 +61,56 @@ def _host_speed(tokens: int, hidden: int, iterations: int = 200) -> float:
     return statistics.median(times)
 
 
-def _back_to_back(call, group, iterations: int, warmup: int = 10) -> float:
-    """Events us per call over ``iterations`` calls issued with no wait between them."""
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iterations):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iterations
+def _back_to_back(calls, group, iterations: int, warmup: int = 10, rounds: int = 3):
+    """Events us per call over ``iterations`` calls issued with no wait between them, for each of ``calls``: the
+    median of ``rounds`` rounds, the calls taking turns."""
+    per_call = [[] for _ in calls]
+    for _ in range(rounds):
+        for call, figures in zip(calls, per_call):
+            for _ in range(warmup):
+                call()
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iterations):
+                call()
+            end.record()
+            torch.cuda.synchronize()
+            figures.append(start.elapsed_time(end) * 1e3 / iterations)
+    return [(statistics.median(figures), None) for figures in per_call]
+
+
+class _Calls:
+    """One package's Buffer and the calls timed on it, on inputs shared by every package."""
+
+    def __init__(self, package: str, group, inputs: dict, args: argparse.Namespace, num_ranks: int):
+        Buffer = importlib.import_module(package).Buffer
+        tokens, hidden, experts = args.tokens, args.hidden, args.experts
+        self.buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks,
+                                                                                         experts),
+                             low_latency_mode=True, num_qps_per_rank=experts // num_ranks, explicitly_destroy=True)
+        self.inputs, self.args, self.handle = inputs, args, None
+
+    def dispatch(self):
+        x, topk_idx = self.inputs["x"], self.inputs["topk_idx"]
+        self.handle = self.buffer.low_latency_dispatch(x, topk_idx, self.args.tokens, self.args.experts,
+                                                       use_fp8=True)[2]
+
+    def dispatch_and_hook(self):
+        x, topk_idx = self.inputs["x"], self.inputs["topk_idx"]
+        returned = self.buffer.low_latency_dispatch(x, topk_idx, self.args.tokens, self.args.experts, use_fp8=True,
+                                                    return_recv_hook=True)
+        returned[4]()
+        self.handle = returned[2]
+
+    def combine(self):
+        self.buffer.low_latency_combine(self.inputs["expert_out"], self.inputs["topk_idx"],
+                                        self.inputs["topk_weights"], self.handle)
+
+    def both(self):
+        self.dispatch()
+        self.combine()
 
 
 def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> None:
@@ -77,57 +118,46 @@ def _rank(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> Non
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=torch.device("cuda", rank))
     group = dist.new_group(list(range(num_ranks)))
-    Buffer = importlib.import_module(args.package).Buffer
     tokens, hidden, experts = args.tokens, args.hidden, args.experts
-    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts),
-                    low_latency_mode=True, num_qps_per_rank=experts // num_ranks, explicitly_destroy=True)
+    generator = torch.Generator(device="cuda").manual_seed(100 + rank)
+    inputs = dict(x=torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator),
+                  topk_idx=torch.topk(torch.rand(tokens, experts, device="cuda", generator=generator), args.topk,
+                                      dim=-1).indices,
+                  topk_weights=torch.rand(tokens, args.topk, device="cuda", generator=generator),
+                  expert_out=torch.randn(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16,
+                                         device="cuda", generator=generator))
+    packages = args.packages.split(",")
+    timed = []
     try:
-        generator = torch.Generator(device="cuda").manual_seed(100 + rank)
-        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
-        topk_idx = torch.topk(torch.rand(tokens, experts, device="cuda", generator=generator), args.topk,
-                              dim=-1).indices
-        topk_weights = torch.rand(tokens, args.topk, device="cuda", generator=generator)
-        expert_out = torch.randn(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device="cuda",
-                                 generator=generator)
-        last = {}
-
-        def dispatch():
-            last["handle"] = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True)[2]
-
-        def dispatch_and_hook():
-            returned = buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=True, return_recv_hook=True)
-            returned[4]()
-            last["handle"] = returned[2]
-
-        def combine():
-            buffer.low_latency_combine(expert_out, topk_idx, topk_weights, last["handle"])
-
-        def both():
-            dispatch()
-            combine()
-
-        rows = [("dispatch", _timed_alone(dispatch, group, args.iters)),
-                ("dispatch send + hook", _timed_alone(dispatch_and_hook, group, args.iters))]
-        dispatch()
-        rows.append(("combine", _timed_alone(combine, group, args.iters)))
-        rows.append(("dispatch + combine, back to back", (_back_to_back(both, group, args.iters), None)))
+        for package in packages:
+            timed.append(_Calls(package, group, inputs, args, num_ranks))
+        rows = [("dispatch", _timed_alone([c.dispatch for c in timed], group, args.iters)),
+                ("dispatch send + hook", _timed_alone([c.dispatch_and_hook for c in timed], group, args.iters))]
+        for calls in timed:
+            calls.dispatch()
+        rows.append(("combine", _timed_alone([c.combine for c in timed], group, args.iters)))
+        rows.append(("dispatch + combine, back to back", _back_to_back([c.both for c in timed], group, args.iters)))
         if rank == 0:
-            print(f"{args.package}, {num_ranks} rank(s), {tokens} tokens, H {hidden}, {experts} experts, "
-                  f"top-{args.topk}, fp8 dispatch (median us); this process's host speed: torch.empty "
-                  f"{_host_speed(tokens, hidden):.1f} us (processes on one host can differ up to 2x: compare runs "
-                  "of like speed)")
-            print("| call | events | host |\n|---|---|---|")
-            for name, (events, host) in rows:
-                print(f"| {name} | {events:.1f} | {'' if host is None else f'{host:.1f}'} |")
+            speed = _host_speed(tokens, hidden)
+            print(f"{num_ranks} rank(s), {tokens} tokens, H {hidden}, {experts} experts, top-{args.topk}, fp8 "
+                  f"dispatch (median us, rank 0); this process's host speed: torch.empty {speed:.1f} us (processes "
+                  "on one host can differ up to 2x: compare packages in one run)")
+            print("| call | " + " | ".join(f"{p} events | {p} host" for p in packages) + " |")
+            print("|---|" + "---|---|" * len(packages))
+            for name, figures in rows:
+                cells = [f"{events:.1f} | {'' if host is None else f'{host:.1f}'}" for events, host in figures]
+                print(f"| {name} | " + " | ".join(cells) + " |")
     finally:
-        buffer.destroy()
+        for calls in timed:
+            calls.buffer.destroy()
         dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=None, help="processes, one per GPU (default: every GPU)")
-    parser.add_argument("--package", default="uccl_ep_plugin", help="the module whose Buffer is timed")
+    parser.add_argument("--packages", default="uccl_ep_plugin",
+                        help="comma-separated modules whose Buffers are timed in the same processes, in turn")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--experts", type=int, default=288)
