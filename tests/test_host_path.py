@@ -43,8 +43,9 @@ def _made_by_the_extension(*specs):
 
 class RecordingExtension:
     """Stands in for uccl_ep_plugin._C where the native low-latency engine uses it; ``calls`` counts every call
-    into it by name. Its launchers read their tensor arguments and run the caller's checks as the real ones do:
-    through the extension's own mechanism (``_C.torch_shim_arguments``, with a signature memo per operation)."""
+    into it by name. Its operations read their tensor arguments and run the caller's checks as the real ones do:
+    through the extension's own mechanism (``_C.torch_shim_arguments``, with a signature memo per operation), and
+    ask the engine for a region once per sizes and buffer half."""
 
     LOW_LATENCY_SEND, LOW_LATENCY_RECV = 1, 2
 
@@ -66,31 +67,53 @@ class RecordingExtension:
             def release(self):
                 extension.calls["LowLatencyState.release"] += 1
 
-        class Launcher:
-            def __init__(self, region, device, state, prereduce, before, on_failure):
-                extension.calls["LowLatencyLauncher"] += 1
+        class Operations:   # the extension's LowLatencyOperations
+            def __init__(self, state, device, prereduce, num_sms, before, on_failure, make_region, current_stream,
+                         positions_for):
+                extension.calls["LowLatencyOperations"] += 1
+                self.make_region, self.positions_for = make_region, positions_for
                 self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}
+                self.regions = {}
 
-            def dispatch(self, phases, tensors, values, num_sms, stream, check):
-                extension.calls[f"LowLatencyLauncher.dispatch(phases={phases})"] += 1
-                x, topk_idx = _arguments(tensors, values, self.checked["dispatch"], check)[:2]
+            def _launcher_for(self, num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check):
+                """As the real one: the engine makes a region once per sizes and buffer half."""
+                key = (num_max_tokens, hidden, num_experts, buffer_idx, id(masked_ranks))
+                if key not in self.regions:
+                    self.regions[key] = self.make_region()(num_max_tokens, hidden, num_experts, buffer_idx,
+                                                           masked_ranks, check)
+
+            def dispatch(self, call, masked_ranks, buffer_idx, check):
+                phases = extension.LOW_LATENCY_SEND | (0 if call[10] else extension.LOW_LATENCY_RECV)
+                extension.calls[f"LowLatencyOperations.dispatch(phases={phases})"] += 1
+                x, topk_idx = _arguments((call[0], call[1], call[4], call[5]), call[2:4] + call[6:],
+                                         self.checked["dispatch"], check)[:2]
                 (num_tokens, hidden), num_topk = x[4], topk_idx[4][1]
-                num_max_tokens, num_experts, use_fp8 = values[:3]
+                num_max_tokens, num_experts, use_fp8 = call[2], call[3], call[6]
+                self._launcher_for(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
                 slots, scales = num_max_tokens, hidden // 128
-                outputs = _made_by_the_extension(
+                recv_x, recv_scales, count, src_info, layout_range, positions = _made_by_the_extension(
                     ((num_experts, slots, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
                     ((num_experts, slots, scales), torch.float32, (scales * slots, 1, slots)) if use_fp8 else None,
                     ((num_experts,), torch.int32), ((num_experts, slots), torch.int32), ((num_experts, 1), torch.int64),
                     ((2, num_tokens, num_topk), torch.int32))
-                return 0, outputs, None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
+                hook = None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
+                return recv_x, recv_scales, count, src_info, layout_range, hook, positions
 
-            def combine(self, phases, tensors, values, num_sms, stream, check):
-                extension.calls[f"LowLatencyLauncher.combine(phases={phases})"] += 1
-                arguments = _arguments(tensors, values, self.checked["combine"], check)
-                num_tokens, hidden = arguments[1][4][0], values[1]
-                combined = (None if arguments[6] is not None
-                            else _made_by_the_extension(((num_tokens, hidden), torch.bfloat16))[0])
-                return 0, combined, None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
+            def combine(self, call, masked_ranks, buffer_idx, check):
+                phases = extension.LOW_LATENCY_SEND | (0 if call[12] else extension.LOW_LATENCY_RECV)
+                extension.calls[f"LowLatencyOperations.combine(phases={phases})"] += 1
+                positions = call[8]
+                if positions is None:
+                    check()
+                    positions = self.positions_for(call[1], call[7], masked_ranks=masked_ranks)
+                out = call[13]
+                arguments = _arguments(call[:5] + (positions, out, call[14], call[15] if call[10] else None),
+                                       call[5:8] + call[9:13], self.checked["combine"], check)
+                self._launcher_for(call[5], call[6], call[7], buffer_idx, masked_ranks, check)
+                num_tokens, hidden = arguments[1][4][0], call[6]
+                combined = out if out is not None else _made_by_the_extension(((num_tokens, hidden),
+                                                                               torch.bfloat16))[0]
+                return combined, None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
 
         class Hook:   # the extension's LowLatencyHook
             def __init__(self, phases):
@@ -100,7 +123,7 @@ class RecordingExtension:
             def __call__(self):
                 extension.calls[f"LowLatencyHook(phases={self.phases})"] += 1
 
-        self.LowLatencyLauncher = Launcher
+        self.LowLatencyOperations = Operations
         self.state = State()
 
     def LowLatencyRegion(self, **fields):  # noqa: N802 - the extension's name
@@ -205,7 +228,7 @@ def group():
 
 @pytest.fixture
 def native_buffer(group, monkeypatch):
-    """A low-latency Buffer whose low-latency operations run the native engine's Python over the recorder."""
+    """A low-latency Buffer whose native engine's low-latency operations are the recorder's."""
     from uccl_ep_plugin import Buffer
     from uccl_ep_plugin.engines.native import NativeEngine
     from uccl_ep_plugin.engines.native import low_latency as native_low_latency
@@ -255,7 +278,7 @@ def test_low_latency_dispatch_is_one_extension_call(native_buffer, use_fp8):
     buffer, extension = native_buffer
     x, topk_idx, _, _ = _inputs()
     result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=use_fp8))
-    assert calls == {"LowLatencyLauncher.dispatch(phases=3)": 1}
+    assert calls == {"LowLatencyOperations.dispatch(phases=3)": 1}
     assert ops == {}   # the extension allocates the outputs
     recv_x = result[0][0] if use_fp8 else result[0]
     assert recv_x.shape == (E, T, H)
@@ -267,7 +290,7 @@ def test_low_latency_hook_is_one_extension_call_each(native_buffer):
     buffer, extension = native_buffer
     x, topk_idx, _, _ = _inputs()
     _, _, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True))
-    assert calls == {"LowLatencyLauncher.dispatch(phases=1)": 1}
+    assert calls == {"LowLatencyOperations.dispatch(phases=1)": 1}
     hook = buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)[4]
     assert hook is extension.last_hook   # the extension's own object: no Python of ours around it
     extension.calls.clear()
@@ -282,12 +305,12 @@ def test_low_latency_combine_is_one_extension_call(native_buffer):
     x, topk_idx, topk_weights, expert_out = _inputs()
     handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
     _, ops, calls = _counted(extension, lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle))
-    assert calls == {"LowLatencyLauncher.combine(phases=3)": 1}
+    assert calls == {"LowLatencyOperations.combine(phases=3)": 1}
     assert ops == {}   # the extension allocates the combined rows
     out = torch.empty((T, H), dtype=torch.bfloat16)
     _, ops, calls = _counted(extension, lambda: buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle,
                                                                            out=out))
-    assert calls == {"LowLatencyLauncher.combine(phases=3)": 1}
+    assert calls == {"LowLatencyOperations.combine(phases=3)": 1}
     assert not ops
 
 
@@ -368,7 +391,7 @@ def test_operations_bypass_torch_function_modes(native_buffer):
         result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
         combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, result[2])[0]
     assert mode.calls == 0
-    assert calls == {"LowLatencyLauncher.dispatch(phases=3)": 1}
+    assert calls == {"LowLatencyOperations.dispatch(phases=3)": 1}
     assert ops == {}
     assert combined.shape == (T, H)
 
@@ -498,7 +521,6 @@ def test_normal_checked_signature_still_refuses_bad_input(normal_buffer):
 
 def test_kernels_take_the_flag_style_the_platform_config_resolves(monkeypatch):
     """UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC reaches both modes' kernel arguments (auto: on only with a ROCm torch)."""
-    from uccl_ep_plugin.dispatch_config import low_latency_layout
     from uccl_ep_plugin.engines.native import aggressive_atomics
     from uccl_ep_plugin.engines.native.low_latency import NativeLowLatency
     from uccl_ep_plugin.engines.native.normal import NativeNormal
@@ -516,4 +538,4 @@ def test_kernels_take_the_flag_style_the_platform_config_resolves(monkeypatch):
         normal = NativeNormal(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, style)
         assert normal.region["aggressive_atomics"] is style
         low_latency = NativeLowLatency(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, 4, style)
-        assert low_latency._new_region(low_latency_layout(T, H, 1, E), 0, None)["aggressive_atomics"] is style
+        assert low_latency._region(T, H, E, 0, None, lambda: None)["aggressive_atomics"] is style

@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <deque>
+#include <string>
 #include <variant>
 
 #include "kernels/low_latency.h"
@@ -77,6 +79,13 @@ struct FailureChecks {
   py::object state_owner;  // the Python LowLatencyState: alive as long as a hook may read its status
   const uccl_ep::LowLatencyState* state;  // state_owner's, read once
   py::object before, on_failure;
+
+  // Raises the failure `code` recorded before a launch, through the engine while it lives.
+  [[noreturn]] void raise(int32_t code, const char* what) const {
+    const py::object raise_failure = on_failure();
+    if (!raise_failure.is_none()) raise_failure(code);
+    throw std::runtime_error(std::string(what) + ": a kernel recorded failure code " + std::to_string(code));
+  }
 };
 
 // The hook of a send launched without its receive (return_recv_hook): calling it launches the receive on the
@@ -96,11 +105,7 @@ struct LowLatencyHook {
     }
     if (!failures.before.is_none()) failures.before();
     const int32_t failure = failures.state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) {
-      const py::object raise = failures.on_failure();
-      if (!raise.is_none()) raise(failure);
-      throw std::runtime_error("low-latency hook: a kernel recorded failure code " + std::to_string(failure));
-    }
+    if (failure != uccl_ep::kLowLatencyOk) failures.raise(failure, "low-latency hook");
     std::visit([&](auto receive) {
       receive.phases = uccl_ep::kLowLatencyRecv;
       launch(device, receive, stream);
@@ -109,28 +114,21 @@ struct LowLatencyHook {
   }
 };
 
-// One half of the low-latency region with what every launch on it needs besides the call's own
-// arguments: the device to make current, and where a recorded failure stops a launch (FailureChecks).
-// A low-latency operation is one call of dispatch or combine, which reads its tensor arguments and
-// runs the caller's checks only for a new kind of call (TensorArguments, torch_tensors.h), allocates
-// its outputs with torch and launches (and, for a send alone, returns its LowLatencyHook). Each returns
-// first the failure code recorded before it (LowLatencyError; then nothing is allocated or launched), else 0.
+// One half of the low-latency region for one set of sizes, with what every launch on it needs besides the
+// call's own arguments: the device to make current and the failure checks its hooks run. Its calls take
+// arguments already read and checked (LowLatencyOperations), allocate the outputs with torch and launch.
 struct LowLatencyLauncher {
   uccl_ep::LowLatencyRegion region;
   int device;
   bool prereduce;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
   FailureChecks failures;
-  uccl_ep::bindings::CheckedCalls checked_dispatches, checked_combines;
 
-  // tensors: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats); values:
-  // (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
-  // -> (code, [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions],
-  //     the hook (a LowLatencyHook) when phases has no receive, else None)
-  py::tuple dispatch(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
-                     std::uintptr_t stream, const py::object& check) {
-    const uccl_ep::bindings::TensorArguments in(tensors, values, checked_dispatches, check);
-    const int32_t failure = failures.state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+  // in: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), values (num_max_tokens,
+  // num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
+  // -> (recv_x, recv_x_scales or None, recv_count, src_info, layout_range, the hook (a LowLatencyHook) when phases
+  //    has no receive, else None, positions): the reference engine's LowLatencyDispatchResult items in order.
+  py::tuple dispatch(const uccl_ep::bindings::TensorArguments& in, int32_t phases, int32_t num_sms,
+                     uccl_ep::gpuStream_t stream) const {
     const auto &x = in[0], &topk_idx = in[1];
     const int32_t num_tokens = static_cast<int32_t>(x.size(0)), hidden = static_cast<int32_t>(x.size(1));
     const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
@@ -175,20 +173,17 @@ struct LowLatencyLauncher {
         recv_scales,     static_cast<int32_t*>(recv_count), static_cast<int32_t*>(src_info),
         static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), static_cast<int32_t*>(in[2].data),
         static_cast<int64_t*>(in[3].data), phases, num_sms};
-    launch(device, args, as_stream(stream));
-    return py::make_tuple(0, outputs.release(), hook(args, phases, stream));
+    launch(device, args, stream);
+    const py::list made = outputs.release();
+    return py::make_tuple(made[0], made[1], made[2], made[3], made[4], hook(args, phases, stream), made[5]);
   }
 
-  // tensors: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info,
-  // layout_range, positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed
-  // it, else None); values: (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish,
-  // return_recv_hook).
-  // -> (code, the combined rows (allocated; None when out is given), the hook or None), as dispatch.
-  py::tuple combine(int32_t phases, const py::tuple& tensors, const py::tuple& values, int32_t num_sms,
-                    std::uintptr_t stream, const py::object& check) {
-    const uccl_ep::bindings::TensorArguments in(tensors, values, checked_combines, check);
-    const int32_t failure = failures.state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) return py::make_tuple(failure, py::none(), py::none());
+  // in: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info, layout_range,
+  // positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed it, else None),
+  // values (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook); `out`:
+  // the caller's out or None. -> (the combined rows: out, or allocated; the hook or None).
+  py::tuple combine(const uccl_ep::bindings::TensorArguments& in, const py::object& out_given, int32_t phases,
+                    int32_t num_sms, uccl_ep::gpuStream_t stream) const {
     const auto &topk_idx = in[1], &out = in[6];
     const int32_t num_tokens = static_cast<int32_t>(topk_idx.size(0));
     const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
@@ -205,17 +200,119 @@ struct LowLatencyLauncher {
         hidden,         num_topk,               num_experts,                  in.value(3) != 0,
         combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms,
         prereduce};
-    launch(device, args, as_stream(stream));
-    return py::make_tuple(0, out.present ? py::object(py::none()) : py::object(outputs.release()[0]),
-                          hook(args, phases, stream));
+    launch(device, args, stream);
+    return py::make_tuple(out.present ? out_given : py::object(outputs.release()[0]), hook(args, phases, stream));
   }
 
  private:
   template <typename Args>
-  py::object hook(const Args& args, int32_t phases, std::uintptr_t stream) const {
+  py::object hook(const Args& args, int32_t phases, uccl_ep::gpuStream_t stream) const {
     if (phases & uccl_ep::kLowLatencyRecv) return py::none();
-    return py::cast(LowLatencyHook{args, as_stream(stream), device, failures});
+    return py::cast(LowLatencyHook{args, stream, device, failures});
   }
+};
+
+// The native engine's low-latency operations, one extension call each: a call reads its tensor arguments and
+// runs the Buffer's checks only for a new kind of call (TensorArguments), finds the launcher of its sizes and
+// buffer half (the engine's Python makes the region the first time), stops at a failure recorded before it and
+// launches on the current stream. `call` is the Buffer operation's arguments in the order of buffer.py's tuple.
+// The engine's callbacks are weak methods: this object is the engine's, and a strong one would close a cycle the
+// collector cannot see.
+class LowLatencyOperations {
+ public:
+  static constexpr int32_t kBoth = uccl_ep::kLowLatencySend | uccl_ep::kLowLatencyRecv;
+
+  LowLatencyOperations(const py::object& state, int device, bool prereduce, int32_t num_sms, py::object before,
+                       py::object on_failure, py::object make_region, py::object current_stream,
+                       py::object positions_for)
+      : failures_{state, &state.cast<const uccl_ep::LowLatencyState&>(), std::move(before), std::move(on_failure)},
+        device_(device),
+        prereduce_(prereduce),
+        num_sms_(num_sms),
+        make_region_(std::move(make_region)),
+        current_stream_(std::move(current_stream)),
+        positions_for_(std::move(positions_for)) {}
+
+  py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    before_launch();
+    const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
+                                                py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
+                                                               call[10]),
+                                                checked_dispatches_, check);
+    const LowLatencyLauncher& launcher =
+        launcher_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, check);
+    stop_at_recorded_failure("low_latency_dispatch");
+    return launcher.dispatch(in, in.value(6) != 0 ? uccl_ep::kLowLatencySend : kBoth, num_sms_, stream());
+  }
+
+  py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    before_launch();
+    py::object positions = call[8];
+    if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
+      check();
+      positions = positions_for_(call[1], call[7], py::arg("masked_ranks") = masked_ranks);
+    }
+    const bool zero_copy = PyObject_IsTrue(call[10].ptr()) == 1;
+    // x as given only where it is not x (with zero_copy): a tensor argument costs a read.
+    const uccl_ep::bindings::TensorArguments in(
+        py::make_tuple(call[0], call[1], call[2], call[3], call[4], positions, call[13], call[14],
+                       zero_copy ? py::object(call[15]) : py::object(py::none())),
+        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, check);
+    const LowLatencyLauncher& launcher =
+        launcher_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, check);
+    stop_at_recorded_failure("low_latency_combine");
+    return launcher.combine(in, call[13], in.value(6) != 0 ? uccl_ep::kLowLatencySend : kBoth, num_sms_, stream());
+  }
+
+  // The launchers go (the engine's destroy); hooks keep what they need.
+  void clear() { launchers_.clear(); }
+
+ private:
+  struct Launcher {
+    int64_t num_max_tokens, hidden, num_experts;
+    int buffer_idx;
+    py::object masked_ranks;  // kept: its identity is part of the key
+    LowLatencyLauncher launcher;
+  };
+
+  void before_launch() const {
+    if (!failures_.before.is_none()) failures_.before();
+  }
+
+  void stop_at_recorded_failure(const char* what) const {
+    const int32_t failure = failures_.state->status().code;
+    if (failure != uccl_ep::kLowLatencyOk) failures_.raise(failure, what);
+  }
+
+  uccl_ep::gpuStream_t stream() const {
+    return as_stream(current_stream_().cast<std::uintptr_t>());
+  }
+
+  // Made once per sizes and half, and only for sizes that pass the checks (make_region runs them first).
+  const LowLatencyLauncher& launcher_for(int64_t num_max_tokens, int64_t hidden, int64_t num_experts, int buffer_idx,
+                                         const py::object& masked_ranks, const py::object& check) {
+    for (const Launcher& known : launchers_) {
+      if (known.num_max_tokens == num_max_tokens && known.hidden == hidden && known.num_experts == num_experts &&
+          known.buffer_idx == buffer_idx && known.masked_ranks.is(masked_ranks)) {
+        return known.launcher;
+      }
+    }
+    const py::object make_region = make_region_();
+    if (make_region.is_none()) throw std::runtime_error("this Buffer was destroyed");
+    const auto region = make_region(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
+                            .cast<uccl_ep::LowLatencyRegion>();
+    launchers_.push_back(Launcher{num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks,
+                                  LowLatencyLauncher{region, device_, prereduce_, failures_}});
+    return launchers_.back().launcher;
+  }
+
+  FailureChecks failures_;
+  int device_;
+  bool prereduce_;
+  int32_t num_sms_;
+  py::object make_region_, current_stream_, positions_for_;
+  std::deque<Launcher> launchers_;  // few (sizes x halves); a deque keeps each where it is
+  uccl_ep::bindings::CheckedCalls checked_dispatches_, checked_combines_;
 };
 
 }  // namespace
@@ -274,31 +371,27 @@ void bind_low_latency(py::module_& m) {
                              "A low-latency send's receive hook: calling it launches the receive on the send's stream "
                              "(once; later calls do nothing).")
       .def("__call__", &LowLatencyHook::operator());
-  py::class_<LowLatencyLauncher>(m, "LowLatencyLauncher",
-                                 "Launches the low-latency kernels on one half of the region (positional "
-                                 "arguments only: each operation is one call).")
-      .def(py::init([](const uccl_ep::LowLatencyRegion& region, int device, const py::object& state, bool prereduce,
-                       const py::object& before, const py::object& on_failure) {
-             return LowLatencyLauncher{region, device, prereduce,
-                                       FailureChecks{state, &state.cast<const LowLatencyState&>(), before, on_failure},
-                                       {}, {}};
-           }),
-           py::arg("region"), py::arg("device"), py::arg("state"), py::arg("prereduce"), py::arg("before"),
-           py::arg("on_failure"),
-           "`before` (None or a check) runs before a hook's receive; `on_failure` returns None or what raises a "
-           "failure recorded before a hook's receive, given its code.")
-      .def("dispatch", &LowLatencyLauncher::dispatch,
-           "dispatch(phases, (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), "
-           "(num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook), num_sms, "
-           "stream, check) -> (code, outputs, hook): check (the caller's argument checks) runs only for a kind of "
-           "call not seen pass before; code is the failure recorded before (nothing allocated or launched), else 0 "
-           "with the outputs [recv_x, recv_x_scales or None, recv_count, src_info, layout_range, positions] "
-           "allocated on the current stream and the kernel (send, receive or both) queued on `stream`; hook: a "
-           "LowLatencyHook when phases has no receive, else None.")
-      .def("combine", &LowLatencyLauncher::combine,
-           "combine(phases, (x, topk_idx, topk_weights, src_info, layout_range, positions, out, "
-           "combine_wait_recv_cost_stats, x as given with zero_copy else None), (num_max_tokens, hidden, "
-           "num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook), num_sms, stream, check) -> (code, "
-           "combined, hook) as dispatch; combined is None when out is given.");
+  py::class_<LowLatencyOperations>(m, "LowLatencyOperations",
+                                   "The native engine's low-latency dispatch and combine, one extension call each "
+                                   "(positional arguments only).")
+      .def(py::init<const py::object&, int, bool, int32_t, py::object, py::object, py::object, py::object,
+                    py::object>(),
+           py::arg("state"), py::arg("device"), py::arg("prereduce"), py::arg("num_sms"), py::arg("before"),
+           py::arg("on_failure"), py::arg("make_region"), py::arg("current_stream"), py::arg("positions_for"),
+           "`before` (None or a check) runs before each launch and hook; `on_failure` and `make_region` are weak "
+           "methods of the engine: the first raises a failure recorded before a launch, given its code; the second "
+           "makes the LowLatencyRegion of (num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check) "
+           "after running check. `current_stream` returns the stream to launch on; `positions_for(topk_idx, "
+           "num_experts, masked_ranks=...)` a dispatch's positions for a handle that lost them.")
+      .def("dispatch", &LowLatencyOperations::dispatch,
+           "dispatch(call, masked_ranks, buffer_idx, check) -> (recv_x, recv_x_scales or None, recv_count, "
+           "src_info, layout_range, hook or None, positions): check (the Buffer's argument checks) runs only for a "
+           "kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
+           "(the send alone with return_recv_hook, else send and receive) queued on it; the hook is a "
+           "LowLatencyHook.")
+      .def("combine", &LowLatencyOperations::combine,
+           "combine(call, masked_ranks, buffer_idx, check) -> (combined (out when given), hook or None), as "
+           "dispatch.")
+      .def("clear", &LowLatencyOperations::clear);
 }
 #endif  // UCCL_EP_WITH_GPU

@@ -7,12 +7,13 @@ low-latency call (or hook) raises it as CommTimeoutError. With enable_shrink the
 is masked instead.
 """
 
+import functools
 import weakref
 from typing import Callable, Optional
 
 import torch
 
-from ...dispatch_config import LowLatencyLayout, low_latency_layout
+from ...dispatch_config import low_latency_layout
 from ...streams import current_stream_reader
 from ..reference.collectives import CommTimeoutError
 from .settings import mode_setting
@@ -79,14 +80,23 @@ class NativeLowLatency:
         self.rank = rank
         self.num_ranks = num_ranks
         self.device = device
-        self._current_stream = current_stream_reader(device)
         self.timeout_s = timeout_s
         self.aggressive_atomics = aggressive_atomics
-        self.prereduce = prereduce
         self.state = extension.LowLatencyState(device.index)
-        self.num_sms = num_sms   # the kernels' grid: every SM
-        self._launchers = {}   # (T, hidden, experts, half, mask address) -> LowLatencyLauncher
-        self._send, self._recv = extension.LOW_LATENCY_SEND, extension.LOW_LATENCY_RECV
+        # The operations are the extension's (no Python of the engine per call): its launchers, one per sizes and
+        # buffer half, get their regions from _region; the hooks check the proxy path first and raise a recorded
+        # failure as check() does. Weak methods, so that the extension's object keeps no destroyed engine alive.
+        self._operations = extension.LowLatencyOperations(
+            self.state, device.index, prereduce, num_sms, None if proxy_path is None else proxy_path.check,
+            weakref.WeakMethod(self._raise_failure), weakref.WeakMethod(self._region),
+            current_stream_reader(device), functools.partial(dispatch_positions, rank=rank, num_ranks=num_ranks))
+        # (call, masked_ranks, buffer_idx, check): ``call`` is the Buffer operation's arguments in the order of
+        # buffer.py's tuple; ``check`` (the Buffer's checks) runs only for a kind of call not seen pass. Each
+        # allocates its outputs on the current stream and launches there (the Buffer makes its communication stream
+        # current for async_finish); a hook launches on the stream its operation used, as DeepEP's do. dispatch
+        # returns the reference engine's LowLatencyDispatchResult items as a plain tuple, combine (combined, hook).
+        self.low_latency_dispatch = self._operations.dispatch
+        self.low_latency_combine = self._operations.combine
 
     # ------------------------------------------------------------------ state and errors
     def check(self) -> None:
@@ -129,7 +139,7 @@ class NativeLowLatency:
         if self.proxy_path is not None:     # its transport reads the buffer: closed first
             self.proxy_path.close()
             self.proxy_path = None
-        self._launchers.clear()
+        self._operations.clear()
         if self.state is not None:
             self.state.release()
             self.state = None
@@ -137,23 +147,12 @@ class NativeLowLatency:
             self.peer_buffer.release()
             self.peer_buffer = None
 
-    def _launcher(self, num_max_tokens: int, hidden: int, num_experts: int, buffer_idx: int,
-                  masked_ranks: Optional[torch.Tensor], check: Callable[[], None]):
-        """The LowLatencyLauncher of one half for these sizes: built once, not per call, and only for sizes that
-        pass the caller's checks (``check`` raises, naming the argument)."""
-        key = (num_max_tokens, hidden, num_experts, buffer_idx, _ptr(masked_ranks))
-        launcher = self._launchers.get(key)
-        if launcher is None:
-            check()
-            layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
-            # The launcher's hooks (extension objects) check the proxy path first and raise a recorded failure as
-            # check() does; weakly, so that no hook keeps a destroyed engine alive.
-            launcher = self._launchers[key] = self._C.LowLatencyLauncher(
-                self._new_region(layout, buffer_idx, masked_ranks), self.device.index, self.state, self.prereduce,
-                None if self.proxy_path is None else self.proxy_path.check, weakref.WeakMethod(self._raise_failure))
-        return launcher
-
-    def _new_region(self, layout: LowLatencyLayout, buffer_idx: int, masked_ranks: Optional[torch.Tensor]):
+    def _region(self, num_max_tokens: int, hidden: int, num_experts: int, buffer_idx: int,
+                masked_ranks: Optional[torch.Tensor], check: Callable[[], None]):
+        """The LowLatencyRegion of one half for these sizes, for the extension's launcher of them: made once, not
+        per call, and only for sizes that pass the caller's checks (``check`` raises, naming the argument)."""
+        check()
+        layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
         proxy = dict()
         if self.proxy_path is not None:
             if layout.dispatch_msg_bytes % 16:
@@ -175,59 +174,6 @@ class NativeLowLatency:
             aggressive_atomics=self.aggressive_atomics, **proxy)
 
     def _raise_failure(self, code: int) -> None:
-        """A launcher call or a hook found a failure recorded before it (code != 0): raise it."""
+        """An operation or a hook found a failure recorded before it (code != 0): raise it."""
         self.check()
         raise RuntimeError(f"rank {self.rank}: low-latency call refused with code {code}, but no failure is recorded")
-
-    # ------------------------------------------------------------------ operations
-    # Each is one launcher call: it reads the tensors, runs the caller's checks (``check``) only for a kind of call
-    # it has not seen pass, allocates the outputs (on the current stream, as torch.empty would) and launches on the
-    # caller's current stream (the Buffer makes its communication stream current for async_finish); a hook launches
-    # on the stream its operation used, as DeepEP's do. ``call``: the Buffer operation's arguments, in the order of
-    # buffer.py's tuple.
-    def low_latency_dispatch(self, call: tuple, masked_ranks: Optional[torch.Tensor], buffer_idx: int,
-                             check: Callable[[], None]) -> tuple:
-        (x, topk_idx, num_max_tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = call
-        if self.proxy_path is not None:
-            self.proxy_path.check()
-        try:   # the launcher is picked by x's hidden size; the checks name an x that has none
-            hidden = x.shape[1]
-        except (AttributeError, IndexError, TypeError):
-            check()
-            raise
-        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
-        code, outputs, hook = launcher.dispatch(
-            self._send if return_recv_hook else self._send | self._recv,
-            (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats),
-            (num_max_tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook),
-            self.num_sms, self._current_stream(), check)
-        if code:
-            self._raise_failure(code)
-        recv_x, recv_x_scales, recv_count, src_info, layout_range, positions = outputs
-        # The reference engine's LowLatencyDispatchResult items as a plain tuple (the named one costs more to build
-        # than this method).
-        return recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions
-
-    def low_latency_combine(self, call: tuple, masked_ranks: Optional[torch.Tensor], buffer_idx: int,
-                            check: Callable[[], None]):
-        """``call``'s x: what the kernel reads (with zero_copy the buffer's own view), its x_given: what the caller
-        passed (both in the call's signature); hidden and the sizes: the dispatch handle's."""
-        (x, topk_idx, topk_weights, src_info, layout_range, num_max_tokens, hidden, num_experts, positions,
-         use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats, x_given) = call
-        if self.proxy_path is not None:
-            self.proxy_path.check()
-        if positions is None:   # a handle rebuilt as a plain tuple lost the dispatch's record
-            check()
-            positions = dispatch_positions(topk_idx, num_experts, self.rank, self.num_ranks, masked_ranks)
-        launcher = self._launcher(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
-        code, combined, hook = launcher.combine(
-            self._send if return_recv_hook else self._send | self._recv,
-            # x as given only where it is not x (with zero_copy): a tensor argument costs a read.
-            (x, topk_idx, topk_weights, src_info, layout_range, positions, out, combine_wait_recv_cost_stats,
-             x_given if zero_copy else None),
-            (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook),
-            self.num_sms, self._current_stream(), check)
-        if code:
-            self._raise_failure(code)
-        return (out if combined is None else combined), hook
