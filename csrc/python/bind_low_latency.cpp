@@ -80,8 +80,11 @@ struct FailureChecks {
   const uccl_ep::LowLatencyState* state;  // state_owner's, read once
   py::object before, on_failure;
 
-  // Raises the failure `code` recorded before a launch, through the engine while it lives.
-  [[noreturn]] void raise(int32_t code, const char* what) const {
+  // Before a launch: runs `before`, then raises a failure recorded before it, through the engine while it lives.
+  void check(const char* what) const {
+    if (!before.is_none()) before();
+    const int32_t code = state->status().code;
+    if (code == uccl_ep::kLowLatencyOk) return;
     const py::object raise_failure = on_failure();
     if (!raise_failure.is_none()) raise_failure(code);
     throw std::runtime_error(std::string(what) + ": a kernel recorded failure code " + std::to_string(code));
@@ -103,9 +106,7 @@ struct LowLatencyHook {
     if (failures.state->released()) {
       throw std::runtime_error("this Buffer was destroyed: its low-latency hooks cannot receive");
     }
-    if (!failures.before.is_none()) failures.before();
-    const int32_t failure = failures.state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) failures.raise(failure, "low-latency hook");
+    failures.check("low-latency hook");
     std::visit([&](auto receive) {
       receive.phases = uccl_ep::kLowLatencyRecv;
       launch(device, receive, stream);
@@ -214,14 +215,12 @@ struct LowLatencyLauncher {
 
 // The native engine's low-latency operations, one extension call each: a call reads its tensor arguments and
 // runs the Buffer's checks only for a new kind of call (TensorArguments), finds the launcher of its sizes and
-// buffer half (the engine's Python makes the region the first time), stops at a failure recorded before it and
-// launches on the current stream. `call` is the Buffer operation's arguments in the order of buffer.py's tuple.
+// buffer half (the engine's Python makes the region the first time), runs the proxy path's check and stops at a
+// failure recorded before it (FailureChecks), and launches on the current stream. `call` is the Buffer operation's arguments in the order of buffer.py's tuple.
 // The engine's callbacks are weak methods: this object is the engine's, and a strong one would close a cycle the
 // collector cannot see.
 class LowLatencyOperations {
  public:
-  static constexpr int32_t kBoth = uccl_ep::kLowLatencySend | uccl_ep::kLowLatencyRecv;
-
   LowLatencyOperations(const py::object& state, int device, bool prereduce, int32_t num_sms, py::object before,
                        py::object on_failure, py::object make_region, py::object current_stream,
                        py::object positions_for)
@@ -234,19 +233,17 @@ class LowLatencyOperations {
         positions_for_(std::move(positions_for)) {}
 
   py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
-    before_launch();
     const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
                                                 py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
                                                                call[10]),
                                                 checked_dispatches_, check);
     const LowLatencyLauncher& launcher =
         launcher_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, check);
-    stop_at_recorded_failure("low_latency_dispatch");
-    return launcher.dispatch(in, in.value(6) != 0 ? uccl_ep::kLowLatencySend : kBoth, num_sms_, stream());
+    failures_.check("low_latency_dispatch");
+    return launcher.dispatch(in, phases(in.value(6)), num_sms_, stream());
   }
 
   py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
-    before_launch();
     py::object positions = call[8];
     if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
       check();
@@ -260,8 +257,8 @@ class LowLatencyOperations {
         py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, check);
     const LowLatencyLauncher& launcher =
         launcher_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, check);
-    stop_at_recorded_failure("low_latency_combine");
-    return launcher.combine(in, call[13], in.value(6) != 0 ? uccl_ep::kLowLatencySend : kBoth, num_sms_, stream());
+    failures_.check("low_latency_combine");
+    return launcher.combine(in, call[13], phases(in.value(6)), num_sms_, stream());
   }
 
   // The launchers go (the engine's destroy); hooks keep what they need.
@@ -275,13 +272,9 @@ class LowLatencyOperations {
     LowLatencyLauncher launcher;
   };
 
-  void before_launch() const {
-    if (!failures_.before.is_none()) failures_.before();
-  }
-
-  void stop_at_recorded_failure(const char* what) const {
-    const int32_t failure = failures_.state->status().code;
-    if (failure != uccl_ep::kLowLatencyOk) failures_.raise(failure, what);
+  // The send alone with return_recv_hook (its hook receives), else both.
+  static int32_t phases(int64_t return_recv_hook) {
+    return return_recv_hook != 0 ? uccl_ep::kLowLatencySend : uccl_ep::kLowLatencySend | uccl_ep::kLowLatencyRecv;
   }
 
   uccl_ep::gpuStream_t stream() const {
