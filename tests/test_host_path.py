@@ -29,13 +29,13 @@ T, H, K, E = 8, 256, 2, 8
 
 def _arguments(tensors, values, checked, check):
     """The arguments as the real launchers read them (no mode sees the reading)."""
-    with _disable_current_modes():
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
         return _C.torch_shim_arguments(tensors, values, checked, check)
 
 
 def _made_by_the_extension(*specs):
     """Tensors as the extension returns them: each spec (shape, dtype[, strides]) or None; no mode sees them."""
-    with _disable_current_modes():
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
         return [None if spec is None else torch.empty_strided(spec[0], spec[2] if len(spec) > 2 else
                                                               torch.empty(spec[0]).stride(), dtype=spec[1])
                 for spec in specs]
@@ -75,21 +75,23 @@ class RecordingExtension:
                 self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}
                 self.regions = {}
 
-            def _launcher_for(self, num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check):
-                """As the real one: the engine makes a region once per sizes and buffer half."""
+            def _launcher_for(self, num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, checks):
+                """As the real one: the engine makes a region once per sizes and buffer half, after the checks."""
                 key = (num_max_tokens, hidden, num_experts, buffer_idx, id(masked_ranks))
                 if key not in self.regions:
+                    checks()
                     self.regions[key] = self.make_region()(num_max_tokens, hidden, num_experts, buffer_idx,
-                                                           masked_ranks, check)
+                                                           masked_ranks)
 
             def dispatch(self, call, masked_ranks, buffer_idx, check):
                 phases = extension.LOW_LATENCY_SEND | (0 if call[10] else extension.LOW_LATENCY_RECV)
                 extension.calls[f"LowLatencyOperations.dispatch(phases={phases})"] += 1
+                checks = lambda: check(call)   # noqa: E731
                 x, topk_idx = _arguments((call[0], call[1], call[4], call[5]), call[2:4] + call[6:],
-                                         self.checked["dispatch"], check)[:2]
+                                         self.checked["dispatch"], checks)[:2]
                 (num_tokens, hidden), num_topk = x[4], topk_idx[4][1]
                 num_max_tokens, num_experts, use_fp8 = call[2], call[3], call[6]
-                self._launcher_for(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
+                self._launcher_for(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, checks)
                 slots, scales = num_max_tokens, hidden // 128
                 recv_x, recv_scales, count, src_info, layout_range, positions = _made_by_the_extension(
                     ((num_experts, slots, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
@@ -97,19 +99,20 @@ class RecordingExtension:
                     ((num_experts,), torch.int32), ((num_experts, slots), torch.int32), ((num_experts, 1), torch.int64),
                     ((2, num_tokens, num_topk), torch.int32))
                 hook = None if phases & extension.LOW_LATENCY_RECV else Hook(phases)
-                return recv_x, recv_scales, count, src_info, layout_range, hook, positions
+                return recv_x, recv_scales, count, src_info, layout_range, hidden, hook, positions
 
             def combine(self, call, masked_ranks, buffer_idx, check):
                 phases = extension.LOW_LATENCY_SEND | (0 if call[12] else extension.LOW_LATENCY_RECV)
                 extension.calls[f"LowLatencyOperations.combine(phases={phases})"] += 1
+                checks = lambda: check(call)   # noqa: E731
                 positions = call[8]
                 if positions is None:
-                    check()
+                    checks()
                     positions = self.positions_for(call[1], call[7], masked_ranks=masked_ranks)
                 out = call[13]
                 arguments = _arguments(call[:5] + (positions, out, call[14], call[15] if call[10] else None),
-                                       call[5:8] + call[9:13], self.checked["combine"], check)
-                self._launcher_for(call[5], call[6], call[7], buffer_idx, masked_ranks, check)
+                                       call[5:8] + call[9:13], self.checked["combine"], checks)
+                self._launcher_for(call[5], call[6], call[7], buffer_idx, masked_ranks, checks)
                 num_tokens, hidden = arguments[1][4][0], call[6]
                 combined = out if out is not None else _made_by_the_extension(((num_tokens, hidden),
                                                                                torch.bfloat16))[0]
@@ -248,6 +251,7 @@ def native_buffer(group, monkeypatch):
     for operation in ("low_latency_dispatch", "low_latency_combine"):
         buffer.engine_by_operation[operation] = "native"
         buffer.engine_reasons.pop(operation, None)
+    buffer._serve()
     yield buffer, extension
     buffer._native = None   # its engine owns nothing real
     buffer.destroy()
@@ -382,18 +386,36 @@ class TorchFunctions(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_operations_bypass_torch_function_modes(native_buffer):
-    """A torch-function mode (torch.set_default_device installs one) sees none of an operation's own torch
-    calls: each would cost a Python handler. The operation's calls and outputs stay the same."""
+def test_low_latency_operations_make_no_torch_call(native_buffer):
+    """A torch-function mode (torch.set_default_device installs one) sees no torch call of a native low-latency
+    dispatch, hook or combine of a kind already checked: each would cost a Python handler. Their calls into the
+    extension and their outputs stay the same."""
     buffer, extension = native_buffer
     x, topk_idx, topk_weights, expert_out = _inputs()
+    for _ in range(2):   # both buffer halves; the checks run (outside the mode)
+        handle = buffer.low_latency_dispatch(x, topk_idx, T, E)[2]
+        buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
     with TorchFunctions() as mode:
-        result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
+        result, ops, calls = _counted(extension, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E,
+                                                                                     return_recv_hook=True))
+        result[4]()
         combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, result[2])[0]
     assert mode.calls == 0
-    assert calls == {"LowLatencyOperations.dispatch(phases=3)": 1}
+    assert calls == {"LowLatencyOperations.dispatch(phases=1)": 1}
     assert ops == {}
-    assert combined.shape == (T, H)
+    assert result[2][3] == H and combined.shape == (T, H)
+
+
+def test_normal_operations_bypass_torch_function_modes(normal_buffer):
+    """The normal-mode operations turn a torch-function mode off for their own torch calls, the checks included."""
+    buffer, extension = normal_buffer
+    _, topk_idx, _, _ = _inputs()
+    with TorchFunctions() as mode:
+        result, _, calls = _counted(extension, lambda: buffer.get_dispatch_layout(topk_idx, E))
+        buffer.get_dispatch_layout(topk_idx, 2 * E)   # a new kind of call: checked
+    assert mode.calls == 0
+    assert calls == {"get_dispatch_layout": 1}
+    assert result[2].shape == (E,)
 
 
 @pytest.fixture
@@ -418,6 +440,7 @@ def normal_buffer(group, monkeypatch):
     for operation in ("get_dispatch_layout", "dispatch", "combine"):
         buffer.engine_by_operation[operation] = "native"
         buffer.engine_reasons.pop(operation, None)
+    buffer._serve()
     yield buffer, extension
     buffer._native = None   # its engine owns nothing real
     buffer.destroy()
@@ -538,4 +561,4 @@ def test_kernels_take_the_flag_style_the_platform_config_resolves(monkeypatch):
         normal = NativeNormal(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, style)
         assert normal.region["aggressive_atomics"] is style
         low_latency = NativeLowLatency(extension, PeerBuffer(1 << 20), 0, 1, torch.device("cpu"), 5.0, 4, style)
-        assert low_latency._region(T, H, E, 0, None, lambda: None)["aggressive_atomics"] is style
+        assert low_latency._region(T, H, E, 0, None)["aggressive_atomics"] is style

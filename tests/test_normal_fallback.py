@@ -60,6 +60,7 @@ def _body(rank, num_ranks, group):
     buffer.engine_by_operation.update(dispatch="native", combine="native")
     buffer.engine_reasons.pop("dispatch", None)
     buffer.engine_reasons.pop("combine", None)
+    buffer._serve()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _round_trip(buffer, x, topk_idx, topk_weights)

@@ -7,7 +7,6 @@ are checked here, before any communication, so both engines see only valid input
 import functools
 import itertools
 import os
-from contextlib import nullcontext
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -35,7 +34,6 @@ TIMEOUT_ENV = "UCCL_EP_TIMEOUT_SECONDS"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 DEFAULT_TIMEOUT_S = 100.0
 _owner_ids = itertools.count(1)
-_NO_SCOPE = nullcontext()   # a call on the caller's stream: no stream scope
 _DESTROYED = "this Buffer was destroyed"
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -163,6 +161,7 @@ class Buffer:
         # What _release frees, so that it also serves a Buffer whose construction failed part way.
         self._destroyed = False
         self._reference = self._native = self._two_level = None
+        self._serving = {}
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -248,6 +247,7 @@ class Buffer:
         self.engine_by_operation = dict(choice.by_operation)
         self.engine = choice.summary
         self.engine_reasons = choice.reasons
+        self._serve()
         fallback = {op: why for op, why in choice.reasons.items() if choice.by_operation[op] == "reference"}
         if fallback:
             by_reason = {}
@@ -351,6 +351,7 @@ class Buffer:
             if engine is not None:
                 engine.destroy()
         self._reference = self._native = self._two_level = None
+        self._serving = {}
         self._nvl_buffer = self._rdma_buffer = self._mask = self._traffic = None
         self._comm = None
         self._destroyed = True
@@ -428,24 +429,35 @@ class Buffer:
         return None if self._traffic is None else self._traffic.snapshot()
 
     # ------------------------------------------------------------------ engine routing
-    def _engine_for(self, operation: str, low_latency: bool = False):
-        """The engine serving ``operation`` on this live Buffer; ``low_latency``: the operation needs low-latency mode
-        (one call for both checks: a low-latency call's Python is mostly such calls, several times slower when cold)."""
-        if self._destroyed:
-            raise RuntimeError(_DESTROYED)
-        if low_latency and not self.low_latency_mode:
+    def _engine_for(self, operation: str):
+        """The engine serving ``operation`` on this live Buffer (the low-latency calls read the table themselves:
+        a call frame is a good part of their Python when cold)."""
+        return self._serving.get(operation) or self._unserved(operation)
+
+    def _serve(self) -> None:
+        """Fill the table of the engines that serve an operation without raising (emptied by destroy())."""
+        self._serving = {}
+        for operation, served_by in self.engine_by_operation.items():
+            if operation in LOW_LATENCY_OPERATIONS and not self.low_latency_mode:
+                continue
+            if served_by == TwoLevel.name:
+                engine = self._two_level   # None between uneven hosts
+            elif served_by == "native":
+                engine = None if operation in self.engine_reasons else self._native
+            else:
+                engine = self._reference
+            if engine is not None:
+                self._serving[operation] = engine
+
+    def _unserved(self, operation: str):
+        """Raise why no engine serves ``operation`` here."""
+        self._check_alive()
+        if operation in LOW_LATENCY_OPERATIONS and not self.low_latency_mode:
             raise _low_latency_mode_needed(operation)
-        served_by = self.engine_by_operation[operation]
-        if served_by == TwoLevel.name:
-            if self._two_level is None:   # uneven hosts
-                raise ValueError(self.engine_reasons[operation])
-            return self._two_level
-        if served_by == "native":
-            reason = self.engine_reasons.get(operation)
-            if reason is not None:
-                raise RuntimeError(f"{engines.ENGINE_ENV}=native, but {operation} cannot run natively: {reason}")
-            return self._native
-        return self._reference
+        reason = self.engine_reasons.get(operation, "no engine was set up for it")
+        if self.engine_by_operation[operation] == TwoLevel.name:
+            raise ValueError(reason)
+        raise RuntimeError(f"{engines.ENGINE_ENV}=native, but {operation} cannot run natively: {reason}")
 
     def _engine_serving(self, handle, engine):
         """The engine for a call with ``handle``: the one that made it, where the handle says."""
@@ -708,7 +720,10 @@ class Buffer:
                 self._rdma_buffer[start:start + layout.signal_bytes].zero_()
         self._reference.barrier("clean_low_latency_buffer")
 
-    @_without_torch_function
+    # The two low-latency operations go without _without_torch_function: on the native engine they make no torch
+    # call in Python (hidden comes back from the engine), and the wrapper would be a fifth of their Python. On
+    # other paths a torch-function mode sees their calls, which changes nothing they do (their tensors name their
+    # device).
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -723,26 +738,25 @@ class Buffer:
         column-major in the last two dimensions). Only the first ``recv_count[e]`` rows of expert ``e`` are valid.
         With ``return_recv_hook`` the call only sends; ``hook()`` receives.
         """
-        engine = self._engine_for("low_latency_dispatch", low_latency=True)
+        # _engine_for inlined, as in low_latency_combine: when cold, each Python frame costs about a microsecond.
+        engine = self._serving.get("low_latency_dispatch") or self._unserved("low_latency_dispatch")
         # The engines take the call's arguments as one tuple in this order (a call with a dozen keywords cost a
-        # sixth of this method's Python).
+        # sixth of this method's Python), and the checks as a function of that tuple: the native engine runs them
+        # only for a kind of call it has not seen pass, the others on every call.
         call = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        check = self._checked_by(engine, functools.partial(self._check_low_latency_dispatch, engine, *call))
         # On the caller's stream unless async_finish asks for an event to overlap with: the same order for the
         # caller as DeepEP's comm stream plus two stream waits, without those waits (fewer launches and graph
         # nodes, and no stream of this process waiting on a kernel that waits for a proxy's copies).
-        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
-        with scope:   # the engine's LowLatencyDispatchResult, unpacked
-            recv_x, recv_x_scales, recv_count, src_info, layout_range, hook, positions = engine.low_latency_dispatch(
-                call, self._mask, self._low_latency_buffer_idx, check)
-            if self._traffic is not None:
-                # layout_range is complete once the data has been received: after the hook, if there is one.
-                traffic, mask = self._traffic, self._mask
-                hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(topk_idx, num_experts, layout_range,
-                                                                                 mask))
+        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else None
+        operation = (engine.low_latency_dispatch if self._traffic is None
+                     else self._counted_low_latency_dispatch(engine.low_latency_dispatch))
+        arguments = (call, self._mask, self._low_latency_buffer_idx, self._check_low_latency_dispatch)
+        # The engine's LowLatencyDispatchResult, unpacked.
+        recv_x, recv_x_scales, recv_count, src_info, layout_range, hidden, hook, positions = (
+            operation(*arguments) if scope is None else scope.run(operation, *arguments))
         self._low_latency_buffer_idx ^= 1
-        handle = self._low_latency_handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.shape[1],
+        handle = self._low_latency_handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
                                            num_experts))
         handle.positions = positions
         event = NO_EVENT
@@ -751,9 +765,22 @@ class Buffer:
             event = scope.finish(outputs, (x, topk_idx) + outputs)
         return (recv_x, recv_x_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
-    def _check_low_latency_dispatch(self, engine, x, topk_idx, num_tokens_limit, num_experts,
-                                    cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                    round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
+    def _counted_low_latency_dispatch(self, operation):
+        """``operation`` (an engine's low_latency_dispatch) that also adds the dispatch to the traffic counters
+        once its rows are in: as it returns (on the stream it ran on), or right after its hook's first call."""
+        traffic, mask = self._traffic, self._mask
+
+        def counted(call, *rest):
+            recv_x, recv_x_scales, recv_count, src_info, layout_range, hidden, hook, positions = operation(call, *rest)
+            hook = _then_once(hook, lambda: traffic.add_low_latency_dispatch(call[1], call[3], layout_range, mask))
+            return recv_x, recv_x_scales, recv_count, src_info, layout_range, hidden, hook, positions
+        return counted
+
+    def _check_low_latency_dispatch(self, call) -> None:
+        """The checks of a low-latency dispatch's ``call`` tuple; they raise, naming a bad argument."""
+        (x, topk_idx, num_tokens_limit, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = call
+        engine = self._serving["low_latency_dispatch"]
         check_flag_pair(async_finish, return_recv_hook)
         check_int("num_max_dispatch_tokens_per_rank", num_tokens_limit, minimum=1)
         check_tensor("x", x, (torch.bfloat16,), dim=2)
@@ -778,7 +805,6 @@ class Buffer:
                           cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                           dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
 
-    @_without_torch_function
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
@@ -790,11 +816,10 @@ class Buffer:
         :meth:`get_next_low_latency_combine_buffer`); ``topk_idx``/``topk_weights`` are the dispatch's.
         Returns ``(combined_x [N, H] bf16 (``out`` if given), event, hook)``.
         """
-        engine = self._engine_for("low_latency_combine", low_latency=True)
-        src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
-        check = self._checked_by(engine, functools.partial(
-            self._check_low_latency_combine, engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
-            num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats))
+        engine = self._serving.get("low_latency_combine") or self._unserved("low_latency_combine")
+        # This Buffer's own handle as _check_low_latency_handle takes it, without the call.
+        src_info, layout_range, num_tokens_limit, hidden, num_experts = (
+            handle if type(handle) is self._low_latency_handle else self._check_low_latency_handle(handle))
         x_given = x
         if zero_copy:
             x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
@@ -803,18 +828,21 @@ class Buffer:
         # own view), the handle's items, and the dispatch's record of positions.
         call = (x, topk_idx, topk_weights, src_info, layout_range, num_tokens_limit, hidden, num_experts, positions,
                 use_logfmt, zero_copy, async_finish, return_recv_hook, out, combine_wait_recv_cost_stats, x_given)
-        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else _NO_SCOPE
-        with scope:   # as in dispatch
-            combined, hook = engine.low_latency_combine(call, self._mask, self._low_latency_buffer_idx, check)
+        scope = self._scope(None, True, False, use_comm_stream=True) if async_finish else None
+        arguments = (call, self._mask, self._low_latency_buffer_idx, self._check_low_latency_combine)
+        combined, hook = (engine.low_latency_combine(*arguments) if scope is None
+                          else scope.run(engine.low_latency_combine, *arguments))
         self._low_latency_buffer_idx ^= 1
         event = NO_EVENT
         if async_finish:
             event = scope.finish((combined,), (x, topk_idx, topk_weights, src_info, layout_range, combined, positions))
         return combined, event, hook
 
-    def _check_low_latency_combine(self, engine, x, topk_idx, topk_weights, src_info, num_tokens_limit, hidden,
-                                   num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-                                   combine_wait_recv_cost_stats) -> None:
+    def _check_low_latency_combine(self, call) -> None:
+        """The checks of a low-latency combine's ``call`` tuple (the handle's were made before it was built)."""
+        (_, topk_idx, topk_weights, src_info, _, num_tokens_limit, hidden, num_experts, _, use_logfmt, zero_copy,
+         async_finish, return_recv_hook, out, combine_wait_recv_cost_stats, x) = call
+        engine = self._serving["low_latency_combine"]
         check_flag_pair(async_finish, return_recv_hook)
         local_experts, slots = src_info.shape
         check_tensor("x", x, (torch.bfloat16,), shape=(local_experts, slots, hidden))

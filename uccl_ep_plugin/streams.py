@@ -102,6 +102,11 @@ class StreamScope:
             self._stream_context.__exit__(exc_type, exc_val, exc_tb)
             self._stream_context = None
 
+    def run(self, operation: Callable, *arguments):
+        """``operation(*arguments)`` inside this scope."""
+        with self:
+            return operation(*arguments)
+
     def finish(self, outputs: Iterable[Optional[torch.Tensor]] = (), extra_tensors: Optional[tuple] = None,
                inputs: Iterable[Optional[torch.Tensor]] = ()) -> EventOverlap:
         """Call after leaving the scope: hands ``outputs`` to the caller's stream and returns the event. With

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <variant>
 
@@ -126,8 +127,8 @@ struct LowLatencyLauncher {
 
   // in: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), values (num_max_tokens,
   // num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
-  // -> (recv_x, recv_x_scales or None, recv_count, src_info, layout_range, the hook (a LowLatencyHook) when phases
-  //    has no receive, else None, positions): the reference engine's LowLatencyDispatchResult items in order.
+  // -> (recv_x, recv_x_scales or None, recv_count, src_info, layout_range, hidden, the hook (a LowLatencyHook) when
+  //    phases has no receive, else None, positions): the reference engine's LowLatencyDispatchResult items in order.
   py::tuple dispatch(const uccl_ep::bindings::TensorArguments& in, int32_t phases, int32_t num_sms,
                      uccl_ep::gpuStream_t stream) const {
     const auto &x = in[0], &topk_idx = in[1];
@@ -176,7 +177,7 @@ struct LowLatencyLauncher {
         static_cast<int64_t*>(in[3].data), phases, num_sms};
     launch(device, args, stream);
     const py::list made = outputs.release();
-    return py::make_tuple(made[0], made[1], made[2], made[3], made[4], hook(args, phases, stream), made[5]);
+    return py::make_tuple(made[0], made[1], made[2], made[3], made[4], hidden, hook(args, phases, stream), made[5]);
   }
 
   // in: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info, layout_range,
@@ -216,7 +217,8 @@ struct LowLatencyLauncher {
 // The native engine's low-latency operations, one extension call each: a call reads its tensor arguments and
 // runs the Buffer's checks only for a new kind of call (TensorArguments), finds the launcher of its sizes and
 // buffer half (the engine's Python makes the region the first time), runs the proxy path's check and stops at a
-// failure recorded before it (FailureChecks), and launches on the current stream. `call` is the Buffer operation's arguments in the order of buffer.py's tuple.
+// failure recorded before it (FailureChecks), and launches on the current stream. `call` is the Buffer
+// operation's arguments in the order of buffer.py's tuple, `check(call)` its checks.
 // The engine's callbacks are weak methods: this object is the engine's, and a strong one would close a cycle the
 // collector cannot see.
 class LowLatencyOperations {
@@ -233,20 +235,22 @@ class LowLatencyOperations {
         positions_for_(std::move(positions_for)) {}
 
   py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    const std::function<void()> checks = [&] { check(call); };
     const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
                                                 py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
                                                                call[10]),
-                                                checked_dispatches_, check);
+                                                checked_dispatches_, checks);
     const LowLatencyLauncher& launcher =
-        launcher_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, check);
+        launcher_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, checks);
     failures_.check("low_latency_dispatch");
     return launcher.dispatch(in, phases(in.value(6)), num_sms_, stream());
   }
 
   py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    const std::function<void()> checks = [&] { check(call); };
     py::object positions = call[8];
     if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
-      check();
+      checks();
       positions = positions_for_(call[1], call[7], py::arg("masked_ranks") = masked_ranks);
     }
     const bool zero_copy = PyObject_IsTrue(call[10].ptr()) == 1;
@@ -254,9 +258,9 @@ class LowLatencyOperations {
     const uccl_ep::bindings::TensorArguments in(
         py::make_tuple(call[0], call[1], call[2], call[3], call[4], positions, call[13], call[14],
                        zero_copy ? py::object(call[15]) : py::object(py::none())),
-        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, check);
+        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, checks);
     const LowLatencyLauncher& launcher =
-        launcher_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, check);
+        launcher_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, checks);
     failures_.check("low_latency_combine");
     return launcher.combine(in, call[13], phases(in.value(6)), num_sms_, stream());
   }
@@ -281,19 +285,20 @@ class LowLatencyOperations {
     return as_stream(current_stream_().cast<std::uintptr_t>());
   }
 
-  // Made once per sizes and half, and only for sizes that pass the checks (make_region runs them first).
+  // Made once per sizes and half, and only for sizes that pass the checks.
   const LowLatencyLauncher& launcher_for(int64_t num_max_tokens, int64_t hidden, int64_t num_experts, int buffer_idx,
-                                         const py::object& masked_ranks, const py::object& check) {
+                                         const py::object& masked_ranks, const std::function<void()>& checks) {
     for (const Launcher& known : launchers_) {
       if (known.num_max_tokens == num_max_tokens && known.hidden == hidden && known.num_experts == num_experts &&
           known.buffer_idx == buffer_idx && known.masked_ranks.is(masked_ranks)) {
         return known.launcher;
       }
     }
+    checks();
     const py::object make_region = make_region_();
     if (make_region.is_none()) throw std::runtime_error("this Buffer was destroyed");
-    const auto region = make_region(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check)
-                            .cast<uccl_ep::LowLatencyRegion>();
+    const auto region =
+        make_region(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks).cast<uccl_ep::LowLatencyRegion>();
     launchers_.push_back(Launcher{num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks,
                                   LowLatencyLauncher{region, device_, prereduce_, failures_}});
     return launchers_.back().launcher;
@@ -373,13 +378,13 @@ void bind_low_latency(py::module_& m) {
            py::arg("on_failure"), py::arg("make_region"), py::arg("current_stream"), py::arg("positions_for"),
            "`before` (None or a check) runs before each launch and hook; `on_failure` and `make_region` are weak "
            "methods of the engine: the first raises a failure recorded before a launch, given its code; the second "
-           "makes the LowLatencyRegion of (num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, check) "
-           "after running check. `current_stream` returns the stream to launch on; `positions_for(topk_idx, "
-           "num_experts, masked_ranks=...)` a dispatch's positions for a handle that lost them.")
+           "makes the LowLatencyRegion of (num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks) for "
+           "sizes that passed the checks. `current_stream` returns the stream to launch on; `positions_for("
+           "topk_idx, num_experts, masked_ranks=...)` a dispatch's positions for a handle that lost them.")
       .def("dispatch", &LowLatencyOperations::dispatch,
            "dispatch(call, masked_ranks, buffer_idx, check) -> (recv_x, recv_x_scales or None, recv_count, "
-           "src_info, layout_range, hook or None, positions): check (the Buffer's argument checks) runs only for a "
-           "kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
+           "src_info, layout_range, hidden, hook or None, positions): check(call) (the Buffer's argument checks) runs only "
+           "for a kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
            "(the send alone with return_recv_hook, else send and receive) queued on it; the hook is a "
            "LowLatencyHook.")
       .def("combine", &LowLatencyOperations::combine,

@@ -94,7 +94,7 @@ struct NormalLauncherCalls {
   //     expert, NormalHostCounts or None, what does not fit)
   static py::tuple dispatch(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
                             int32_t num_channels, std::uintptr_t stream, const py::object& check) {
-    const Tensors in(tensors, values, self.checked_dispatches, check);
+    const Tensors in(tensors, values, self.checked_dispatches, [&check] { check(); });
     const auto &x = in[0], &x_scales = in[1], &topk_idx = in[2], &topk_weights = in[3];
     const auto &is_token_in_rank = in[4], &num_tokens_per_rank = in[5], &num_tokens_per_expert = in[6];
     uccl_ep::NormalLauncher& launcher = *self.launcher;
@@ -166,7 +166,7 @@ struct NormalLauncherCalls {
   static py::tuple cached_dispatch(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
                                    int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts,
                                    std::uintptr_t stream, const py::object& check) {
-    const Tensors in(tensors, values, self.checked_cached_dispatches, check);
+    const Tensors in(tensors, values, self.checked_cached_dispatches, [&check] { check(); });
     const auto &x = in[0], &x_scales = in[1], &send_pos = in[4], &rank_prefix_matrix = in[5];
     const auto &recv_channel_prefix_matrix = in[6], &recv_src_idx = in[7];
     uccl_ep::NormalLauncher& launcher = *self.launcher;
@@ -210,7 +210,7 @@ struct NormalLauncherCalls {
   static py::tuple combine(BoundNormalLauncher& self, const py::tuple& tensors, const py::tuple& values,
                            int32_t num_channels, const uccl_ep::NormalHostCounts* host_counts, std::uintptr_t stream,
                            const py::object& check) {
-    const Tensors in(tensors, values, self.checked_combines, check);
+    const Tensors in(tensors, values, self.checked_combines, [&check] { check(); });
     const auto &x = in[0], &topk_weights = in[1], &bias0 = in[2], &bias1 = in[3], &rank_prefix_matrix = in[4];
     const auto &is_token_in_rank = in[5], &send_pos = in[6], &recv_channel_prefix_matrix = in[7];
     uccl_ep::NormalLauncher& launcher = *self.launcher;

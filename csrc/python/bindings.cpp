@@ -136,7 +136,7 @@ py::list get_dispatch_layout(const py::tuple& tensors, const py::tuple& values, 
                              std::uintptr_t stream, int device, uccl_ep::bindings::CheckedCalls& checked,
                              const py::object& check) {
   using uccl_ep::bindings::TensorDtype;
-  const uccl_ep::bindings::TensorArguments in(tensors, values, checked, check);
+  const uccl_ep::bindings::TensorArguments in(tensors, values, checked, [&check] { check(); });
   const uccl_ep::bindings::TensorArgument& topk_idx = in[0];
   const int64_t num_tokens = topk_idx.size(0), num_experts = in.value(0);
   uccl_ep::bindings::NewTensors outputs(uccl_ep::bindings::TensorDevice::kCuda, device);
@@ -194,7 +194,7 @@ py::list torch_shim_tensors(const py::list& entries, int32_t device_type, int de
 // dtype, device_type, device_index, sizes, strides) with the codes of torch_tensors.py (-1: another).
 py::list torch_shim_arguments(const py::tuple& tensors, const py::tuple& values,
                               uccl_ep::bindings::CheckedCalls& checked, const py::object& check) {
-  const uccl_ep::bindings::TensorArguments arguments(tensors, values, checked, check);
+  const uccl_ep::bindings::TensorArguments arguments(tensors, values, checked, [&check] { check(); });
   py::list described;
   for (int i = 0; i < arguments.size(); ++i) {
     const uccl_ep::bindings::TensorArgument& a = arguments[i];

@@ -249,7 +249,7 @@ void CheckedCalls::add(std::string signature) {
 }
 
 TensorArguments::TensorArguments(const py::tuple& tensors, const py::tuple& values, CheckedCalls& checked,
-                                 const py::object& check) {
+                                 const std::function<void()>& check) {
   if (!torch_shim_ready()) throw std::logic_error("use_torch_shim was not called");
   if (static_cast<int>(tensors.size()) > kMaxArguments || static_cast<int>(values.size()) > kMaxValues) {
     throw std::logic_error("TensorArguments: more than " + std::to_string(kMaxArguments) + " tensors or " +

@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -107,19 +108,18 @@ class CheckedCalls {
 };
 
 // An operation's arguments as its checks see them: `tensors` holds Tensors and Nones in the operation's
-// order, `values` the ints and bools the checks read besides. `check` (the operation's Python checks: it
-// raises, naming a bad argument) runs first when a tensor item is neither a Tensor nor None or a value
-// neither an int nor a bool, and else when the call's signature is not in `checked`: every tensor's
-// presence, dtype, device, sizes and strides, and the values (a bool told apart from the int of its
-// value). A call that passes is added, so a later call of the same kind costs no Python. What `check`
-// raises propagates.
+// order, `values` the ints and bools the checks read besides. `check` (the binding's call of the operation's
+// Python checks: they raise, naming a bad argument) runs first when a tensor item is neither a Tensor nor None
+// or a value neither an int nor a bool, and else when the call's signature is not in `checked`: every tensor's
+// presence, dtype, device, sizes and strides, and the values (a bool told apart from the int of its value). A
+// call that passes is added, so a later call of the same kind costs no Python. What `check` raises propagates.
 class TensorArguments {
  public:
   static constexpr int kMaxArguments = 12;
   static constexpr int kMaxValues = 8;
 
   TensorArguments(const pybind11::tuple& tensors, const pybind11::tuple& values, CheckedCalls& checked,
-                  const pybind11::object& check);
+                  const std::function<void()>& check);
   const TensorArgument& operator[](int i) const { return arguments_[i]; }
   int size() const { return count_; }
   int64_t value(int i) const { return values_[i]; }

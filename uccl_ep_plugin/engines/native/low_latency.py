@@ -9,7 +9,7 @@ is masked instead.
 
 import functools
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -91,7 +91,7 @@ class NativeLowLatency:
             weakref.WeakMethod(self._raise_failure), weakref.WeakMethod(self._region),
             current_stream_reader(device), functools.partial(dispatch_positions, rank=rank, num_ranks=num_ranks))
         # (call, masked_ranks, buffer_idx, check): ``call`` is the Buffer operation's arguments in the order of
-        # buffer.py's tuple; ``check`` (the Buffer's checks) runs only for a kind of call not seen pass. Each
+        # buffer.py's tuple; ``check(call)`` (the Buffer's checks) runs only for a kind of call not seen pass. Each
         # allocates its outputs on the current stream and launches there (the Buffer makes its communication stream
         # current for async_finish); a hook launches on the stream its operation used, as DeepEP's do. dispatch
         # returns the reference engine's LowLatencyDispatchResult items as a plain tuple, combine (combined, hook).
@@ -148,10 +148,9 @@ class NativeLowLatency:
             self.peer_buffer = None
 
     def _region(self, num_max_tokens: int, hidden: int, num_experts: int, buffer_idx: int,
-                masked_ranks: Optional[torch.Tensor], check: Callable[[], None]):
+                masked_ranks: Optional[torch.Tensor]):
         """The LowLatencyRegion of one half for these sizes, for the extension's launcher of them: made once, not
-        per call, and only for sizes that pass the caller's checks (``check`` raises, naming the argument)."""
-        check()
+        per call, and only for sizes that passed the caller's checks (the extension runs them first)."""
         layout = low_latency_layout(num_max_tokens, hidden, self.num_ranks, num_experts)
         proxy = dict()
         if self.proxy_path is not None:

@@ -35,11 +35,13 @@ class ReferenceEngine:
     def combine(self, x, handle, topk_weights, biases, num_channels, stream: int, check=None):
         return normal.combine(self.comm, x, handle, topk_weights, biases)
 
-    # `call`: the Buffer operation's arguments in the order of buffer.py's tuple. The buffer half (buffer_idx),
-    # the handle's src_info/sizes and the call's flags as its signature (async_finish, zero_copy, x as given)
-    # matter to the native engine only: the reference orders rows deterministically and moves them through the
-    # group, not the registered buffer.
-    def low_latency_dispatch(self, call, masked_ranks, buffer_idx, check=None):
+    # `call`: the Buffer operation's arguments in the order of buffer.py's tuple; `check(call)`: the Buffer's
+    # checks of it, run first on every call (they also read topk_idx's values). The buffer half (buffer_idx), the
+    # handle's src_info/sizes and the call's flags as its signature (async_finish, zero_copy, x as given) matter
+    # to the native engine only: the reference orders rows deterministically and moves them through the group,
+    # not the registered buffer.
+    def low_latency_dispatch(self, call, masked_ranks, buffer_idx, check):
+        check(call)
         (x, topk_idx, num_max_tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
          use_fp8, round_scale, use_ue8m0, _, return_recv_hook) = call
         return low_latency.low_latency_dispatch(
@@ -48,7 +50,8 @@ class ReferenceEngine:
             cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, return_recv_hook=return_recv_hook)
 
-    def low_latency_combine(self, call, masked_ranks, buffer_idx, check=None):
+    def low_latency_combine(self, call, masked_ranks, buffer_idx, check):
+        check(call)
         (x, topk_idx, topk_weights, _, layout_range, _, _, _, _, use_logfmt, _, _, return_recv_hook, out,
          combine_wait_recv_cost_stats, _) = call
         return low_latency.low_latency_combine(

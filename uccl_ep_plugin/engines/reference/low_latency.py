@@ -22,6 +22,7 @@ class LowLatencyDispatchResult(NamedTuple):
     recv_count: torch.Tensor
     src_info: torch.Tensor
     layout_range: torch.Tensor
+    hidden: int   # x's: the handle's item, here for a caller that reads no tensor attribute (torch-function modes)
     hook: Optional[Callable[[], None]]
     # Native engine only: where each (token, top-k) entry's combined row lands in its expert's rank
     # (int32 [N, K], -1 for entries not sent). The reference engine finds rows through src_info.
@@ -125,7 +126,7 @@ def low_latency_dispatch(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tenso
     if not return_recv_hook:
         hook()
         hook = None
-    return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hook)
+    return LowLatencyDispatchResult(recv_x, recv_x_scales, recv_count, src_info, layout_range, hidden, hook)
 
 
 def low_latency_combine(comm: GroupComm, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
