@@ -383,8 +383,8 @@ void bind_low_latency(py::module_& m) {
            "topk_idx, num_experts, masked_ranks=...)` a dispatch's positions for a handle that lost them.")
       .def("dispatch", &LowLatencyOperations::dispatch,
            "dispatch(call, masked_ranks, buffer_idx, check) -> (recv_x, recv_x_scales or None, recv_count, "
-           "src_info, layout_range, hidden, hook or None, positions): check(call) (the Buffer's argument checks) runs only "
-           "for a kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
+           "src_info, layout_range, hidden, hook or None, positions): check(call) (the Buffer's argument checks) "
+           "runs only for a kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
            "(the send alone with return_recv_hook, else send and receive) queued on it; the hook is a "
            "LowLatencyHook.")
       .def("combine", &LowLatencyOperations::combine,
