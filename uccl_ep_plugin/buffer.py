@@ -817,9 +817,7 @@ class Buffer:
         Returns ``(combined_x [N, H] bf16 (``out`` if given), event, hook)``.
         """
         engine = self._serving.get("low_latency_combine") or self._unserved("low_latency_combine")
-        # This Buffer's own handle as _check_low_latency_handle takes it, without the call.
-        src_info, layout_range, num_tokens_limit, hidden, num_experts = (
-            handle if type(handle) is self._low_latency_handle else self._check_low_latency_handle(handle))
+        src_info, layout_range, num_tokens_limit, hidden, num_experts = self._check_low_latency_handle(handle)
         x_given = x
         if zero_copy:
             x = self._low_latency_combine_view(num_tokens_limit, hidden, num_experts)
@@ -982,8 +980,8 @@ class Buffer:
         return tuple(handle)
 
     def _check_low_latency_handle(self, handle) -> Tuple:
-        if type(handle) is self._low_latency_handle:   # as for the normal handle
-            return tuple(handle)
+        if type(handle) is self._low_latency_handle:   # as for the normal handle: checked when made
+            return handle
         self._check_owner(handle)
         if not isinstance(handle, (tuple, list)) or len(handle) != 5:
             raise ValueError("handle must be the 5-tuple returned by low_latency_dispatch (src_info, layout_range, "

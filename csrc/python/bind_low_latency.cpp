@@ -1,5 +1,6 @@
 // Python bindings of the NVLink low-latency path: PeerMemory (CUDA IPC buffers),
-// LowLatencyState and the two kernel launchers. Pointers and streams are plain integers.
+// LowLatencyState, LowLatencyRegion and the operations (LowLatencyOperations) with their hooks. Pointers
+// and streams are plain integers.
 #if defined(UCCL_EP_WITH_GPU)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -72,7 +73,7 @@ void launch(int device, const uccl_ep::LowLatencyCombineArgs& args, uccl_ep::gpu
   uccl_ep::launch_low_latency_combine(args, stream);
 }
 
-// Where a launcher and its hooks find failures: the state's recorded status (a launch stops at one); for a hook
+// Where the operations and their hooks find failures: the state's recorded status (a launch stops at one); for a hook
 // also `before` (the proxy path's check, or None), run before the receive, and `on_failure` (a weak method of
 // the engine: a hook must not keep a destroyed engine alive, and a strong one would close a cycle through this
 // extension's objects that the collector cannot see), which raises a recorded failure, given its code.
@@ -116,21 +117,103 @@ struct LowLatencyHook {
   }
 };
 
-// One half of the low-latency region for one set of sizes, with what every launch on it needs besides the
-// call's own arguments: the device to make current and the failure checks its hooks run. Its calls take
-// arguments already read and checked (LowLatencyOperations), allocate the outputs with torch and launch.
-struct LowLatencyLauncher {
-  uccl_ep::LowLatencyRegion region;
-  int device;
-  bool prereduce;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
-  FailureChecks failures;
+// The native engine's low-latency operations, one extension call each: a call reads its tensor arguments and
+// runs the Buffer's checks only for a new kind of call (TensorArguments), finds the region of its sizes and
+// buffer half (the engine's Python makes it the first time), runs the proxy path's check and stops at a
+// failure recorded before it (FailureChecks), and launches on the current stream. `call` is the Buffer
+// operation's arguments in the order of buffer.py's tuple, `check(call)` its checks.
+// The engine's callbacks are weak methods: this object is the engine's, and a strong one would close a cycle the
+// collector cannot see.
+class LowLatencyOperations {
+ public:
+  LowLatencyOperations(const py::object& state, int device, bool prereduce, int32_t num_sms, py::object before,
+                       py::object on_failure, py::object make_region, py::object current_stream,
+                       py::object positions_for)
+      : failures_{state, &state.cast<const uccl_ep::LowLatencyState&>(), std::move(before), std::move(on_failure)},
+        device_(device),
+        prereduce_(prereduce),
+        num_sms_(num_sms),
+        make_region_(std::move(make_region)),
+        current_stream_(std::move(current_stream)),
+        positions_for_(std::move(positions_for)) {}
 
+  py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    const std::function<void()> checks = [&] { check(call); };
+    const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
+                                                py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
+                                                               call[10]),
+                                                checked_dispatches_, checks);
+    const uccl_ep::LowLatencyRegion& region =
+        region_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, checks);
+    failures_.check("low_latency_dispatch");
+    return launch_dispatch(region, in, phases(in.value(6)), stream());
+  }
+
+  py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
+    const std::function<void()> checks = [&] { check(call); };
+    py::object positions = call[8];
+    if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
+      checks();
+      positions = positions_for_(call[1], call[7], py::arg("masked_ranks") = masked_ranks);
+    }
+    const bool zero_copy = PyObject_IsTrue(call[10].ptr()) == 1;
+    // x as given only where it is not x (with zero_copy): a tensor argument costs a read.
+    const uccl_ep::bindings::TensorArguments in(
+        py::make_tuple(call[0], call[1], call[2], call[3], call[4], positions, call[13], call[14],
+                       zero_copy ? py::object(call[15]) : py::object(py::none())),
+        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, checks);
+    const uccl_ep::LowLatencyRegion& region =
+        region_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, checks);
+    failures_.check("low_latency_combine");
+    return launch_combine(region, in, call[13], phases(in.value(6)), stream());
+  }
+
+  // The regions go (the engine's destroy); hooks keep what they need.
+  void clear() { regions_.clear(); }
+
+ private:
+  struct KnownRegion {
+    int64_t num_max_tokens, hidden, num_experts;
+    int buffer_idx;
+    py::object masked_ranks;  // kept: its identity is part of the key
+    uccl_ep::LowLatencyRegion region;
+  };
+
+  // The send alone with return_recv_hook (its hook receives), else both.
+  static int32_t phases(int64_t return_recv_hook) {
+    return return_recv_hook != 0 ? uccl_ep::kLowLatencySend : uccl_ep::kLowLatencySend | uccl_ep::kLowLatencyRecv;
+  }
+
+  uccl_ep::gpuStream_t stream() const {
+    return as_stream(current_stream_().cast<std::uintptr_t>());
+  }
+
+  // The half's region for these sizes: made once, and only for sizes that pass the checks.
+  const uccl_ep::LowLatencyRegion& region_for(int64_t num_max_tokens, int64_t hidden, int64_t num_experts,
+                                              int buffer_idx, const py::object& masked_ranks,
+                                              const std::function<void()>& checks) {
+    for (const KnownRegion& known : regions_) {
+      if (known.num_max_tokens == num_max_tokens && known.hidden == hidden && known.num_experts == num_experts &&
+          known.buffer_idx == buffer_idx && known.masked_ranks.is(masked_ranks)) {
+        return known.region;
+      }
+    }
+    checks();
+    const py::object make_region = make_region_();
+    if (make_region.is_none()) throw std::runtime_error("this Buffer was destroyed");
+    const auto region =
+        make_region(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks).cast<uccl_ep::LowLatencyRegion>();
+    regions_.push_back(KnownRegion{num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks, region});
+    return regions_.back().region;
+  }
+
+  // The launches on a call's region, its arguments read and checked; they allocate the outputs with torch.
   // in: (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats), values (num_max_tokens,
   // num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook).
   // -> (recv_x, recv_x_scales or None, recv_count, src_info, layout_range, hidden, the hook (a LowLatencyHook) when
   //    phases has no receive, else None, positions): the reference engine's LowLatencyDispatchResult items in order.
-  py::tuple dispatch(const uccl_ep::bindings::TensorArguments& in, int32_t phases, int32_t num_sms,
-                     uccl_ep::gpuStream_t stream) const {
+  py::tuple launch_dispatch(const uccl_ep::LowLatencyRegion& region, const uccl_ep::bindings::TensorArguments& in,
+                            int32_t phases, uccl_ep::gpuStream_t stream) const {
     const auto &x = in[0], &topk_idx = in[1];
     const int32_t num_tokens = static_cast<int32_t>(x.size(0)), hidden = static_cast<int32_t>(x.size(1));
     const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
@@ -139,7 +222,7 @@ struct LowLatencyLauncher {
     const int64_t local_experts = num_experts / region.num_ranks;
     const int64_t slots = static_cast<int64_t>(region.num_ranks) * num_max_tokens;
     using uccl_ep::bindings::TensorDtype;
-    NewTensors outputs(TensorDevice::kCuda, device);
+    NewTensors outputs(TensorDevice::kCuda, device_);
     // Two allocations: the received rows with their fp8 scales (what the experts read), and one int32 block for
     // the rest (what the handle keeps), each output from a 128-byte boundary. An allocation costs several views.
     const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
@@ -174,24 +257,25 @@ struct LowLatencyLauncher {
         use_fp8,         round_scale,               use_ue8m0,                    recv_x,
         recv_scales,     static_cast<int32_t*>(recv_count), static_cast<int32_t*>(src_info),
         static_cast<int64_t*>(layout_range), static_cast<int32_t*>(positions), static_cast<int32_t*>(in[2].data),
-        static_cast<int64_t*>(in[3].data), phases, num_sms};
-    launch(device, args, stream);
+        static_cast<int64_t*>(in[3].data), phases, num_sms_};
+    launch(device_, args, stream);
     const py::list made = outputs.release();
     return py::make_tuple(made[0], made[1], made[2], made[3], made[4], hidden, hook(args, phases, stream), made[5]);
   }
+
 
   // in: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info, layout_range,
   // positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed it, else None),
   // values (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook); `out`:
   // the caller's out or None. -> (the combined rows: out, or allocated; the hook or None).
-  py::tuple combine(const uccl_ep::bindings::TensorArguments& in, const py::object& out_given, int32_t phases,
-                    int32_t num_sms, uccl_ep::gpuStream_t stream) const {
+  py::tuple launch_combine(const uccl_ep::LowLatencyRegion& region, const uccl_ep::bindings::TensorArguments& in,
+                           const py::object& out_given, int32_t phases, uccl_ep::gpuStream_t stream) const {
     const auto &topk_idx = in[1], &out = in[6];
     const int32_t num_tokens = static_cast<int32_t>(topk_idx.size(0));
     const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
     const int32_t num_max_tokens = static_cast<int32_t>(in.value(0)), hidden = static_cast<int32_t>(in.value(1));
     const int32_t num_experts = static_cast<int32_t>(in.value(2));
-    NewTensors outputs(TensorDevice::kCuda, device);
+    NewTensors outputs(TensorDevice::kCuda, device_);
     void* combined =
         out.present ? out.data : outputs.add({num_tokens, hidden}, uccl_ep::bindings::TensorDtype::kBfloat16);
     const uccl_ep::LowLatencyCombineArgs args{
@@ -200,116 +284,24 @@ struct LowLatencyLauncher {
         static_cast<const int64_t*>(in[4].data), static_cast<const int32_t*>(in[5].data), num_tokens,
         num_max_tokens,
         hidden,         num_topk,               num_experts,                  in.value(3) != 0,
-        combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms,
-        prereduce};
-    launch(device, args, stream);
+        combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms_,
+        prereduce_};
+    launch(device_, args, stream);
     return py::make_tuple(out.present ? out_given : py::object(outputs.release()[0]), hook(args, phases, stream));
   }
 
- private:
   template <typename Args>
   py::object hook(const Args& args, int32_t phases, uccl_ep::gpuStream_t stream) const {
     if (phases & uccl_ep::kLowLatencyRecv) return py::none();
-    return py::cast(LowLatencyHook{args, stream, device, failures});
-  }
-};
-
-// The native engine's low-latency operations, one extension call each: a call reads its tensor arguments and
-// runs the Buffer's checks only for a new kind of call (TensorArguments), finds the launcher of its sizes and
-// buffer half (the engine's Python makes the region the first time), runs the proxy path's check and stops at a
-// failure recorded before it (FailureChecks), and launches on the current stream. `call` is the Buffer
-// operation's arguments in the order of buffer.py's tuple, `check(call)` its checks.
-// The engine's callbacks are weak methods: this object is the engine's, and a strong one would close a cycle the
-// collector cannot see.
-class LowLatencyOperations {
- public:
-  LowLatencyOperations(const py::object& state, int device, bool prereduce, int32_t num_sms, py::object before,
-                       py::object on_failure, py::object make_region, py::object current_stream,
-                       py::object positions_for)
-      : failures_{state, &state.cast<const uccl_ep::LowLatencyState&>(), std::move(before), std::move(on_failure)},
-        device_(device),
-        prereduce_(prereduce),
-        num_sms_(num_sms),
-        make_region_(std::move(make_region)),
-        current_stream_(std::move(current_stream)),
-        positions_for_(std::move(positions_for)) {}
-
-  py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
-    const std::function<void()> checks = [&] { check(call); };
-    const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
-                                                py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
-                                                               call[10]),
-                                                checked_dispatches_, checks);
-    const LowLatencyLauncher& launcher =
-        launcher_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, checks);
-    failures_.check("low_latency_dispatch");
-    return launcher.dispatch(in, phases(in.value(6)), num_sms_, stream());
-  }
-
-  py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
-    const std::function<void()> checks = [&] { check(call); };
-    py::object positions = call[8];
-    if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
-      checks();
-      positions = positions_for_(call[1], call[7], py::arg("masked_ranks") = masked_ranks);
-    }
-    const bool zero_copy = PyObject_IsTrue(call[10].ptr()) == 1;
-    // x as given only where it is not x (with zero_copy): a tensor argument costs a read.
-    const uccl_ep::bindings::TensorArguments in(
-        py::make_tuple(call[0], call[1], call[2], call[3], call[4], positions, call[13], call[14],
-                       zero_copy ? py::object(call[15]) : py::object(py::none())),
-        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, checks);
-    const LowLatencyLauncher& launcher =
-        launcher_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, checks);
-    failures_.check("low_latency_combine");
-    return launcher.combine(in, call[13], phases(in.value(6)), num_sms_, stream());
-  }
-
-  // The launchers go (the engine's destroy); hooks keep what they need.
-  void clear() { launchers_.clear(); }
-
- private:
-  struct Launcher {
-    int64_t num_max_tokens, hidden, num_experts;
-    int buffer_idx;
-    py::object masked_ranks;  // kept: its identity is part of the key
-    LowLatencyLauncher launcher;
-  };
-
-  // The send alone with return_recv_hook (its hook receives), else both.
-  static int32_t phases(int64_t return_recv_hook) {
-    return return_recv_hook != 0 ? uccl_ep::kLowLatencySend : uccl_ep::kLowLatencySend | uccl_ep::kLowLatencyRecv;
-  }
-
-  uccl_ep::gpuStream_t stream() const {
-    return as_stream(current_stream_().cast<std::uintptr_t>());
-  }
-
-  // Made once per sizes and half, and only for sizes that pass the checks.
-  const LowLatencyLauncher& launcher_for(int64_t num_max_tokens, int64_t hidden, int64_t num_experts, int buffer_idx,
-                                         const py::object& masked_ranks, const std::function<void()>& checks) {
-    for (const Launcher& known : launchers_) {
-      if (known.num_max_tokens == num_max_tokens && known.hidden == hidden && known.num_experts == num_experts &&
-          known.buffer_idx == buffer_idx && known.masked_ranks.is(masked_ranks)) {
-        return known.launcher;
-      }
-    }
-    checks();
-    const py::object make_region = make_region_();
-    if (make_region.is_none()) throw std::runtime_error("this Buffer was destroyed");
-    const auto region =
-        make_region(num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks).cast<uccl_ep::LowLatencyRegion>();
-    launchers_.push_back(Launcher{num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks,
-                                  LowLatencyLauncher{region, device_, prereduce_, failures_}});
-    return launchers_.back().launcher;
+    return py::cast(LowLatencyHook{args, stream, device_, failures_});
   }
 
   FailureChecks failures_;
   int device_;
-  bool prereduce_;
+  bool prereduce_;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
   int32_t num_sms_;
   py::object make_region_, current_stream_, positions_for_;
-  std::deque<Launcher> launchers_;  // few (sizes x halves); a deque keeps each where it is
+  std::deque<KnownRegion> regions_;  // few (sizes x halves); a deque keeps each where it is
   uccl_ep::bindings::CheckedCalls checked_dispatches_, checked_combines_;
 };
 
@@ -384,8 +376,8 @@ void bind_low_latency(py::module_& m) {
       .def("dispatch", &LowLatencyOperations::dispatch,
            "dispatch(call, masked_ranks, buffer_idx, check) -> (recv_x, recv_x_scales or None, recv_count, "
            "src_info, layout_range, hidden, hook or None, positions): check(call) (the Buffer's argument checks) "
-           "runs only for a kind of call not seen pass before; the outputs are allocated on the current stream and the kernel "
-           "(the send alone with return_recv_hook, else send and receive) queued on it; the hook is a "
+           "runs only for a kind of call not seen pass before; the outputs are allocated on the current stream and "
+           "the kernel (the send alone with return_recv_hook, else send and receive) queued on it; the hook is a "
            "LowLatencyHook.")
       .def("combine", &LowLatencyOperations::combine,
            "combine(call, masked_ranks, buffer_idx, check) -> (combined (out when given), hook or None), as "
