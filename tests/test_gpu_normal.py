@@ -193,7 +193,7 @@ def _run_case(native, reference, case: Case, rank: int, seed: int, device: torch
         buffer.synchronize()
     _assert_equal(cached["native"][0], cached["reference"][0], f"{tag}: cached recv_x")
     cached_by_copy_engine = by_copy_engine and _C.normal_cached_dispatch_by_copy_engine(
-        _C.NormalRowPath.__members__[copy_mode], dist.get_world_size())
+        _C.NormalRowPath.__members__[copy_mode], dist.get_world_size(), case.num_sms)
     cached_own_by_engine = copy_engine.own_rows_by_engine() - own_by_engine
     assert cached_own_by_engine == (fresh_own_by_engine if cached_by_copy_engine else 0), \
         f"{tag}: own rows by copy engine in {cached_own_by_engine} cached, {fresh_own_by_engine} fresh dispatches"

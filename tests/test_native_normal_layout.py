@@ -133,23 +133,24 @@ def test_notify_settings_word_tells_every_setting_apart():
     assert len(seen) == 7 * 4 * 4 * 4
 
 
-@pytest.mark.parametrize("mode,num_ranks,num_sms,fresh,cached",
-                         [("auto", 2, 24, True, True), ("auto", 3, 132, True, True), ("auto", 4, 24, False, False),
-                          ("auto", 4, 16, False, False), ("auto", 4, 14, True, False), ("auto", 8, 8, True, False),
-                          ("auto", 8, 20, False, False), ("engine", 8, 24, True, True), ("sm", 2, 8, False, False),
-                          ("sends", 4, 8, True, True), ("sends", 8, 24, True, True)])
-def test_copy_mode_picks_the_row_path(mode, num_ranks, num_sms, fresh, cached):
-    """UCCL_EP_NORMAL_COPY=auto: copy engines below 4 ranks and below 16 SMs, SMs from 4 ranks on (a cached
-    dispatch at any SM count); engine and sm as named; sends: SMs send the rows and copy engines copy them out,
-    the handle's operations then going the copy engines' way."""
+@pytest.mark.parametrize("mode,num_ranks,num_sms,fresh,cached,sends",
+                         [("auto", 2, 24, True, True, False), ("auto", 3, 132, True, True, False),
+                          ("auto", 4, 24, False, False, False), ("auto", 4, 16, False, False, False),
+                          ("auto", 4, 14, True, True, True), ("auto", 8, 8, True, True, True),
+                          ("auto", 8, 20, False, False, False), ("auto", 2, 8, True, True, False),
+                          ("engine", 8, 24, True, True, False), ("engine", 4, 8, True, True, False),
+                          ("sm", 2, 8, False, False, False), ("sends", 4, 8, True, True, True),
+                          ("sends", 8, 24, True, True, True), ("sends", 2, 24, True, True, True)])
+def test_copy_mode_picks_the_row_path(mode, num_ranks, num_sms, fresh, cached, sends):
+    """UCCL_EP_NORMAL_COPY=auto: copy engines below 4 ranks; from 4 ranks on the SM path with 16 SMs or more
+    (fresh and cached), else sends (SMs send the rows, copy engines copy them out, the handle's cached dispatches
+    and combine going the copy engines' way); engine, sm and sends as named, at any ranks and SMs."""
     ext = _extension_with_normal()
     assert (ext.NORMAL_SM_ROWS_FROM_RANKS, ext.NORMAL_SM_ROWS_FROM_SMS) == (4, 16)
     path = ext.NormalRowPath.__members__[mode]
     assert ext.normal_dispatch_by_copy_engine(path, num_ranks, num_sms) is fresh
-    assert ext.normal_cached_dispatch_by_copy_engine(path, num_ranks) is cached
-    assert ext.normal_rows_by_sends(path) is (mode == "sends")
-
-
+    assert ext.normal_cached_dispatch_by_copy_engine(path, num_ranks, num_sms) is cached
+    assert ext.normal_rows_by_sends(path, num_ranks, num_sms) is sends
 
 
 def test_normal_mode_needs_the_normal_nvlink_feature(monkeypatch):

@@ -383,10 +383,9 @@ struct NormalTokenRun {
 // What moves a dispatch's rows between ranks (UCCL_EP_NORMAL_COPY), and so its combine's: the copy engines
 // (intranode_copy.h; they need the counts on the host, so a dispatch with num_worst_tokens goes by SMs), or
 // the SM path's channels. kAuto picks by measurement on 4x H200 (docs/PERFORMANCE.md): copy engines below
-// kNormalSmRowsFromRanks ranks, where one peer's copy engine outruns SM stores, and with fewer than
-// kNormalSmRowsFromSms SMs; else SMs (a GPU's copy engines carry one peer copy at a time: about 190 GB/s each
-// way when every rank copies to every peer). A cached dispatch from kNormalSmRowsFromRanks ranks on goes by
-// SMs at any SM count (as fast as the copy engines at 8 SMs).
+// kNormalSmRowsFromRanks ranks, where one peer's copy engine outruns SM stores; from there on the SM path
+// with kNormalSmRowsFromSms SMs or more (a GPU's copy engines carry one peer copy at a time: about 190 GB/s
+// each way when every rank copies to every peer), and sends below it, fresh and cached alike.
 // kSends: where the counts are on the host, every SM of the dispatch sends (no SMs set aside to receive):
 // each row is stored straight into its receiver's data area, then the receiver's copy engine copies its rows
 // out (NormalCopyEngine; for few SMs at 4 ranks and more, where the copy engines' pulls share a GPU's copy
@@ -395,17 +394,21 @@ struct NormalTokenRun {
 enum class NormalRowPath : int32_t { kAuto = 0, kEngine = 1, kSm = 2, kSends = 3 };
 constexpr int kNormalSmRowsFromRanks = 4;
 constexpr int kNormalSmRowsFromSms = 16;
+// Of the dispatches normal_dispatch_by_copy_engine gives the copy engines, those whose rows SMs send.
+inline bool normal_rows_by_sends(NormalRowPath path, int num_ranks, int num_sms) {
+  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kSends;
+  return num_ranks >= kNormalSmRowsFromRanks && num_sms < kNormalSmRowsFromSms;
+}
 // Every rank must decide alike: a fresh dispatch's notify checks it (its settings word).
 inline bool normal_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, int num_sms) {
   if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine || path == NormalRowPath::kSends;
   return num_ranks < kNormalSmRowsFromRanks || num_sms < kNormalSmRowsFromSms;
 }
-inline bool normal_cached_dispatch_by_copy_engine(NormalRowPath path, int num_ranks) {
+// A cached dispatch (num_sms: its handle's) where its handle kept the counts on the host; else by SMs.
+inline bool normal_cached_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, int num_sms) {
   if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine || path == NormalRowPath::kSends;
-  return num_ranks < kNormalSmRowsFromRanks;
+  return num_ranks < kNormalSmRowsFromRanks || normal_rows_by_sends(path, num_ranks, num_sms);
 }
-// Of the dispatches normal_dispatch_by_copy_engine gives the copy engines, those whose rows SMs send.
-inline bool normal_rows_by_sends(NormalRowPath path) { return path == NormalRowPath::kSends; }
 
 // What copies a rank's dispatch rows to itself in the copy-engine dispatch. kAuto: a copy engine
 // when the rows' data is at least kNormalOwnRowsEngineBytesPerSm per SM of the dispatch, else the SMs.

@@ -119,7 +119,7 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
   }
   // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
   const NormalDispatchStart start =
-      copy_engine_->start_dispatch(layout, notify, rows_by_copy_engine ? &args : nullptr, normal_rows_by_sends(rows_),
+      copy_engine_->start_dispatch(layout, notify, rows_by_copy_engine ? &args : nullptr, normal_rows_by_sends(rows_, num_ranks, 2 * q.num_channels),
                                    q.combine_row_bytes, stream);
   if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
     result.status = NormalCallStatus::kFailed;
@@ -206,9 +206,10 @@ NormalCallStatus NormalLauncher::cached_dispatch(const NormalDispatchArgs& args,
   if (failed()) return NormalCallStatus::kFailed;
   const NormalRowBytes dispatch_rows{args.x_row_bytes, args.scale_row_bytes, args.num_topk};
   const NormalRowBytes combine_rows{combine_row_bytes, 0, args.num_topk};
-  const bool sends = normal_rows_by_sends(rows_);
+  const int handle_sms = 2 * args.num_channels;
+  const bool sends = normal_rows_by_sends(rows_, region_.num_ranks, handle_sms);
   const bool by_copy_engine =
-      normal_cached_dispatch_by_copy_engine(rows_, region_.num_ranks) &&
+      normal_cached_dispatch_by_copy_engine(rows_, region_.num_ranks, handle_sms) &&
       copy_engine_fits(host_counts, combine_rows, sends ? nullptr : &dispatch_rows) &&
       (!sends || NormalCopyEngine::sends_fit(args, host_counts->rank_prefix_matrix));
   const CurrentDevice on_device(device_);

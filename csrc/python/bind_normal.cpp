@@ -358,9 +358,10 @@ void bind_normal(py::module_& m) {
   m.def("normal_dispatch_by_copy_engine", &uccl_ep::normal_dispatch_by_copy_engine, py::arg("path"),
         py::arg("num_ranks"), py::arg("num_sms"), "Whether the copy engines move a fresh dispatch's rows.");
   m.def("normal_cached_dispatch_by_copy_engine", &uccl_ep::normal_cached_dispatch_by_copy_engine, py::arg("path"),
-        py::arg("num_ranks"),
+        py::arg("num_ranks"), py::arg("num_sms"),
         "Whether the copy engines move a cached dispatch's rows (where its handle's counts allow).");
-  m.def("normal_rows_by_sends", &uccl_ep::normal_rows_by_sends, py::arg("path"),
+  m.def("normal_rows_by_sends", &uccl_ep::normal_rows_by_sends, py::arg("path"), py::arg("num_ranks"),
+        py::arg("num_sms"),
         "Whether SMs send the rows of the dispatches the copy engines serve (their copy engines copy them out).");
   m.def("normal_own_rows_by_engine", &uccl_ep::normal_own_rows_by_engine, py::arg("mode"), py::arg("own_bytes"),
         py::arg("num_sms"), "Whether a copy engine copies a rank's own dispatch rows (given runs for them).");

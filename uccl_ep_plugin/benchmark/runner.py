@@ -366,10 +366,12 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
     # Dispatch reads its counts on the host (as DeepEP's does), so normal mode is timed eagerly, end to end.
     # Kernel times only where SMs move every row (the copy engines' time is no kernel's).
     by_sm = native is not None and two_level is None and not native.dispatch_by_copy_engine(Buffer.num_sms)
-    eager_path = cached_path = path
+    eager_path = cached_path = combine_path = path
     if native is not None and two_level is None:
-        eager_path = "nvlink-sm" if by_sm else "nvlink-ce"
-        cached_path = "nvlink-ce" if native.cached_dispatch_by_copy_engine() else "nvlink-sm"
+        combine_path = "nvlink-sm" if by_sm else "nvlink-ce"
+        # A dispatch by sends: SMs store the rows, copy engines copy them out; its combine goes by copy engines.
+        eager_path = "nvlink-sends" if native.rows_by_sends(Buffer.num_sms) and not by_sm else combine_path
+        cached_path = eager_path if native.cached_dispatch_by_copy_engine(Buffer.num_sms) else "nvlink-sm"
     dispatch_kernels = ("normal_kernels::layout_and_notify", "normal_kernels::dispatch_by_channels") if by_sm else ()
     combine_kernels = ("normal_kernels::combine_by_channels",) if by_sm else ()
     count_wait = None if native is None else lambda: native.copy_engine.last_count_wait_ns() / 1e9
@@ -385,7 +387,7 @@ def normal_cases(buffer: Buffer, workload: Workload, rank: int, num_ranks: int, 
              nvlink_bytes=over_nvlink("bf16"), path=cached_path, hops=hops),
         Case("normal", "combine", "bf16", workload, run_combine, check_combine,
              normal_bytes(num_recv, workload.hidden, "bf16"), engine, kernels=combine_kernels, capturable=False,
-             nvlink_bytes=over_nvlink("bf16"), path=eager_path, hops=hops),
+             nvlink_bytes=over_nvlink("bf16"), path=combine_path, hops=hops),
     ]
     if device.type == "cuda":
         # With num_worst_tokens (outputs padded to every token of every rank) nothing reads counts on the host, so

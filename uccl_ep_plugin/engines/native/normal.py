@@ -11,8 +11,10 @@ Two ways to move the rows (``UCCL_EP_NORMAL_COPY``): ``engine`` lets the copy en
 traffic (csrc/kernels/intranode_copy.h), which needs every rank's counts on the host: a dispatch that
 read them keeps them on its handle's rank_prefix_matrix, so its cached dispatches and its combine go
 the same way. ``sm``, and calls whose counts stay on the device (num_worst_tokens), use the SM path's
-channels (csrc/kernels/intranode.h). ``auto`` (the default) picks by the ranks and the call's SMs
-(NormalRowPath in csrc/kernels/intranode.h: the copy engines at 2 ranks, SMs at 4 and more).
+channels (csrc/kernels/intranode.h). ``sends``: every SM stores the rows into their receivers' buffers and
+the copy engines copy them out (its handle's cached dispatches and combine then go the copy engines' way).
+``auto`` (the default) picks by the ranks and the call's SMs (NormalRowPath in csrc/kernels/intranode.h:
+the copy engines at 2 ranks; from 4 ranks on SMs with 16 SMs or more, sends with fewer).
 
 Each operation is one call of the extension's NormalLauncher (csrc/kernels/intranode_launcher.h), which
 checks for recorded failures, decides the path, allocates the outputs (with torch's allocator, from C++)
@@ -169,7 +171,7 @@ class NativeNormal:
         if code == _SETTINGS_DIFFER:
             num_channels, num_worst_tokens, sm_push_percent = self._last_notify
             gathers = num_worst_tokens == 0 and self.dispatch_by_copy_engine(2 * num_channels)
-            sends = gathers and self._C.normal_rows_by_sends(self.row_path)
+            sends = gathers and self.rows_by_sends(2 * num_channels)
             mine = self._C.normal_notify_settings_word(
                 num_channels, self.copy_engine.pull_chunks(num_channels) if gathers and not sends else 0,
                 sm_push_percent, gathers and not sends and self.copy_engine.pushes_rows(), sends)
@@ -185,10 +187,14 @@ class NativeNormal:
         (and so its combine's), else the SM path."""
         return self._C.normal_dispatch_by_copy_engine(self.row_path, self.num_ranks, num_sms)
 
-    def cached_dispatch_by_copy_engine(self) -> bool:
-        """Whether the copy engines move the rows of a cached dispatch whose handle kept its counts on the host (a
-        fresh dispatch's by copy engine), else SMs."""
-        return self._C.normal_cached_dispatch_by_copy_engine(self.row_path, self.num_ranks)
+    def rows_by_sends(self, num_sms: int) -> bool:
+        """Of those dispatches, whether SMs send the rows (the copy engines then copy them out of the data area)."""
+        return self._C.normal_rows_by_sends(self.row_path, self.num_ranks, num_sms)
+
+    def cached_dispatch_by_copy_engine(self, num_sms: int) -> bool:
+        """Whether the copy engines move the rows of a cached dispatch whose handle (of a fresh dispatch with
+        ``num_sms`` SMs) kept its counts on the host, else SMs."""
+        return self._C.normal_cached_dispatch_by_copy_engine(self.row_path, self.num_ranks, num_sms)
 
     def _describe_settings(self, word: int) -> str:
         """A notify's settings word (normal_notify_settings_word) in words."""
