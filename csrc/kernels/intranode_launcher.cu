@@ -118,9 +118,9 @@ NormalDispatchResult NormalLauncher::dispatch(const NormalDispatchRequest& q, co
     return result;
   }
   // The copy engines' gather needs only the counts on the device: it runs while the host waits for them.
-  const NormalDispatchStart start =
-      copy_engine_->start_dispatch(layout, notify, rows_by_copy_engine ? &args : nullptr, normal_rows_by_sends(rows_, num_ranks, 2 * q.num_channels),
-                                   q.combine_row_bytes, stream);
+  const bool rows_by_sends = normal_rows_by_sends(rows_, num_ranks, 2 * q.num_channels);
+  const NormalDispatchStart start = copy_engine_->start_dispatch(
+      layout, notify, rows_by_copy_engine ? &args : nullptr, rows_by_sends, q.combine_row_bytes, stream);
   if (failed()) {  // the notify gave up (start_dispatch ended the exchange)
     result.status = NormalCallStatus::kFailed;
     return result;
