@@ -377,8 +377,10 @@ def _back_to_back_body(rank: int, num_ranks: int, group, launch_thread: str) -> 
     import uccl_ep_plugin as ep
     device = rank_device(rank)
     torch.cuda.set_device(device)
+    # 8 SMs: at 4 ranks and more auto dispatches by sends there, the SM path with 20.
     cases = (Case("b2b_bf16_h4096_k8_e64", 4096, 8, 64, (1500, 900)),
-             Case("b2b_fp8_h7168_k8_e256", 7168, 8, 256, (700, 1100), fp8=True))
+             Case("b2b_fp8_h7168_k8_e256", 7168, 8, 256, (700, 1100), fp8=True),
+             Case("b2b_bf16_h7168_k8_e256_8sms", 7168, 8, 256, (1200, 1300), num_sms=8))
     with environment(LAUNCH_THREAD_ENV, launch_thread):
         native = _make_buffer(group, "native", NATIVE_NVL_BYTES)
     reference = _make_buffer(group, "reference", 0)
