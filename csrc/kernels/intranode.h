@@ -406,7 +406,7 @@ inline bool normal_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, in
 }
 // A cached dispatch (num_sms: its handle's) where its handle kept the counts on the host; else by SMs.
 inline bool normal_cached_dispatch_by_copy_engine(NormalRowPath path, int num_ranks, int num_sms) {
-  if (path != NormalRowPath::kAuto) return path == NormalRowPath::kEngine || path == NormalRowPath::kSends;
+  if (path != NormalRowPath::kAuto) return normal_dispatch_by_copy_engine(path, num_ranks, num_sms);
   return num_ranks < kNormalSmRowsFromRanks || normal_rows_by_sends(path, num_ranks, num_sms);
 }
 

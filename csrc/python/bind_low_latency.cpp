@@ -263,7 +263,6 @@ class LowLatencyOperations {
     return py::make_tuple(made[0], made[1], made[2], made[3], made[4], hidden, hook(args, phases, stream), made[5]);
   }
 
-
   // in: (x (the kernel's: with zero_copy the buffer's own view), topk_idx, topk_weights, src_info, layout_range,
   // positions, out or None, combine_wait_recv_cost_stats, with zero_copy x as the caller passed it, else None),
   // values (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook); `out`:
