@@ -8,5 +8,5 @@ class FakeExtension:
     def build_info(self):
         return {"features": self.features}
 
-    def use_torch_shim(self, libtorch_path, to_tensors, from_tensors, tensor_type):
+    def use_torch_shim(self, libtorch_path, to_tensors, from_tensors, tensor_type, gpu_library_path, current_stream):
         """As the real one, where torch's C shim is there."""

@@ -68,8 +68,7 @@ class RecordingExtension:
                 extension.calls["LowLatencyState.release"] += 1
 
         class Operations:   # the extension's LowLatencyOperations
-            def __init__(self, state, device, prereduce, num_sms, before, on_failure, make_region, current_stream,
-                         positions_for):
+            def __init__(self, state, device, prereduce, num_sms, before, on_failure, make_region, positions_for):
                 extension.calls["LowLatencyOperations"] += 1
                 self.make_region, self.positions_for = make_region, positions_for
                 self.checked = {"dispatch": _C.CheckedCalls(), "combine": _C.CheckedCalls()}

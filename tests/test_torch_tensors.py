@@ -118,6 +118,22 @@ def test_bad_requests_raise(entries, message):
         _C.torch_shim_tensors(entries, CPU, 0)
 
 
+@pytest.mark.gpu
+def test_the_current_stream_is_torchs():
+    """The operations launch where torch's own kernels would: on the stream current on their device, also inside
+    a ``torch.cuda.stream`` context and while another device is current."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    last = torch.cuda.device_count() - 1
+    assert _C.torch_shim_current_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    side = torch.cuda.Stream(last)
+    with torch.cuda.device(last), torch.cuda.stream(side):
+        assert _C.torch_shim_current_stream(last) == side.cuda_stream
+        if last != 0:
+            assert _C.torch_shim_current_stream(0) == torch.cuda.current_stream(0).cuda_stream
+    assert _C.torch_shim_current_stream(last) == torch.cuda.current_stream(last).cuda_stream != side.cuda_stream
+
+
 def test_out_of_memory_raises_in_words():
     with pytest.raises(RuntimeError, match="torch could not allocate an output tensor"):
         _C.torch_shim_tensors([((1 << 62,), DTYPES[torch.uint8], None)], CPU, 0)

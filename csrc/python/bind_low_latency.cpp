@@ -21,7 +21,6 @@ namespace py = pybind11;
 
 namespace {
 
-using uccl_ep::bindings::as_stream;
 using uccl_ep::bindings::NewTensors;
 using uccl_ep::bindings::ptr;
 using uccl_ep::bindings::TensorDevice;
@@ -127,21 +126,19 @@ struct LowLatencyHook {
 class LowLatencyOperations {
  public:
   LowLatencyOperations(const py::object& state, int device, bool prereduce, int32_t num_sms, py::object before,
-                       py::object on_failure, py::object make_region, py::object current_stream,
-                       py::object positions_for)
+                       py::object on_failure, py::object make_region, py::object positions_for)
       : failures_{state, &state.cast<const uccl_ep::LowLatencyState&>(), std::move(before), std::move(on_failure)},
         device_(device),
         prereduce_(prereduce),
         num_sms_(num_sms),
         make_region_(std::move(make_region)),
-        current_stream_(std::move(current_stream)),
         positions_for_(std::move(positions_for)) {}
 
   py::tuple dispatch(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
     const std::function<void()> checks = [&] { check(call); };
-    const uccl_ep::bindings::TensorArguments in(py::make_tuple(call[0], call[1], call[4], call[5]),
-                                                py::make_tuple(call[2], call[3], call[6], call[7], call[8], call[9],
-                                                               call[10]),
+    const auto item = [&call](int i) { return py::handle(PyTuple_GET_ITEM(call.ptr(), i)); };
+    const uccl_ep::bindings::TensorArguments in({item(0), item(1), item(4), item(5)},
+                                                {item(2), item(3), item(6), item(7), item(8), item(9), item(10)},
                                                 checked_dispatches_, checks);
     const uccl_ep::LowLatencyRegion& region =
         region_for(in.value(0), in[0].size(1), in.value(1), buffer_idx, masked_ranks, checks);
@@ -151,21 +148,21 @@ class LowLatencyOperations {
 
   py::tuple combine(const py::tuple& call, const py::object& masked_ranks, int buffer_idx, const py::object& check) {
     const std::function<void()> checks = [&] { check(call); };
-    py::object positions = call[8];
+    const auto item = [&call](int i) { return py::handle(PyTuple_GET_ITEM(call.ptr(), i)); };
+    py::object positions = py::reinterpret_borrow<py::object>(item(8));
     if (positions.is_none()) {  // a handle rebuilt as a plain tuple lost the dispatch's record
       checks();
       positions = positions_for_(call[1], call[7], py::arg("masked_ranks") = masked_ranks);
     }
-    const bool zero_copy = PyObject_IsTrue(call[10].ptr()) == 1;
+    const bool zero_copy = PyObject_IsTrue(item(10).ptr()) == 1;
     // x as given only where it is not x (with zero_copy): a tensor argument costs a read.
     const uccl_ep::bindings::TensorArguments in(
-        py::make_tuple(call[0], call[1], call[2], call[3], call[4], positions, call[13], call[14],
-                       zero_copy ? py::object(call[15]) : py::object(py::none())),
-        py::make_tuple(call[5], call[6], call[7], call[9], call[10], call[11], call[12]), checked_combines_, checks);
+        {item(0), item(1), item(2), item(3), item(4), positions, item(13), item(14), zero_copy ? item(15) : py::handle(Py_None)},
+        {item(5), item(6), item(7), item(9), item(10), item(11), item(12)}, checked_combines_, checks);
     const uccl_ep::LowLatencyRegion& region =
         region_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, checks);
     failures_.check("low_latency_combine");
-    return launch_combine(region, in, call[13], phases(in.value(6)), stream());
+    return launch_combine(region, in, item(13), phases(in.value(6)), stream());
   }
 
   // The regions go (the engine's destroy); hooks keep what they need.
@@ -185,7 +182,7 @@ class LowLatencyOperations {
   }
 
   uccl_ep::gpuStream_t stream() const {
-    return as_stream(current_stream_().cast<std::uintptr_t>());
+    return static_cast<uccl_ep::gpuStream_t>(uccl_ep::bindings::current_gpu_stream(device_));
   }
 
   // The half's region for these sizes: made once, and only for sizes that pass the checks.
@@ -268,7 +265,7 @@ class LowLatencyOperations {
   // values (num_max_tokens, hidden, num_experts, use_logfmt, zero_copy, async_finish, return_recv_hook); `out`:
   // the caller's out or None. -> (the combined rows: out, or allocated; the hook or None).
   py::tuple launch_combine(const uccl_ep::LowLatencyRegion& region, const uccl_ep::bindings::TensorArguments& in,
-                           const py::object& out_given, int32_t phases, uccl_ep::gpuStream_t stream) const {
+                           py::handle out_given, int32_t phases, uccl_ep::gpuStream_t stream) const {
     const auto &topk_idx = in[1], &out = in[6];
     const int32_t num_tokens = static_cast<int32_t>(topk_idx.size(0));
     const int32_t num_topk = static_cast<int32_t>(topk_idx.size(1));
@@ -286,7 +283,8 @@ class LowLatencyOperations {
         combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms_,
         prereduce_};
     launch(device_, args, stream);
-    return py::make_tuple(out.present ? out_given : py::object(outputs.release()[0]), hook(args, phases, stream));
+    return py::make_tuple(out.present ? py::reinterpret_borrow<py::object>(out_given) : py::object(outputs.release()[0]),
+                          hook(args, phases, stream));
   }
 
   template <typename Args>
@@ -299,7 +297,7 @@ class LowLatencyOperations {
   int device_;
   bool prereduce_;  // the combine pre-reduces where it fits (LowLatencyCombineArgs::prereduce)
   int32_t num_sms_;
-  py::object make_region_, current_stream_, positions_for_;
+  py::object make_region_, positions_for_;
   std::deque<KnownRegion> regions_;  // few (sizes x halves); a deque keeps each where it is
   uccl_ep::bindings::CheckedCalls checked_dispatches_, checked_combines_;
 };
@@ -363,14 +361,13 @@ void bind_low_latency(py::module_& m) {
   py::class_<LowLatencyOperations>(m, "LowLatencyOperations",
                                    "The native engine's low-latency dispatch and combine, one extension call each "
                                    "(positional arguments only).")
-      .def(py::init<const py::object&, int, bool, int32_t, py::object, py::object, py::object, py::object,
-                    py::object>(),
+      .def(py::init<const py::object&, int, bool, int32_t, py::object, py::object, py::object, py::object>(),
            py::arg("state"), py::arg("device"), py::arg("prereduce"), py::arg("num_sms"), py::arg("before"),
-           py::arg("on_failure"), py::arg("make_region"), py::arg("current_stream"), py::arg("positions_for"),
+           py::arg("on_failure"), py::arg("make_region"), py::arg("positions_for"),
            "`before` (None or a check) runs before each launch and hook; `on_failure` and `make_region` are weak "
            "methods of the engine: the first raises a failure recorded before a launch, given its code; the second "
            "makes the LowLatencyRegion of (num_max_tokens, hidden, num_experts, buffer_idx, masked_ranks) for "
-           "sizes that passed the checks. `current_stream` returns the stream to launch on; `positions_for("
+           "sizes that passed the checks. Each call launches on torch's current stream; `positions_for("
            "topk_idx, num_experts, masked_ranks=...)` a dispatch's positions for a handle that lost them.")
       .def("dispatch", &LowLatencyOperations::dispatch,
            "dispatch(call, masked_ranks, buffer_idx, check) -> (recv_x, recv_x_scales or None, recv_count, "

@@ -229,11 +229,17 @@ PYBIND11_MODULE(_C, m) {
   bind_proxy(m);
   bind_rail(m);
   m.def("use_torch_shim", &uccl_ep::bindings::use_torch_shim, py::arg("libtorch_path"), py::arg("to_tensors"),
-        py::arg("from_tensors"), py::arg("tensor_type"),
+        py::arg("from_tensors"), py::arg("tensor_type"), py::arg("gpu_library_path") = "",
+        py::arg("current_stream") = py::none(),
         "Let the extension allocate its outputs and read its tensor arguments with torch: find torch's C shim in "
         "the loaded libtorch at libtorch_path; to_tensors is torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs, "
-        "from_tensors torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors, tensor_type torch.Tensor. Once per "
-        "process.");
+        "from_tensors torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors, tensor_type torch.Tensor; "
+        "gpu_library_path torch's GPU library (its shim reads the current stream), current_stream "
+        "torch._C._cuda_getCurrentRawStream where that library lacks the reader. Once per process.");
+  m.def("torch_shim_current_stream",
+        [](int device) { return reinterpret_cast<std::uintptr_t>(uccl_ep::bindings::current_gpu_stream(device)); },
+        py::arg("device"),
+        "torch's current stream of GPU `device` as the operations read it (a handle, as torch.cuda.Stream.cuda_stream).");
   py::class_<uccl_ep::bindings::CheckedCalls>(
       m, "CheckedCalls", "The signatures of calls whose arguments passed their operation's checks (bounded).")
       .def(py::init<>())

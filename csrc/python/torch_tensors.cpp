@@ -27,6 +27,7 @@ using GetDataPtr = TorchError (*)(void* tensor, void** data);
 using GetInt64 = TorchError (*)(void* tensor, int64_t* value);
 using GetInt32 = TorchError (*)(void* tensor, int32_t* value);
 using GetInt64s = TorchError (*)(void* tensor, int64_t** values);
+using GetStream = TorchError (*)(int32_t device_index, void** stream);
 using Code = int32_t (*)();
 
 struct TorchShim {
@@ -41,6 +42,7 @@ struct TorchShim {
   GetInt32 dtype = nullptr;
   GetInt32 device_type = nullptr;
   GetInt32 device_index = nullptr;
+  GetStream current_stream = nullptr;  // the GPU library's, where it has one
   int32_t dtypes[7] = {};   // by TensorDtype
   int32_t devices[2] = {};  // by TensorDevice
   // torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs and unsafe_alloc_void_ptrs_from_tensors,
@@ -49,6 +51,7 @@ struct TorchShim {
   py::object* to_tensors = nullptr;
   py::object* from_tensors = nullptr;
   PyObject* tensor_type = nullptr;
+  py::object* python_current_stream = nullptr;  // torch's Python reader, or None
 };
 
 TorchShim shim;
@@ -85,17 +88,21 @@ int32_t code_of(int32_t raw, const int32_t* codes, int count) {
   return -1;
 }
 
+void* open_loaded(const std::string& path) {
+  // The library is loaded already (by `import torch`): this finds it; it never loads a second copy.
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) library = dlopen(path.c_str(), RTLD_NOW);
+  if (library == nullptr) throw std::runtime_error("cannot open torch's library " + path + ": " + dlerror());
+  return library;
+}
+
 }  // namespace
 
 void use_torch_shim(const std::string& libtorch_path, const py::object& to_tensors, const py::object& from_tensors,
-                    const py::object& tensor_type) {
+                    const py::object& tensor_type, const std::string& gpu_library_path,
+                    const py::object& current_stream) {
   if (shim.to_tensors != nullptr) return;
-  // The library is loaded already (by `import torch`): this finds it; it never loads a second copy.
-  void* library = dlopen(libtorch_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-  if (library == nullptr) library = dlopen(libtorch_path.c_str(), RTLD_NOW);
-  if (library == nullptr) {
-    throw std::runtime_error("cannot open torch's library " + libtorch_path + ": " + dlerror());
-  }
+  void* library = open_loaded(libtorch_path);
   TorchShim found;
   found.empty_strided = lookup<EmptyStrided>(library, "aoti_torch_empty_strided", libtorch_path);
   found.reinterpret = lookup<Reinterpret>(library, "aoti_torch__reinterpret_tensor", libtorch_path);
@@ -120,13 +127,30 @@ void use_torch_shim(const std::string& libtorch_path, const py::object& to_tenso
       lookup<Code>(library, "aoti_torch_device_type_cpu", libtorch_path)();
   found.devices[static_cast<int>(TensorDevice::kCuda)] =
       lookup<Code>(library, "aoti_torch_device_type_cuda", libtorch_path)();
+  if (!gpu_library_path.empty()) {
+    // A torch without it (an older one, or another GPU build) reads the stream in Python.
+    found.current_stream = reinterpret_cast<GetStream>(
+        dlsym(open_loaded(gpu_library_path), "aoti_torch_get_current_cuda_stream"));
+  }
   found.to_tensors = new py::object(to_tensors);
   found.from_tensors = new py::object(from_tensors);
   found.tensor_type = tensor_type.inc_ref().ptr();
+  found.python_current_stream = new py::object(current_stream);
   shim = found;
 }
 
 bool torch_shim_ready() { return shim.to_tensors != nullptr; }
+
+void* current_gpu_stream(int device) {
+  if (!torch_shim_ready()) throw std::logic_error("use_torch_shim was not called");
+  void* stream = nullptr;
+  if (shim.current_stream != nullptr) {
+    check_torch(shim.current_stream(device, &stream), "read the current stream");
+    return stream;
+  }
+  if (shim.python_current_stream->is_none()) throw std::runtime_error("this torch has no GPU streams");
+  return reinterpret_cast<void*>((*shim.python_current_stream)(device).cast<std::uintptr_t>());
+}
 
 NewTensors::NewTensors(TensorDevice device, int device_index) : device_(device), device_index_(device_index) {
   if (!torch_shim_ready()) throw std::logic_error("use_torch_shim was not called");
@@ -243,19 +267,37 @@ py::list NewTensors::release() {
 
 int64_t TensorArgument::element_bytes() const { return dtype < 0 ? 0 : kElementBytes[dtype]; }
 
-void CheckedCalls::add(std::string signature) {
-  if (calls_.size() >= kMaxCalls) calls_.clear();  // calls of ever new sizes: checked again
-  calls_.insert(std::move(signature));
+bool CheckedCalls::contains(const int64_t* words, int count) const {
+  const size_t bytes = count * sizeof(int64_t);
+  if (last_.size() == bytes && std::memcmp(last_.data(), words, bytes) == 0) return true;
+  return calls_.count(std::string(reinterpret_cast<const char*>(words), bytes)) != 0;
 }
 
-TensorArguments::TensorArguments(const py::tuple& tensors, const py::tuple& values, CheckedCalls& checked,
+void CheckedCalls::add(const int64_t* words, int count) {
+  if (calls_.size() >= kMaxCalls) calls_.clear();  // calls of ever new sizes: checked again
+  last_.assign(reinterpret_cast<const char*>(words), count * sizeof(int64_t));
+  calls_.insert(last_);
+}
+
+ArgumentItems::ArgumentItems(const py::tuple& items) : count_(static_cast<int>(items.size())) {
+  if (count_ > kMaxItems) throw std::logic_error("ArgumentItems: more than " + std::to_string(kMaxItems) + " items");
+  for (int i = 0; i < count_; ++i) items_[i] = PyTuple_GET_ITEM(items.ptr(), i);
+}
+
+ArgumentItems::ArgumentItems(std::initializer_list<py::handle> items) : count_(static_cast<int>(items.size())) {
+  if (count_ > kMaxItems) throw std::logic_error("ArgumentItems: more than " + std::to_string(kMaxItems) + " items");
+  int i = 0;
+  for (const py::handle item : items) items_[i++] = item.ptr();
+}
+
+TensorArguments::TensorArguments(const ArgumentItems& tensors, const ArgumentItems& values, CheckedCalls& checked,
                                  const std::function<void()>& check) {
   if (!torch_shim_ready()) throw std::logic_error("use_torch_shim was not called");
-  if (static_cast<int>(tensors.size()) > kMaxArguments || static_cast<int>(values.size()) > kMaxValues) {
+  if (tensors.size() > kMaxArguments || values.size() > kMaxValues) {
     throw std::logic_error("TensorArguments: more than " + std::to_string(kMaxArguments) + " tensors or " +
                            std::to_string(kMaxValues) + " values");
   }
-  py::list present;
+  py::object present;
   if (!take(tensors, values, present)) {
     check();  // raises, naming the argument
     throw py::type_error("an argument is not what its operation takes, and the checks let it pass");
@@ -265,17 +307,20 @@ TensorArguments::TensorArguments(const py::tuple& tensors, const py::tuple& valu
     check();
     return;
   }
-  std::string call = signature();
-  if (checked.contains(call)) return;
+  int64_t words[kMaxSignature];
+  const int count = signature(words);
+  if (checked.contains(words, count)) return;
   check();
-  checked.add(std::move(call));
+  checked.add(words, count);
 }
 
-bool TensorArguments::take(const py::tuple& tensors, const py::tuple& values, py::list& present) {
-  count_ = static_cast<int>(tensors.size());
+bool TensorArguments::take(const ArgumentItems& tensors, const ArgumentItems& values, py::object& present) {
+  count_ = tensors.size();
   bool taken = true;
+  PyObject* found[kMaxArguments];
+  int num_found = 0;
   for (int i = 0; i < count_; ++i) {
-    PyObject* item = tensors[i].ptr();
+    PyObject* item = tensors[i];
     if (item == Py_None) continue;
     const int is_tensor = Py_TYPE(item) == reinterpret_cast<PyTypeObject*>(shim.tensor_type)
                               ? 1
@@ -286,11 +331,17 @@ bool TensorArguments::take(const py::tuple& tensors, const py::tuple& values, py
       continue;
     }
     arguments_[i].present = true;
-    present.append(tensors[i]);
+    found[num_found++] = item;
   }
-  num_values_ = static_cast<int>(values.size());
+  present = py::reinterpret_steal<py::object>(PyTuple_New(num_found));
+  if (!present) throw py::error_already_set();
+  for (int i = 0; i < num_found; ++i) {
+    Py_INCREF(found[i]);
+    PyTuple_SET_ITEM(present.ptr(), i, found[i]);
+  }
+  num_values_ = values.size();
   for (int i = 0; i < num_values_; ++i) {
-    PyObject* item = values[i].ptr();
+    PyObject* item = values[i];
     value_is_bool_[i] = PyBool_Check(item);
     if (!PyLong_CheckExact(item) && !value_is_bool_[i]) {  // an int subclass, a float, None: checked each time
       taken = false;
@@ -303,8 +354,8 @@ bool TensorArguments::take(const py::tuple& tensors, const py::tuple& values, py
   return taken;
 }
 
-void TensorArguments::read(const py::list& present) {
-  if (present.size() == 0) return;
+void TensorArguments::read(const py::object& present) {
+  if (PyTuple_GET_SIZE(present.ptr()) == 0) return;
   const py::list handles = (*shim.from_tensors)(present);
   // The handles are new references to the caller's tensors: read, then deleted whatever happens.
   void* owned[kMaxArguments] = {};
@@ -346,9 +397,9 @@ void TensorArguments::read(const py::list& present) {
   }
 }
 
-std::string TensorArguments::signature() const {
-  std::string call;
-  const auto put = [&call](int64_t value) { call.append(reinterpret_cast<const char*>(&value), sizeof(value)); };
+int TensorArguments::signature(int64_t* words) const {
+  int count = 0;
+  const auto put = [words, &count](int64_t value) { words[count++] = value; };
   for (int i = 0; i < count_; ++i) {
     const TensorArgument& a = arguments_[i];
     put(a.present ? 1 : 0);
@@ -366,7 +417,7 @@ std::string TensorArguments::signature() const {
     put(value_is_bool_[i] ? 1 : 0);
     put(values_[i]);
   }
-  return call;
+  return count;
 }
 
 }  // namespace bindings

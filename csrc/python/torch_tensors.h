@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -26,10 +27,17 @@ enum class TensorDevice : int32_t { kCpu, kCuda };
 
 // Finds the shim in the libtorch at `libtorch_path` (already loaded) and keeps torch's converters:
 // `to_tensors` from shim handles to tensors, `from_tensors` from tensors to new handles, and
-// `tensor_type` (torch.Tensor). Throws, naming what is missing.
+// `tensor_type` (torch.Tensor). Throws, naming what is missing. `gpu_library_path` ("" without a GPU
+// torch) is torch's GPU library, whose shim reads the current stream; `current_stream` (torch's Python
+// reader of it, or None) serves where that library lacks the reader.
 void use_torch_shim(const std::string& libtorch_path, const pybind11::object& to_tensors,
-                    const pybind11::object& from_tensors, const pybind11::object& tensor_type);
+                    const pybind11::object& from_tensors, const pybind11::object& tensor_type,
+                    const std::string& gpu_library_path, const pybind11::object& current_stream);
 bool torch_shim_ready();
+
+// torch's current stream of GPU `device` (what torch's own kernels launch on), with the GIL held. Throws
+// where torch has no GPU.
+void* current_gpu_stream(int device);
 
 // The outputs of one call, in order; an entry may be None. Allocating needs no GIL; handing them to
 // Python does. Tensors never handed over are freed with it.
@@ -95,16 +103,33 @@ struct TensorArgument {
   std::uintptr_t address() const { return reinterpret_cast<std::uintptr_t>(data); }
 };
 
-// The signatures of calls whose arguments passed their operation's checks (bounded: cleared when full).
+// The signatures of calls whose arguments passed their operation's checks (bounded: cleared when full). A
+// signature is a run of words; the last one that passed is compared first, as a serving loop repeats its calls.
 class CheckedCalls {
  public:
   static constexpr size_t kMaxCalls = 1024;
-  bool contains(const std::string& signature) const { return calls_.count(signature) != 0; }
-  void add(std::string signature);
+  bool contains(const int64_t* words, int count) const;
+  void add(const int64_t* words, int count);
   size_t size() const { return calls_.size(); }
 
  private:
   std::unordered_set<std::string> calls_;
+  std::string last_;
+};
+
+// Borrowed Python objects given as an operation's arguments (a tuple's items, or a list of them): no tuple is
+// built to pass them.
+class ArgumentItems {
+ public:
+  static constexpr int kMaxItems = 12;
+  ArgumentItems(const pybind11::tuple& items);  // NOLINT: a tuple is the usual form
+  ArgumentItems(std::initializer_list<pybind11::handle> items);
+  int size() const { return count_; }
+  PyObject* operator[](int i) const { return items_[i]; }
+
+ private:
+  PyObject* items_[kMaxItems] = {};
+  int count_ = 0;
 };
 
 // An operation's arguments as its checks see them: `tensors` holds Tensors and Nones in the operation's
@@ -118,17 +143,22 @@ class TensorArguments {
   static constexpr int kMaxArguments = 12;
   static constexpr int kMaxValues = 8;
 
-  TensorArguments(const pybind11::tuple& tensors, const pybind11::tuple& values, CheckedCalls& checked,
+  TensorArguments(const ArgumentItems& tensors, const ArgumentItems& values, CheckedCalls& checked,
                   const std::function<void()>& check);
   const TensorArgument& operator[](int i) const { return arguments_[i]; }
   int size() const { return count_; }
   int64_t value(int i) const { return values_[i]; }
 
  private:
-  // Whether every item is what it must be; the values read.
-  bool take(const pybind11::tuple& tensors, const pybind11::tuple& values, pybind11::list& present);
-  void read(const pybind11::list& present);
-  std::string signature() const;
+  // The most words a signature takes: per tensor its presence, dtype, device, index and dims, then each
+  // dimension's size and stride; per value its kind and value.
+  static constexpr int kMaxSignature = kMaxArguments * (5 + 2 * TensorArgument::kMaxDims) + 2 * kMaxValues;
+
+  // Whether every item is what it must be; the values read; `present` the tensors, as a tuple.
+  bool take(const ArgumentItems& tensors, const ArgumentItems& values, pybind11::object& present);
+  void read(const pybind11::object& present);
+  // Writes the call's signature into `words`; returns its length.
+  int signature(int64_t* words) const;
 
   TensorArgument arguments_[kMaxArguments];
   int count_ = 0;

@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from ...dispatch_config import low_latency_layout
-from ...streams import current_stream_reader
 from ..reference.collectives import CommTimeoutError
 from .settings import mode_setting
 
@@ -89,7 +88,7 @@ class NativeLowLatency:
         self._operations = extension.LowLatencyOperations(
             self.state, device.index, prereduce, num_sms, None if proxy_path is None else proxy_path.check,
             weakref.WeakMethod(self._raise_failure), weakref.WeakMethod(self._region),
-            current_stream_reader(device), functools.partial(dispatch_positions, rank=rank, num_ranks=num_ranks))
+            functools.partial(dispatch_positions, rank=rank, num_ranks=num_ranks))
         # (call, masked_ranks, buffer_idx, check): ``call`` is the Buffer operation's arguments in the order of
         # buffer.py's tuple; ``check(call)`` (the Buffer's checks) runs only for a kind of call not seen pass. Each
         # allocates its outputs on the current stream and launches there (the Buffer makes its communication stream

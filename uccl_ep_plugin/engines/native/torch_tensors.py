@@ -24,9 +24,13 @@ def use_torch_shim(extension) -> Optional[str]:
         if converter is None:
             return (f"torch {torch.__version__} has no torch._C._aoti.{name}, which the native engine passes "
                     "tensors between Python and C++ with (torch 2.11 and 2.13 have it)")
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    # The GPU library's shim reads the current stream; torch's Python reader serves where it lacks that.
+    gpu_library = next((os.path.join(lib, name) for name in ("libtorch_cuda.so", "libtorch_hip.so")
+                        if os.path.exists(os.path.join(lib, name))), "")
     try:
-        extension.use_torch_shim(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"),
-                                 *converters, torch.Tensor)
+        extension.use_torch_shim(os.path.join(lib, "libtorch_cpu.so"), *converters, torch.Tensor, gpu_library,
+                                 getattr(torch._C, "_cuda_getCurrentRawStream", None))
     except RuntimeError as error:
         return str(error)
     return None
