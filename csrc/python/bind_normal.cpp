@@ -107,12 +107,13 @@ struct NormalLauncherCalls {
     const int64_t channel_ints = r * num_channels;
     NewTensors tensors_out(TensorDevice::kCuda, launcher.device());
     // One int32 block for what the layout and notify write (NormalDispatchRequest's handle_ints), and its views.
-    void* handle_ints =
-        tensors_out.add({2 * (token_ints + channel_ints) + r * r + num_local_experts}, TensorDtype::kInt32);
+    const int handle_block =
+        tensors_out.add_storage(2 * (token_ints + channel_ints) + r * r + num_local_experts, TensorDtype::kInt32);
+    void* handle_ints = tensors_out.data(handle_block);
     int64_t offset = 0;
     for (const auto& [rows, columns] : {std::pair<int64_t, int64_t>{num_tokens, r}, {r, num_channels}, {num_tokens, r},
                                         {r, num_channels}, {r, r}}) {
-      tensors_out.add_view(0, {rows, columns}, {columns, 1}, offset);
+      tensors_out.add_view(handle_block, {rows, columns}, {columns, 1}, offset);
       offset += rows * columns;
     }
     const uccl_ep::NormalDispatchRequest request{x.data,
@@ -136,11 +137,29 @@ struct NormalLauncherCalls {
     const uccl_ep::NormalOutputsAllocator allocate{
         [&](int64_t rows) { return tensors_out.add({rows, hidden}, static_cast<TensorDtype>(x.dtype)); },
         [&](int64_t rows, uccl_ep::NormalDispatchOutputs& outputs) {
-          outputs.recv_x_scales = optional_rows(tensors_out, rows, x_scales);
+          // The smaller outputs are views of one float32 block, each from a 128-byte boundary: an allocation
+          // costs several views.
           const bool with_topk = num_topk > 0;  // a top-k of 0 columns returns None, as the reference does
-          outputs.recv_topk_idx = static_cast<int64_t*>(optional_rows(tensors_out, rows, topk_idx, with_topk));
-          outputs.recv_topk_weights = static_cast<float*>(optional_rows(tensors_out, rows, topk_weights, with_topk));
-          outputs.recv_src_idx = static_cast<int32_t*>(tensors_out.add({rows}, TensorDtype::kInt32));
+          const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
+          const int64_t scale_columns = x_scales.present ? x_scales.size(1) : 0, topk_columns = with_topk ? num_topk : 0;
+          const int64_t topk_idx_at = aligned(rows * scale_columns * x_scales.element_bytes());
+          const int64_t weights_at = topk_idx_at + aligned(rows * topk_columns * 8);
+          const int64_t src_idx_at = weights_at + aligned(rows * topk_columns * 4);
+          const int block = tensors_out.add_storage(aligned(src_idx_at + rows * 4) / 4, TensorDtype::kFloat32);
+          const auto rows_of = [&](bool present, int64_t at, int64_t columns, TensorDtype dtype) -> void* {
+            if (!present) {
+              tensors_out.add_none();
+              return nullptr;
+            }
+            const int64_t element_bytes = dtype == TensorDtype::kInt64 ? 8 : 4;
+            return tensors_out.add_view(block, {rows, columns}, {columns, 1}, at / element_bytes, dtype);
+          };
+          outputs.recv_x_scales = rows_of(x_scales.present, 0, scale_columns, static_cast<TensorDtype>(x_scales.dtype));
+          outputs.recv_topk_idx = static_cast<int64_t*>(rows_of(with_topk, topk_idx_at, topk_columns, TensorDtype::kInt64));
+          outputs.recv_topk_weights =
+              static_cast<float*>(rows_of(with_topk, weights_at, topk_columns, TensorDtype::kFloat32));
+          outputs.recv_src_idx = static_cast<int32_t*>(
+              tensors_out.add_view(block, {rows}, {1}, src_idx_at / 4, TensorDtype::kInt32));
         }};
     uccl_ep::NormalDispatchResult result;
     {
@@ -150,10 +169,7 @@ struct NormalLauncherCalls {
     py::object host_counts =
         result.host_counts ? py::cast(std::const_pointer_cast<uccl_ep::NormalHostCounts>(result.host_counts)) : py::none();
     py::object outputs = py::none();
-    if (result.status == uccl_ep::NormalCallStatus::kDone) {
-      py::list all = tensors_out.release();
-      outputs = all[py::slice(1, static_cast<py::ssize_t>(all.size()), 1)];  // the views keep the block
-    }
+    if (result.status == uccl_ep::NormalCallStatus::kDone) outputs = tensors_out.release();
     return py::make_tuple(static_cast<int32_t>(result.status), outputs, py::cast(result.expert_counts), host_counts,
                           result.too_large);
   }

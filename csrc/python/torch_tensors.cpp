@@ -206,6 +206,13 @@ int NewTensors::add_storage(int64_t elements, TensorDtype dtype) {
   return count_ - 1;
 }
 
+void* NewTensors::data(int entry) const {
+  if (entry < 0 || entry >= count_ || handles_[entry] == nullptr) throw std::logic_error("NewTensors::data: no such tensor");
+  void* data = nullptr;
+  check_torch(shim.data_ptr(handles_[entry], &data), "read a new tensor's address");
+  return data;
+}
+
 void* NewTensors::add_view(int entry, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                            int64_t offset) {
   if (entry < 0 || entry >= count_) throw std::logic_error("NewTensors::add_view: no such tensor");

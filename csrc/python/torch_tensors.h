@@ -64,6 +64,7 @@ class NewTensors {
   // A 1-D block of `elements` that only the views of it made with add_view return: several outputs then cost
   // one allocation (a view costs a fraction of one, a view as another dtype half of one). Returns its entry.
   int add_storage(int64_t elements, TensorDtype dtype);
+  void* data(int entry) const;  // the address of an entry (a storage block's too)
   int size() const { return count_; }
   // The tensors (None where add_none), in order, without the storage blocks; this object then holds none.
   pybind11::list release();
