@@ -157,7 +157,8 @@ class LowLatencyOperations {
     const bool zero_copy = PyObject_IsTrue(item(10).ptr()) == 1;
     // x as given only where it is not x (with zero_copy): a tensor argument costs a read.
     const uccl_ep::bindings::TensorArguments in(
-        {item(0), item(1), item(2), item(3), item(4), positions, item(13), item(14), zero_copy ? item(15) : py::handle(Py_None)},
+        {item(0), item(1), item(2), item(3), item(4), positions, item(13), item(14),
+         zero_copy ? item(15) : py::handle(Py_None)},
         {item(5), item(6), item(7), item(9), item(10), item(11), item(12)}, checked_combines_, checks);
     const uccl_ep::LowLatencyRegion& region =
         region_for(in.value(0), in.value(1), in.value(2), buffer_idx, masked_ranks, checks);
@@ -283,8 +284,9 @@ class LowLatencyOperations {
         combined,       static_cast<int64_t*>(in[7].data), phases,          num_sms_,
         prereduce_};
     launch(device_, args, stream);
-    return py::make_tuple(out.present ? py::reinterpret_borrow<py::object>(out_given) : py::object(outputs.release()[0]),
-                          hook(args, phases, stream));
+    py::object combined_out =
+        out.present ? py::reinterpret_borrow<py::object>(out_given) : py::object(outputs.release()[0]);
+    return py::make_tuple(combined_out, hook(args, phases, stream));
   }
 
   template <typename Args>

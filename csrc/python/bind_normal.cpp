@@ -141,7 +141,8 @@ struct NormalLauncherCalls {
           // costs several views.
           const bool with_topk = num_topk > 0;  // a top-k of 0 columns returns None, as the reference does
           const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
-          const int64_t scale_columns = x_scales.present ? x_scales.size(1) : 0, topk_columns = with_topk ? num_topk : 0;
+          const int64_t scale_columns = x_scales.present ? x_scales.size(1) : 0;
+          const int64_t topk_columns = with_topk ? num_topk : 0;
           const int64_t topk_idx_at = aligned(rows * scale_columns * x_scales.element_bytes());
           const int64_t weights_at = topk_idx_at + aligned(rows * topk_columns * 8);
           const int64_t src_idx_at = weights_at + aligned(rows * topk_columns * 4);
@@ -154,8 +155,10 @@ struct NormalLauncherCalls {
             const int64_t element_bytes = dtype == TensorDtype::kInt64 ? 8 : 4;
             return tensors_out.add_view(block, {rows, columns}, {columns, 1}, at / element_bytes, dtype);
           };
-          outputs.recv_x_scales = rows_of(x_scales.present, 0, scale_columns, static_cast<TensorDtype>(x_scales.dtype));
-          outputs.recv_topk_idx = static_cast<int64_t*>(rows_of(with_topk, topk_idx_at, topk_columns, TensorDtype::kInt64));
+          outputs.recv_x_scales =
+              rows_of(x_scales.present, 0, scale_columns, static_cast<TensorDtype>(x_scales.dtype));
+          outputs.recv_topk_idx =
+              static_cast<int64_t*>(rows_of(with_topk, topk_idx_at, topk_columns, TensorDtype::kInt64));
           outputs.recv_topk_weights =
               static_cast<float*>(rows_of(with_topk, weights_at, topk_columns, TensorDtype::kFloat32));
           outputs.recv_src_idx = static_cast<int32_t*>(

@@ -239,7 +239,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("torch_shim_current_stream",
         [](int device) { return reinterpret_cast<std::uintptr_t>(uccl_ep::bindings::current_gpu_stream(device)); },
         py::arg("device"),
-        "torch's current stream of GPU `device` as the operations read it (a handle, as torch.cuda.Stream.cuda_stream).");
+        "torch's current stream of GPU `device` as the operations read it (a handle, as "
+        "torch.cuda.Stream.cuda_stream).");
   py::class_<uccl_ep::bindings::CheckedCalls>(
       m, "CheckedCalls", "The signatures of calls whose arguments passed their operation's checks (bounded).")
       .def(py::init<>())

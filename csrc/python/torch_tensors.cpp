@@ -207,7 +207,9 @@ int NewTensors::add_storage(int64_t elements, TensorDtype dtype) {
 }
 
 void* NewTensors::data(int entry) const {
-  if (entry < 0 || entry >= count_ || handles_[entry] == nullptr) throw std::logic_error("NewTensors::data: no such tensor");
+  if (entry < 0 || entry >= count_ || handles_[entry] == nullptr) {
+    throw std::logic_error("NewTensors::data: no such tensor");
+  }
   void* data = nullptr;
   check_torch(shim.data_ptr(handles_[entry], &data), "read a new tensor's address");
   return data;
