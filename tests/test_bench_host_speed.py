@@ -1,7 +1,6 @@
 """The pure-Python loop `uccl-ep bench` times on every rank beside each case (benchmark/host_speed.py): it measures
 the thread's own speed, so a thread that shares its core with a busy one takes longer."""
 
-import statistics
 import sys
 import threading
 
@@ -26,7 +25,8 @@ def _loop_us_beside_a_spinning_thread() -> float:
 
 def test_the_loop_takes_longer_when_another_thread_competes_for_the_interpreter():
     # The interpreter lock changes hands often (every 5 ms by default, about half a loop), so each loop gets close
-    # to half of it; alone and shared alternate, so that a burst of other load on the machine hits both alike.
+    # to half of it; alone and shared alternate, and the fastest run of each is compared: other load on the machine
+    # only ever slows a run, so a burst of it that hits one kind more than the other cannot decide the comparison.
     switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)
     try:
@@ -37,4 +37,4 @@ def test_the_loop_takes_longer_when_another_thread_competes_for_the_interpreter(
     finally:
         sys.setswitchinterval(switch_interval)
     assert min(alone) > 0
-    assert statistics.median(shared) > 1.3 * statistics.median(alone)
+    assert min(shared) > 1.3 * min(alone)
