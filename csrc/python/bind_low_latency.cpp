@@ -24,6 +24,7 @@ namespace {
 using uccl_ep::bindings::NewTensors;
 using uccl_ep::bindings::ptr;
 using uccl_ep::bindings::TensorDevice;
+using uccl_ep::bindings::view_boundary;
 
 uccl_ep::LowLatencyRegion make_region(std::uintptr_t peer_bases, int64_t signal_offset, int64_t counters_offset,
                                       int64_t release_offset, int64_t recv_offset, std::uintptr_t control,
@@ -223,25 +224,24 @@ class LowLatencyOperations {
     NewTensors outputs(TensorDevice::kCuda, device_);
     // Two allocations: the received rows with their fp8 scales (what the experts read), and one int32 block for
     // the rest (what the handle keeps), each output from a 128-byte boundary. An allocation costs several views.
-    const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
     const int64_t recv_x_bytes = local_experts * slots * hidden * (use_fp8 ? 1 : 2);
     void* recv_x = nullptr;
     void* recv_scales = nullptr;
     if (use_fp8) {  // the scales column-major in the last two dimensions, as DeepEP's
       const int64_t scales = hidden / (use_ue8m0 ? 512 : 128);
-      const int rows = outputs.add_storage(aligned(recv_x_bytes) + local_experts * slots * scales * 4,
+      const int rows = outputs.add_storage(view_boundary(recv_x_bytes) + local_experts * slots * scales * 4,
                                            TensorDtype::kFloat8E4M3);
       recv_x = outputs.add_view(rows, {local_experts, slots, hidden}, {slots * hidden, hidden, 1}, 0);
       const TensorDtype scales_dtype = use_ue8m0 ? TensorDtype::kInt32 : TensorDtype::kFloat32;
       recv_scales = outputs.add_view(rows, {local_experts, slots, scales}, {scales * slots, 1, slots},
-                                     aligned(recv_x_bytes) / 4, scales_dtype);
+                                     view_boundary(recv_x_bytes) / 4, scales_dtype);
     } else {
       recv_x = outputs.add({local_experts, slots, hidden}, TensorDtype::kBfloat16);
       outputs.add_none();
     }
-    const int64_t src_info_at = aligned(local_experts * 4);
-    const int64_t layout_at = src_info_at + aligned(local_experts * slots * 4);
-    const int64_t positions_at = layout_at + aligned(local_experts * region.num_ranks * 8);
+    const int64_t src_info_at = view_boundary(local_experts * 4);
+    const int64_t layout_at = src_info_at + view_boundary(local_experts * slots * 4);
+    const int64_t positions_at = layout_at + view_boundary(local_experts * region.num_ranks * 8);
     const int ints = outputs.add_storage(positions_at / 4 + 2 * num_tokens * num_topk, TensorDtype::kInt32);
     void* recv_count = outputs.add_view(ints, {local_experts}, {1}, 0);
     void* src_info = outputs.add_view(ints, {local_experts, slots}, {slots, 1}, src_info_at / 4);

@@ -24,6 +24,8 @@ namespace py = pybind11;
 namespace {
 
 using uccl_ep::bindings::as_stream;
+using uccl_ep::bindings::element_bytes;
+using uccl_ep::bindings::view_boundary;
 using uccl_ep::bindings::NewTensors;
 using uccl_ep::bindings::ptr;
 using uccl_ep::bindings::TensorDevice;
@@ -140,20 +142,22 @@ struct NormalLauncherCalls {
           // The smaller outputs are views of one float32 block, each from a 128-byte boundary: an allocation
           // costs several views.
           const bool with_topk = num_topk > 0;  // a top-k of 0 columns returns None, as the reference does
-          const auto aligned = [](int64_t bytes) { return (bytes + 127) / 128 * 128; };
           const int64_t scale_columns = x_scales.present ? x_scales.size(1) : 0;
           const int64_t topk_columns = with_topk ? num_topk : 0;
-          const int64_t topk_idx_at = aligned(rows * scale_columns * x_scales.element_bytes());
-          const int64_t weights_at = topk_idx_at + aligned(rows * topk_columns * 8);
-          const int64_t src_idx_at = weights_at + aligned(rows * topk_columns * 4);
-          const int block = tensors_out.add_storage(aligned(src_idx_at + rows * 4) / 4, TensorDtype::kFloat32);
+          const int64_t topk_idx_at = view_boundary(rows * scale_columns * x_scales.element_bytes());
+          const int64_t weights_at =
+              topk_idx_at + view_boundary(rows * topk_columns * element_bytes(TensorDtype::kInt64));
+          const int64_t src_idx_at =
+              weights_at + view_boundary(rows * topk_columns * element_bytes(TensorDtype::kFloat32));
+          const int64_t block_bytes = view_boundary(src_idx_at + rows * element_bytes(TensorDtype::kInt32));
+          const int block =
+              tensors_out.add_storage(block_bytes / element_bytes(TensorDtype::kFloat32), TensorDtype::kFloat32);
           const auto rows_of = [&](bool present, int64_t at, int64_t columns, TensorDtype dtype) -> void* {
             if (!present) {
               tensors_out.add_none();
               return nullptr;
             }
-            const int64_t element_bytes = dtype == TensorDtype::kInt64 ? 8 : 4;
-            return tensors_out.add_view(block, {rows, columns}, {columns, 1}, at / element_bytes, dtype);
+            return tensors_out.add_view(block, {rows, columns}, {columns, 1}, at / element_bytes(dtype), dtype);
           };
           outputs.recv_x_scales =
               rows_of(x_scales.present, 0, scale_columns, static_cast<TensorDtype>(x_scales.dtype));
@@ -161,8 +165,8 @@ struct NormalLauncherCalls {
               static_cast<int64_t*>(rows_of(with_topk, topk_idx_at, topk_columns, TensorDtype::kInt64));
           outputs.recv_topk_weights =
               static_cast<float*>(rows_of(with_topk, weights_at, topk_columns, TensorDtype::kFloat32));
-          outputs.recv_src_idx = static_cast<int32_t*>(
-              tensors_out.add_view(block, {rows}, {1}, src_idx_at / 4, TensorDtype::kInt32));
+          outputs.recv_src_idx = static_cast<int32_t*>(tensors_out.add_view(
+              block, {rows}, {1}, src_idx_at / element_bytes(TensorDtype::kInt32), TensorDtype::kInt32));
         }};
     uccl_ep::NormalDispatchResult result;
     {

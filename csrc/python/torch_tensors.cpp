@@ -274,7 +274,11 @@ py::list NewTensors::release() {
   return out;
 }
 
-int64_t TensorArgument::element_bytes() const { return dtype < 0 ? 0 : kElementBytes[dtype]; }
+int64_t element_bytes(TensorDtype dtype) { return kElementBytes[static_cast<int>(dtype)]; }
+
+int64_t TensorArgument::element_bytes() const {
+  return dtype < 0 ? 0 : bindings::element_bytes(static_cast<TensorDtype>(dtype));
+}
 
 bool CheckedCalls::contains(const int64_t* words, int count) const {
   const size_t bytes = count * sizeof(int64_t);

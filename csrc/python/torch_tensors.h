@@ -25,6 +25,10 @@ namespace bindings {
 enum class TensorDtype : int32_t { kBool, kUint8, kInt32, kInt64, kFloat32, kBfloat16, kFloat8E4M3 };
 enum class TensorDevice : int32_t { kCpu, kCuda };
 
+int64_t element_bytes(TensorDtype dtype);
+// Where the next view of a storage block starts after `bytes` of it: each view from a 128-byte boundary.
+inline int64_t view_boundary(int64_t bytes) { return (bytes + 127) / 128 * 128; }
+
 // Finds the shim in the libtorch at `libtorch_path` (already loaded) and keeps torch's converters:
 // `to_tensors` from shim handles to tensors, `from_tensors` from tensors to new handles, and
 // `tensor_type` (torch.Tensor). Throws, naming what is missing. `gpu_library_path` ("" without a GPU
